@@ -1,0 +1,801 @@
+//! The live-allocations table: one record per live heap block.
+//!
+//! Layout (after the header page):
+//! `[shards: shard_count x 64 B][index windows][nodes: node_capacity x 32 B]`.
+//! `layout[0]` shard count (power of two), `[1]` shards offset, `[2]` slots
+//! per index window (power of two, >= 1024), `[3]` index offset, `[4]` nodes
+//! offset, `[5]` node capacity. Dynamic word `KIND_WORDS+0` is the node
+//! high-water mark (nodes handed out so far).
+//!
+//! **Nodes** are what readers read. A node is 4 words:
+//! `w0 = seq | thread_key/8 << 32`, `w1 = address` (0 = free),
+//! `w2 = size (48 bits) | timestamp_us >> 32 << 48`,
+//! `w3 = stack_key/8 | (timestamp_us & 0xffff_ffff) << 32`
+//! (for a free node `w3` holds the next free node + 1).
+//! A live block keeps the same node from insert to remove, so a reader that
+//! scans the node array once sees each block that stays live exactly once.
+//!
+//! **Shards** (64 bytes, one cache line, so writers on different shards
+//! never share a line) are chosen by the top bits of a hash of the address.
+//! Each holds a writer spin lock, a free-node list, and an open-addressed
+//! index (linear probing, tombstones) of `u32` slots `tag << 27 | node + 1`
+//! mapping addresses to nodes. The index lives in one of two per-shard
+//! windows; it grows and shrinks by rehashing into the other window and
+//! returning the old window's pages (`MADV_REMOVE`), so index memory
+//! follows the live count. Readers never look at shards or indexes.
+//!
+//! Invariants:
+//! - A node's words change only under its shard's lock, always inside a
+//!   seqlock write: `seq` made odd, a Release fence, the words, then `seq`
+//!   made even with a Release store. A reader accepts a node only between
+//!   two equal even readings of `seq` (Acquire fence between data and the
+//!   second reading), so it never reports a torn record.
+//! - Writers never wait on readers; readers never write. A reader's walk
+//!   is bounded by the node capacity from the validated layout; it retries
+//!   a changing node a bounded number of times and otherwise reports the
+//!   walk as partial (a target killed inside an update leaves `seq` odd).
+//! - The index always keeps at least one empty slot per window, so every
+//!   probe sequence ends; probes are also bounded by the capacity.
+//! - Node memory is proportional to the peak number of live blocks (free
+//!   nodes are reused, per shard); index memory to the current number.
+
+use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
+
+use crate::error::TableError;
+use crate::header::{
+    offsets, parse_header, read_counters, Counters, DroppedReason, HeaderCounters, RegionKind,
+    HEADER_SIZE,
+};
+use crate::region::{RegionReader, RegionWriter};
+use crate::resources_table::ResourceKey;
+use crate::shared_view::SharedView;
+
+const NODE_SIZE: u64 = 32;
+const SHARD_SIZE: u64 = 64;
+const MIN_CAP_LOG2: u32 = 4;
+const EMPTY: u32 = 0;
+const TOMBSTONE: u32 = u32::MAX;
+const NODE_BITS: u32 = 27;
+/// Largest node capacity the index encoding allows.
+pub const MAX_NODES: u64 = (1 << NODE_BITS) - 2;
+const NODE_MASK: u32 = (1 << NODE_BITS) - 1;
+const CHUNK: u32 = 16;
+const SIZE_MASK: u64 = (1 << 48) - 1;
+const W_NODE_HW: u64 = offsets::KIND_WORDS;
+
+// Shard field offsets (each a u32).
+const S_LOCK: u64 = 0;
+const S_WINDOW: u64 = 4;
+const S_CAP_LOG2: u64 = 8;
+const S_LEN: u64 = 12;
+const S_TOMBS: u64 = 16;
+const S_FREE: u64 = 20;
+
+/// One live block, as stored and as reported.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct AllocationRecord {
+    /// Block address (never 0).
+    pub address: u64,
+    /// Block size in bytes (at most 2^48 - 1).
+    pub size: u64,
+    /// Stack trace key in the resources region.
+    pub stack: ResourceKey,
+    /// Thread record key in the resources region.
+    pub thread: ResourceKey,
+    /// Microseconds since the region's monotonic clock base (48 bits).
+    pub timestamp_us: u64,
+}
+
+/// Why an insert did not happen.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum InsertError {
+    /// The address is already in the table.
+    #[error("address already recorded")]
+    Duplicate,
+    /// No node or index slot left; counted as dropped.
+    #[error("allocations table full")]
+    Full,
+    /// Address 0, or a key the node encoding cannot hold.
+    #[error("record cannot be stored (zero address or key out of range)")]
+    Unrepresentable,
+}
+
+/// Sizing of an allocations region.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AllocationsConfig {
+    /// Most live blocks the region can hold.
+    pub capacity: u64,
+    /// Number of shards (power of two); more shards, less writer contention.
+    pub shards: u64,
+}
+
+impl Default for AllocationsConfig {
+    fn default() -> Self {
+        AllocationsConfig {
+            capacity: 16 << 20,
+            shards: 256,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Layout {
+    shards: u64,
+    shards_off: u64,
+    slots_max: u64,
+    index_off: u64,
+    nodes_off: u64,
+    capacity: u64,
+}
+
+fn page_up(n: u64) -> u64 {
+    n.div_ceil(4096) * 4096
+}
+
+impl Layout {
+    fn new(cfg: AllocationsConfig) -> Result<(Self, u64), TableError> {
+        let shards = cfg.shards;
+        if !shards.is_power_of_two() || !(1..=65536).contains(&shards) {
+            return Err(TableError::CorruptHeader(
+                "shard count must be a power of two from 1 to 65536".into(),
+            ));
+        }
+        if cfg.capacity == 0 || cfg.capacity > MAX_NODES {
+            return Err(TableError::TooLarge("capacity must be 1..=2^27-2 blocks"));
+        }
+        // Room for twice the average share of each shard: hashing spreads
+        // addresses evenly, and the 7/8 hard load limit adds more headroom.
+        let per_shard = cfg.capacity.div_ceil(shards);
+        let slots_max = (per_shard * 2).next_power_of_two().max(1024);
+        let shards_off = HEADER_SIZE;
+        let index_off = page_up(shards_off + shards * SHARD_SIZE);
+        let nodes_off = page_up(index_off + shards * 2 * slots_max * 4);
+        let end = page_up(nodes_off + cfg.capacity * NODE_SIZE);
+        let l = Layout {
+            shards,
+            shards_off,
+            slots_max,
+            index_off,
+            nodes_off,
+            capacity: cfg.capacity,
+        };
+        l.check(end)?;
+        Ok((l, end))
+    }
+
+    fn from_header(w: &[u64; 8], region_size: u64) -> Result<Self, TableError> {
+        let l = Layout {
+            shards: w[0],
+            shards_off: w[1],
+            slots_max: w[2],
+            index_off: w[3],
+            nodes_off: w[4],
+            capacity: w[5],
+        };
+        l.check(region_size)?;
+        Ok(l)
+    }
+
+    fn check(&self, region_size: u64) -> Result<(), TableError> {
+        let bad = |m: &str| Err(TableError::CorruptHeader(format!("allocations layout: {m}")));
+        if !self.shards.is_power_of_two() || self.shards > 65536 {
+            return bad("shard count");
+        }
+        if !self.slots_max.is_power_of_two() || self.slots_max < 1024 || self.slots_max > 1 << 32
+        {
+            return bad("index window size");
+        }
+        if self.capacity == 0 || self.capacity > MAX_NODES {
+            return bad("node capacity");
+        }
+        if self.shards_off != HEADER_SIZE
+            || self.index_off < self.shards_off + self.shards * SHARD_SIZE
+            || self.index_off % 4096 != 0
+        {
+            return bad("shard array placement");
+        }
+        let index_end = self.shards * 2 * self.slots_max * 4 + self.index_off;
+        if self.nodes_off < index_end || self.nodes_off % 4096 != 0 {
+            return bad("index placement");
+        }
+        match (self.capacity * NODE_SIZE).checked_add(self.nodes_off) {
+            Some(end) if end <= region_size => Ok(()),
+            _ => bad("nodes do not fit in the region"),
+        }
+    }
+
+    fn words(&self) -> [u64; 8] {
+        [
+            self.shards,
+            self.shards_off,
+            self.slots_max,
+            self.index_off,
+            self.nodes_off,
+            self.capacity,
+            0,
+            0,
+        ]
+    }
+}
+
+#[inline]
+fn hash(addr: u64) -> u64 {
+    // A strong 64-bit mixer (splitmix64 finaliser): malloc addresses share
+    // their low bits, and all of the hash's bits are used.
+    let mut z = addr;
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// Writer handle for this process's allocations table.
+#[derive(Clone, Copy, Debug)]
+pub struct AllocationsWriter<'a> {
+    view: SharedView,
+    layout: Layout,
+    shard_shift: u32,
+    region: &'a RegionWriter,
+    counters: HeaderCounters,
+}
+
+struct ShardGuard<'w> {
+    lock: &'w AtomicU32,
+}
+
+impl Drop for ShardGuard<'_> {
+    fn drop(&mut self) {
+        // Release: everything written under the lock is visible to the
+        // next writer that acquires it.
+        self.lock.store(0, Ordering::Release);
+    }
+}
+
+impl<'a> AllocationsWriter<'a> {
+    /// Creates an allocations region sized for `cfg`.
+    pub fn create_region(cfg: AllocationsConfig) -> Result<RegionWriter, TableError> {
+        let (layout, size) = Layout::new(cfg)?;
+        RegionWriter::create(RegionKind::Allocations, size, layout.words())
+    }
+
+    /// Wraps a region made by [`Self::create_region`].
+    pub fn new(region: &'a RegionWriter) -> Result<Self, TableError> {
+        let h = region.header();
+        let layout = Layout::from_header(&h.layout, h.region_size)?;
+        Ok(AllocationsWriter {
+            view: region.view(),
+            layout,
+            shard_shift: 64 - layout.shards.trailing_zeros(),
+            region,
+            counters: region.counters(),
+        })
+    }
+
+    /// The header counters this table maintains.
+    pub fn counters(&self) -> HeaderCounters {
+        self.counters
+    }
+
+    #[inline]
+    fn u32_at(&self, off: u64) -> &AtomicU32 {
+        self.view.atomic_u32(off).expect("offset inside the validated layout")
+    }
+
+    #[inline]
+    fn u64_at(&self, off: u64) -> &AtomicU64 {
+        self.view.atomic_u64(off).expect("offset inside the validated layout")
+    }
+
+    #[inline]
+    fn shard_of(&self, h: u64) -> u64 {
+        if self.layout.shards == 1 {
+            0
+        } else {
+            h >> self.shard_shift
+        }
+    }
+
+    #[inline]
+    fn shard_field(&self, shard: u64, field: u64) -> &AtomicU32 {
+        self.u32_at(self.layout.shards_off + shard * SHARD_SIZE + field)
+    }
+
+    fn lock(&self, shard: u64) -> ShardGuard<'_> {
+        let lock = self.shard_field(shard, S_LOCK);
+        let mut spins = 0u32;
+        loop {
+            // Acquire pairs with the Release in ShardGuard::drop.
+            if lock.load(Ordering::Relaxed) == 0
+                && lock
+                    .compare_exchange_weak(0, 1, Ordering::Acquire, Ordering::Relaxed)
+                    .is_ok()
+            {
+                return ShardGuard { lock };
+            }
+            spins += 1;
+            if spins < 64 {
+                std::hint::spin_loop();
+            } else {
+                // The holder may be descheduled: give it the CPU. No
+                // allocation, so safe inside malloc.
+                std::thread::yield_now();
+            }
+        }
+    }
+
+    #[inline]
+    fn slot(&self, shard: u64, window: u32, i: u64) -> &AtomicU32 {
+        let w = shard * 2 + u64::from(window);
+        self.u32_at(self.layout.index_off + (w * self.layout.slots_max + i) * 4)
+    }
+
+    #[inline]
+    fn node_word(&self, node: u32, w: u64) -> &AtomicU64 {
+        self.u64_at(self.layout.nodes_off + u64::from(node) * NODE_SIZE + w * 8)
+    }
+
+    #[inline]
+    fn node_addr(&self, node: u32) -> u64 {
+        self.node_word(node, 1).load(Ordering::Relaxed)
+    }
+
+    /// Seqlock write of a node's four words.
+    #[inline]
+    fn write_node(&self, node: u32, thread32: u32, w1: u64, w2: u64, w3: u64) {
+        let w0 = self.node_word(node, 0);
+        let cur = w0.load(Ordering::Relaxed);
+        let seq = cur as u32;
+        let old_thread = cur & !0xffff_ffff;
+        // Make seq odd first; the Release fence orders it before the data
+        // stores, so a reader that sees new data also sees a changed seq.
+        w0.store(old_thread | u64::from(seq | 1), Ordering::Relaxed);
+        fence(Ordering::Release);
+        self.node_word(node, 1).store(w1, Ordering::Relaxed);
+        self.node_word(node, 2).store(w2, Ordering::Relaxed);
+        self.node_word(node, 3).store(w3, Ordering::Relaxed);
+        // Release: data stores happen-before the even seq a reader acquires.
+        let next = (seq | 1).wrapping_add(1);
+        w0.store(u64::from(thread32) << 32 | u64::from(next), Ordering::Release);
+    }
+
+    fn tag(h: u64) -> u32 {
+        ((h >> 32) & 0x1f) as u32
+    }
+
+    /// Probes for `addr`; returns (slot index, node) if found.
+    fn find(&self, shard: u64, window: u32, cap: u64, h: u64, addr: u64) -> Option<(u64, u32)> {
+        let mask = cap - 1;
+        let tag = Self::tag(h);
+        let mut i = h & mask;
+        for _ in 0..cap {
+            let s = self.slot(shard, window, i).load(Ordering::Relaxed);
+            if s == EMPTY {
+                return None;
+            }
+            if s != TOMBSTONE && s >> NODE_BITS == tag {
+                let node = (s & NODE_MASK) - 1;
+                if self.node_addr(node) == addr {
+                    return Some((i, node));
+                }
+            }
+            i = (i + 1) & mask;
+        }
+        None
+    }
+
+    /// First empty or tombstone slot for `h` (the caller ensured one exists).
+    fn free_slot(&self, shard: u64, window: u32, cap: u64, h: u64) -> Option<u64> {
+        let mask = cap - 1;
+        let mut i = h & mask;
+        for _ in 0..cap {
+            let s = self.slot(shard, window, i).load(Ordering::Relaxed);
+            if s == EMPTY || s == TOMBSTONE {
+                return Some(i);
+            }
+            i = (i + 1) & mask;
+        }
+        None
+    }
+
+    fn cap_log2(&self, shard: u64) -> u32 {
+        self.shard_field(shard, S_CAP_LOG2)
+            .load(Ordering::Relaxed)
+            .max(MIN_CAP_LOG2)
+    }
+
+    /// Rehashes `shard` into its other window with room for `need` entries.
+    /// Caller holds the lock. Returns false if `need` cannot fit.
+    fn rehash(&self, shard: u64, need: u64) -> bool {
+        let old_cap = 1u64 << self.cap_log2(shard);
+        let old_win = self.shard_field(shard, S_WINDOW).load(Ordering::Relaxed);
+        let mut new_cap = (need * 3).div_ceil(2).next_power_of_two().max(1 << MIN_CAP_LOG2);
+        if new_cap > self.layout.slots_max {
+            new_cap = self.layout.slots_max;
+        }
+        // Hard limit 7/8 so probes stay short and one slot stays empty.
+        if need * 8 > new_cap * 7 {
+            return false;
+        }
+        let new_win = old_win ^ 1;
+        for i in 0..new_cap {
+            self.slot(shard, new_win, i).store(EMPTY, Ordering::Relaxed);
+        }
+        let mask = new_cap - 1;
+        for i in 0..old_cap {
+            let s = self.slot(shard, old_win, i).load(Ordering::Relaxed);
+            if s == EMPTY || s == TOMBSTONE {
+                continue;
+            }
+            let node = (s & NODE_MASK) - 1;
+            let mut j = hash(self.node_addr(node)) & mask;
+            while self.slot(shard, new_win, j).load(Ordering::Relaxed) != EMPTY {
+                j = (j + 1) & mask;
+            }
+            self.slot(shard, new_win, j).store(s, Ordering::Relaxed);
+        }
+        self.shard_field(shard, S_WINDOW).store(new_win, Ordering::Relaxed);
+        self.shard_field(shard, S_CAP_LOG2)
+            .store(new_cap.trailing_zeros(), Ordering::Relaxed);
+        self.shard_field(shard, S_TOMBS).store(0, Ordering::Relaxed);
+        // Return the old window's pages to the system.
+        let win_off =
+            self.layout.index_off + (shard * 2 + u64::from(old_win)) * self.layout.slots_max * 4;
+        self.region.release_range(win_off, page_up(old_cap * 4));
+        true
+    }
+
+    /// Takes a free node for `shard` (caller holds the lock).
+    fn take_node(&self, shard: u64) -> Option<u32> {
+        let free = self.shard_field(shard, S_FREE);
+        let head = free.load(Ordering::Relaxed);
+        if head != 0 {
+            let node = head - 1;
+            let next = self.node_word(node, 3).load(Ordering::Relaxed) as u32;
+            free.store(next, Ordering::Relaxed);
+            return Some(node);
+        }
+        // Grab a chunk of fresh nodes: the only shared counter touched, once
+        // per CHUNK new nodes. Relaxed: nodes are zero pages until written
+        // under this shard's lock.
+        let hw = self.u64_at(W_NODE_HW);
+        let mut start = hw.load(Ordering::Relaxed);
+        let count = loop {
+            if start >= self.layout.capacity {
+                return None;
+            }
+            let n = (self.layout.capacity - start).min(u64::from(CHUNK));
+            match hw.compare_exchange_weak(start, start + n, Ordering::Relaxed, Ordering::Relaxed) {
+                Ok(_) => break n,
+                Err(now) => start = now,
+            }
+        };
+        // Chain the rest onto the shard's free list (w3 = next + 1).
+        let first = start as u32;
+        let mut next = free.load(Ordering::Relaxed);
+        for k in (1..count as u32).rev() {
+            let node = first + k;
+            self.write_node(node, 0, 0, 0, u64::from(next));
+            next = node + 1;
+        }
+        free.store(next, Ordering::Relaxed);
+        Some(first)
+    }
+
+    fn encode(rec: &AllocationRecord) -> Option<(u32, u64, u64, u64)> {
+        let sk = rec.stack.0;
+        let tk = rec.thread.0;
+        if rec.address == 0 || sk % 8 != 0 || tk % 8 != 0 || sk >> 35 != 0 || tk >> 35 != 0 {
+            return None;
+        }
+        let ts = rec.timestamp_us & SIZE_MASK;
+        let w2 = rec.size.min(SIZE_MASK) | (ts >> 32) << 48;
+        let w3 = (sk / 8) | (ts & 0xffff_ffff) << 32;
+        Some(((tk / 8) as u32, rec.address, w2, w3))
+    }
+
+    /// Records a new live block. Refuses an address already recorded. A
+    /// full table counts the event as dropped. Never allocates.
+    pub fn insert(&self, rec: &AllocationRecord) -> Result<(), InsertError> {
+        let Some((t32, w1, w2, w3)) = Self::encode(rec) else {
+            return Err(InsertError::Unrepresentable);
+        };
+        let h = hash(rec.address);
+        let shard = self.shard_of(h);
+        let r = {
+            let _g = self.lock(shard);
+            self.insert_locked(shard, h, t32, w1, w2, w3)
+        };
+        match r {
+            Ok(()) => self.counters.on_alloc(rec.size),
+            Err(InsertError::Full) => self.counters.on_dropped(DroppedReason::AllocationsFull),
+            Err(_) => {}
+        }
+        r
+    }
+
+    fn insert_locked(
+        &self,
+        shard: u64,
+        h: u64,
+        t32: u32,
+        w1: u64,
+        w2: u64,
+        w3: u64,
+    ) -> Result<(), InsertError> {
+        let mut cap = 1u64 << self.cap_log2(shard);
+        let mut win = self.shard_field(shard, S_WINDOW).load(Ordering::Relaxed);
+        if self.find(shard, win, cap, h, w1).is_some() {
+            return Err(InsertError::Duplicate);
+        }
+        let len = u64::from(self.shard_field(shard, S_LEN).load(Ordering::Relaxed));
+        let tombs = u64::from(self.shard_field(shard, S_TOMBS).load(Ordering::Relaxed));
+        if (len + tombs + 1) * 4 > cap * 3 {
+            if !self.rehash(shard, len + 1) {
+                // At the window's limit: allow up to 7/8 after clearing
+                // tombstones, else the table is full for this shard.
+                if (len + 1) * 8 > cap * 7 || (tombs > 0 && !self.rehash(shard, len)) {
+                    return Err(InsertError::Full);
+                }
+            }
+            cap = 1u64 << self.cap_log2(shard);
+            win = self.shard_field(shard, S_WINDOW).load(Ordering::Relaxed);
+        }
+        let Some(i) = self.free_slot(shard, win, cap, h) else {
+            return Err(InsertError::Full);
+        };
+        let Some(node) = self.take_node(shard) else {
+            return Err(InsertError::Full);
+        };
+        self.write_node(node, t32, w1, w2, w3);
+        let slot = self.slot(shard, win, i);
+        if slot.load(Ordering::Relaxed) == TOMBSTONE {
+            self.shard_field(shard, S_TOMBS).fetch_sub(1, Ordering::Relaxed);
+        }
+        slot.store(Self::tag(h) << NODE_BITS | (node + 1), Ordering::Relaxed);
+        self.shard_field(shard, S_LEN).fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn remove_locked(&self, shard: u64, h: u64, addr: u64) -> Option<u64> {
+        let cap = 1u64 << self.cap_log2(shard);
+        let win = self.shard_field(shard, S_WINDOW).load(Ordering::Relaxed);
+        let (i, node) = self.find(shard, win, cap, h, addr)?;
+        let size = self.node_word(node, 2).load(Ordering::Relaxed) & SIZE_MASK;
+        self.slot(shard, win, i).store(TOMBSTONE, Ordering::Relaxed);
+        let free = self.shard_field(shard, S_FREE);
+        self.write_node(node, 0, 0, 0, u64::from(free.load(Ordering::Relaxed)));
+        free.store(node + 1, Ordering::Relaxed);
+        let len = self.shard_field(shard, S_LEN).fetch_sub(1, Ordering::Relaxed) - 1;
+        self.shard_field(shard, S_TOMBS).fetch_add(1, Ordering::Relaxed);
+        if cap > 1 << MIN_CAP_LOG2 && u64::from(len) * 8 < cap {
+            // Shrink so index memory follows the live count.
+            self.rehash(shard, u64::from(len));
+        }
+        Some(size)
+    }
+
+    /// Removes the block at `addr`, returning its size, or `None` if the
+    /// table does not hold it. Never allocates.
+    pub fn remove(&self, addr: u64) -> Option<u64> {
+        let h = hash(addr);
+        let shard = self.shard_of(h);
+        let r = {
+            let _g = self.lock(shard);
+            self.remove_locked(shard, h, addr)
+        };
+        if let Some(size) = r {
+            self.counters.on_free(size);
+        }
+        r
+    }
+
+    /// Replaces the block at `old` by `rec` (a `realloc`): in place when the
+    /// address is unchanged (the node is rewritten under its seqlock, so a
+    /// reader sees the old or the new record, never a mix), otherwise a
+    /// remove and an insert. Returns the old size if `old` was recorded.
+    pub fn replace(&self, old: u64, rec: &AllocationRecord) -> Result<Option<u64>, InsertError> {
+        if old != rec.address {
+            let old_size = self.remove(old);
+            return self.insert(rec).map(|()| old_size);
+        }
+        let Some((t32, w1, w2, w3)) = Self::encode(rec) else {
+            return Err(InsertError::Unrepresentable);
+        };
+        let h = hash(old);
+        let shard = self.shard_of(h);
+        let old_size = {
+            let _g = self.lock(shard);
+            let cap = 1u64 << self.cap_log2(shard);
+            let win = self.shard_field(shard, S_WINDOW).load(Ordering::Relaxed);
+            match self.find(shard, win, cap, h, old) {
+                Some((_, node)) => {
+                    let s = self.node_word(node, 2).load(Ordering::Relaxed) & SIZE_MASK;
+                    self.write_node(node, t32, w1, w2, w3);
+                    Some(s)
+                }
+                None => None,
+            }
+        };
+        match old_size {
+            Some(s) => {
+                self.counters.on_free(s);
+                self.counters.on_alloc(rec.size);
+                Ok(Some(s))
+            }
+            None => self.insert(rec).map(|()| None),
+        }
+    }
+}
+
+/// The outcome of a walk over the live table.
+#[derive(Clone, Debug, Default)]
+pub struct WalkStats {
+    /// Nodes examined (the high-water mark at the start of the walk).
+    pub nodes: u64,
+    /// Live records reported.
+    pub reported: u64,
+    /// Nodes that never read consistently (writer mid-update the whole
+    /// time, or killed mid-update).
+    pub unstable: u64,
+}
+
+impl WalkStats {
+    /// Why the walk is incomplete, if it is.
+    pub fn partial_reason(&self) -> Option<String> {
+        (self.unstable > 0).then(|| {
+            format!(
+                "{} record(s) were being modified throughout the walk (target killed mid-update, or hostile)",
+                self.unstable
+            )
+        })
+    }
+}
+
+/// Read-only access to an allocations region (the dumper's side).
+#[derive(Clone, Copy, Debug)]
+pub struct AllocationsReader<'a> {
+    view: SharedView,
+    layout: Layout,
+    _region: std::marker::PhantomData<&'a ()>,
+}
+
+enum NodeRead {
+    Free,
+    Live(AllocationRecord),
+    Changing,
+}
+
+impl<'a> AllocationsReader<'a> {
+    /// Validates the layout of a mapped allocations region.
+    pub fn new(region: &'a RegionReader) -> Result<Self, TableError> {
+        let h = region.header();
+        if region.kind() != RegionKind::Allocations {
+            return Err(TableError::WrongKind {
+                found: h.kind,
+                expected: RegionKind::Allocations as u32,
+            });
+        }
+        let layout = Layout::from_header(&h.layout, h.region_size)?;
+        Ok(AllocationsReader {
+            view: region.view(),
+            layout,
+            _region: std::marker::PhantomData,
+        })
+    }
+
+    /// Reads any bytes as an allocations region (fuzzing, tests).
+    ///
+    /// # Safety
+    /// `view` must stay mapped for `'a`.
+    pub unsafe fn from_view(view: SharedView) -> Result<Self, TableError> {
+        let h = parse_header(&view, RegionKind::Allocations)?;
+        let layout = Layout::from_header(&h.layout, h.region_size)?;
+        Ok(AllocationsReader {
+            view,
+            layout,
+            _region: std::marker::PhantomData,
+        })
+    }
+
+    /// The process-wide counters in this region's header.
+    pub fn counters(&self) -> Counters {
+        read_counters(&self.view)
+    }
+
+    /// Capacity in blocks.
+    pub fn capacity(&self) -> u64 {
+        self.layout.capacity
+    }
+
+    #[inline]
+    fn read_node(&self, i: u64) -> NodeRead {
+        let base = self.layout.nodes_off + i * NODE_SIZE;
+        // All four words lie inside the validated node area.
+        let ld = |w: u64| self.view.load_u64(base + w * 8).unwrap_or(0);
+        let a = ld(0);
+        fence(Ordering::Acquire);
+        if a & 1 == 1 {
+            return NodeRead::Changing;
+        }
+        let w1 = ld(1);
+        let w2 = ld(2);
+        let w3 = ld(3);
+        // Acquire fence: the data loads above complete before the second
+        // seq reading, so equal even readings mean no writer intervened.
+        fence(Ordering::Acquire);
+        if ld(0) != a {
+            return NodeRead::Changing;
+        }
+        if w1 == 0 {
+            return NodeRead::Free;
+        }
+        NodeRead::Live(AllocationRecord {
+            address: w1,
+            size: w2 & SIZE_MASK,
+            stack: ResourceKey((w3 & 0xffff_ffff) * 8),
+            thread: ResourceKey((a >> 32) * 8),
+            timestamp_us: (w2 >> 48) << 32 | w3 >> 32,
+        })
+    }
+
+    fn read_node_patiently(&self, i: u64, patience: u32) -> NodeRead {
+        for attempt in 0..patience {
+            match self.read_node(i) {
+                NodeRead::Changing => {
+                    if attempt < 32 {
+                        std::hint::spin_loop();
+                    } else {
+                        std::thread::yield_now();
+                    }
+                }
+                r => return r,
+            }
+        }
+        NodeRead::Changing
+    }
+
+    /// Calls `f` for every live record, each read consistently. Never
+    /// blocks the writers; bounded by the node capacity. Nodes that keep
+    /// changing are retried once more at the end (giving a descheduled
+    /// writer time to finish) and otherwise counted as `unstable`.
+    pub fn walk(&self, mut f: impl FnMut(&AllocationRecord)) -> WalkStats {
+        let hw = self.view.load_u64(W_NODE_HW).unwrap_or(0);
+        fence(Ordering::Acquire);
+        let n = hw.min(self.layout.capacity);
+        let mut stats = WalkStats {
+            nodes: n,
+            ..Default::default()
+        };
+        let mut later = Vec::new();
+        for i in 0..n {
+            match self.read_node_patiently(i, 64) {
+                NodeRead::Free => {}
+                NodeRead::Live(r) => {
+                    stats.reported += 1;
+                    f(&r);
+                }
+                NodeRead::Changing => later.push(i),
+            }
+        }
+        for (k, i) in later.iter().enumerate() {
+            // Generous for the first few (a writer preempted mid-update),
+            // short once many look stuck (a target killed or hostile).
+            let patience = if k < 64 { 20_000 } else { 64 };
+            match self.read_node_patiently(*i, patience) {
+                NodeRead::Free => {}
+                NodeRead::Live(r) => {
+                    stats.reported += 1;
+                    f(&r);
+                }
+                NodeRead::Changing => stats.unstable += 1,
+            }
+        }
+        stats
+    }
+
+    /// Collects every live record (see [`Self::walk`]).
+    pub fn snapshot(&self) -> (Vec<AllocationRecord>, WalkStats) {
+        let mut v = Vec::new();
+        let stats = self.walk(|r| v.push(*r));
+        (v, stats)
+    }
+}

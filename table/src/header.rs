@@ -1,0 +1,431 @@
+//! The region header: identity (magic, version, kind, size, writer pid,
+//! clock base), layout parameters, and the process-wide counters.
+//!
+//! Invariants:
+//! - The *static* part ([`StaticHeader`], bytes `0..STATIC_HEADER_LEN`) is
+//!   written once by the creator before the memfd is sealed and before any
+//!   other process can see it. A reader copies it once and validates it;
+//!   later changes by a hostile writer are never trusted.
+//! - The *dynamic* part (counters, request slot, kind-specific words) is a
+//!   set of 8-byte atomics at fixed offsets, read with relaxed loads; every
+//!   value read there is range-checked by the code that uses it.
+//! - The header occupies `HEADER_SIZE` bytes (one page); data follows.
+
+use std::sync::atomic::{fence, AtomicU64, Ordering};
+
+use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout};
+
+use crate::error::TableError;
+use crate::shared_view::SharedView;
+
+/// The eight bytes every region starts with.
+pub const MAGIC: [u8; 8] = *b"HEAPDUMP";
+/// Format major version: a reader refuses any other.
+pub const FORMAT_MAJOR: u16 = 1;
+/// Format minor version: additions that older readers may ignore.
+pub const FORMAT_MINOR: u16 = 0;
+/// Bytes reserved for the header at the start of every region.
+pub const HEADER_SIZE: u64 = 4096;
+
+/// Which table a region holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u32)]
+pub enum RegionKind {
+    /// Append-only stack traces and thread records.
+    Resources = 1,
+    /// The live-allocations table.
+    Allocations = 2,
+}
+
+impl RegionKind {
+    /// The memfd name, as shown in `/proc/PID/fd` (`/memfd:NAME (deleted)`).
+    pub fn memfd_name(self) -> &'static str {
+        match self {
+            RegionKind::Resources => "heapdump.resources",
+            RegionKind::Allocations => "heapdump.allocations",
+        }
+    }
+
+    /// Finds the kind whose memfd this `readlink` target belongs to.
+    pub fn from_link_target(target: &str) -> Option<Self> {
+        let name = target.strip_prefix("/memfd:")?;
+        let name = name.strip_suffix(" (deleted)").unwrap_or(name);
+        [RegionKind::Resources, RegionKind::Allocations]
+            .into_iter()
+            .find(|k| k.memfd_name() == name)
+    }
+}
+
+/// The part of the header written once at creation.
+#[derive(Clone, Copy, Debug, FromBytes, IntoBytes, KnownLayout, Immutable)]
+#[repr(C)]
+pub struct StaticHeader {
+    /// [`MAGIC`].
+    pub magic: [u8; 8],
+    /// [`FORMAT_MAJOR`] of the writer.
+    pub version_major: u16,
+    /// [`FORMAT_MINOR`] of the writer.
+    pub version_minor: u16,
+    /// [`RegionKind`] as a number.
+    pub kind: u32,
+    /// Total size of the region in bytes (the sealed memfd size).
+    pub region_size: u64,
+    /// Size of the header ([`HEADER_SIZE`]).
+    pub header_size: u64,
+    /// Pid of the process that created the region.
+    pub writer_pid: u32,
+    /// Reserved, zero.
+    pub reserved: u32,
+    /// `CLOCK_REALTIME` at creation, nanoseconds since the Unix epoch.
+    pub clock_realtime_ns: u64,
+    /// `CLOCK_MONOTONIC` at the same instant, nanoseconds. Timestamps in the
+    /// tables are monotonic; wall time = realtime + (t - monotonic).
+    pub clock_monotonic_ns: u64,
+    /// Kind-specific layout parameters (see each table's module).
+    pub layout: [u64; 8],
+}
+
+/// Length of [`StaticHeader`] in bytes.
+pub const STATIC_HEADER_LEN: usize = core::mem::size_of::<StaticHeader>();
+
+/// Offsets of the dynamic header words.
+pub mod offsets {
+    /// Live bytes (allocations region).
+    pub const LIVE_BYTES: u64 = 256;
+    /// Live blocks.
+    pub const LIVE_BLOCKS: u64 = 264;
+    /// Allocations ever recorded.
+    pub const TOTAL_ALLOCS: u64 = 272;
+    /// Bytes ever allocated.
+    pub const TOTAL_BYTES: u64 = 280;
+    /// Highest live-bytes value seen.
+    pub const PEAK_LIVE_BYTES: u64 = 288;
+    /// `DROPPED_REASONS` counters, 8 bytes each.
+    pub const DROPPED: u64 = 296;
+    /// Snapshot requests made so far.
+    pub const REQUEST_COUNT: u64 = 424;
+    /// Monotonic ns of the last request.
+    pub const REQUEST_TIME: u64 = 432;
+    /// Seqlock word guarding the request name.
+    pub const REQUEST_NAME_SEQ: u64 = 440;
+    /// Length of the last request's name.
+    pub const REQUEST_NAME_LEN: u64 = 448;
+    /// Name bytes (`REQUEST_NAME_MAX`).
+    pub const REQUEST_NAME: u64 = 456;
+    /// The request count the stored name belongs to (a signal request has
+    /// no name, so the name shows only when this equals the count).
+    pub const REQUEST_NAME_FOR: u64 = 520;
+    /// First kind-specific dynamic word.
+    pub const KIND_WORDS: u64 = 1024;
+}
+
+/// Longest snapshot-request name kept in the header.
+pub const REQUEST_NAME_MAX: usize = 64;
+
+/// Why an event could not be recorded.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(usize)]
+pub enum DroppedReason {
+    /// The allocations table had no free record or index slot.
+    AllocationsFull = 0,
+    /// The resources table had no room for a new stack or thread record.
+    ResourcesFull = 1,
+    /// The event happened while the agent was already busy on this thread
+    /// (re-entrancy, signal handler) and was passed through unrecorded.
+    Reentrant = 2,
+    /// A free or realloc named an address the table did not hold.
+    UnknownAddress = 3,
+    /// The event happened before the agent could set up its regions.
+    NotReady = 4,
+}
+
+/// Number of dropped-event counters in the header (room for growth).
+pub const DROPPED_SLOTS: usize = 16;
+
+impl DroppedReason {
+    /// Every reason, in counter order.
+    pub const ALL: [DroppedReason; 5] = [
+        DroppedReason::AllocationsFull,
+        DroppedReason::ResourcesFull,
+        DroppedReason::Reentrant,
+        DroppedReason::UnknownAddress,
+        DroppedReason::NotReady,
+    ];
+
+    /// Short stable name (used in JSON output).
+    pub fn name(self) -> &'static str {
+        match self {
+            DroppedReason::AllocationsFull => "allocations_full",
+            DroppedReason::ResourcesFull => "resources_full",
+            DroppedReason::Reentrant => "reentrant",
+            DroppedReason::UnknownAddress => "unknown_address",
+            DroppedReason::NotReady => "not_ready",
+        }
+    }
+}
+
+/// Validates the static header found in `view` and returns a copy of it.
+pub fn parse_header(view: &SharedView, expected: RegionKind) -> Result<StaticHeader, TableError> {
+    if (view.len() as u64) < HEADER_SIZE {
+        return Err(TableError::Truncated {
+            what: format!("{} bytes, smaller than the {HEADER_SIZE}-byte header", view.len()),
+        });
+    }
+    let mut bytes = Vec::with_capacity(STATIC_HEADER_LEN);
+    view.copy_bytes(0, STATIC_HEADER_LEN, &mut bytes)
+        .ok_or_else(|| TableError::Truncated { what: "header".into() })?;
+    let header = StaticHeader::read_from_bytes(&bytes)
+        .map_err(|_| TableError::CorruptHeader("header does not parse".into()))?;
+    if header.magic != MAGIC {
+        return Err(TableError::BadMagic);
+    }
+    if header.version_major != FORMAT_MAJOR {
+        return Err(TableError::VersionMismatch {
+            found_major: header.version_major,
+            found_minor: header.version_minor,
+            supported_major: FORMAT_MAJOR,
+        });
+    }
+    if header.kind != expected as u32 {
+        return Err(TableError::WrongKind {
+            found: header.kind,
+            expected: expected as u32,
+        });
+    }
+    if header.header_size != HEADER_SIZE {
+        return Err(TableError::CorruptHeader(format!(
+            "header size {} (expected {HEADER_SIZE})",
+            header.header_size
+        )));
+    }
+    if header.region_size != view.len() as u64 {
+        return Err(TableError::Truncated {
+            what: format!(
+                "header says {} bytes, mapping has {}",
+                header.region_size,
+                view.len()
+            ),
+        });
+    }
+    Ok(header)
+}
+
+/// Process-wide counters, as read from a header at one moment.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Counters {
+    /// Bytes in live blocks.
+    pub live_bytes: u64,
+    /// Live blocks.
+    pub live_blocks: u64,
+    /// Allocations ever recorded.
+    pub total_allocs: u64,
+    /// Bytes ever allocated.
+    pub total_bytes: u64,
+    /// Highest `live_bytes` seen.
+    pub peak_live_bytes: u64,
+    /// Dropped events, indexed by [`DroppedReason`].
+    pub dropped: [u64; DROPPED_SLOTS],
+    /// Snapshot requests made so far.
+    pub request_count: u64,
+}
+
+impl Counters {
+    /// Sum of all dropped counters.
+    pub fn dropped_total(&self) -> u64 {
+        self.dropped.iter().fold(0u64, |a, b| a.saturating_add(*b))
+    }
+}
+
+/// Reads the counters (relaxed; each word is individually consistent).
+pub fn read_counters(view: &SharedView) -> Counters {
+    let ld = |off| view.load_u64(off).unwrap_or(0);
+    let mut dropped = [0u64; DROPPED_SLOTS];
+    for (i, d) in dropped.iter_mut().enumerate() {
+        *d = ld(offsets::DROPPED + 8 * i as u64);
+    }
+    Counters {
+        live_bytes: ld(offsets::LIVE_BYTES),
+        live_blocks: ld(offsets::LIVE_BLOCKS),
+        total_allocs: ld(offsets::TOTAL_ALLOCS),
+        total_bytes: ld(offsets::TOTAL_BYTES),
+        peak_live_bytes: ld(offsets::PEAK_LIVE_BYTES),
+        dropped,
+        request_count: ld(offsets::REQUEST_COUNT),
+    }
+}
+
+/// The last snapshot request, as read from a header.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SnapshotRequest {
+    /// How many requests have been made (this one included).
+    pub count: u64,
+    /// Monotonic nanoseconds when it was made (0 if never).
+    pub time_monotonic_ns: u64,
+    /// Its name (empty for signal requests); `None` if it could not be read
+    /// consistently (a writer kept changing it).
+    pub name: Option<String>,
+}
+
+/// Writer-side access to the counter words of a header.
+#[derive(Clone, Copy, Debug)]
+pub struct HeaderCounters {
+    view: SharedView,
+}
+
+impl HeaderCounters {
+    pub(crate) fn new(view: SharedView) -> Self {
+        HeaderCounters { view }
+    }
+
+    fn word(&self, off: u64) -> &AtomicU64 {
+        // Offsets are constants inside the header page, which every region
+        // has (the creator checked its size), so this cannot fail.
+        self.view.atomic_u64(off).expect("header word in range")
+    }
+
+    /// Records an allocation of `size` bytes in the process-wide counters.
+    #[inline]
+    pub fn on_alloc(&self, size: u64) {
+        self.word(offsets::TOTAL_ALLOCS).fetch_add(1, Ordering::Relaxed);
+        self.word(offsets::TOTAL_BYTES).fetch_add(size, Ordering::Relaxed);
+        self.word(offsets::LIVE_BLOCKS).fetch_add(1, Ordering::Relaxed);
+        let live = self
+            .word(offsets::LIVE_BYTES)
+            .fetch_add(size, Ordering::Relaxed)
+            .wrapping_add(size);
+        let peak = self.word(offsets::PEAK_LIVE_BYTES);
+        if live > peak.load(Ordering::Relaxed) {
+            peak.fetch_max(live, Ordering::Relaxed);
+        }
+    }
+
+    /// Records that a block of `size` bytes was freed.
+    #[inline]
+    pub fn on_free(&self, size: u64) {
+        self.word(offsets::LIVE_BLOCKS).fetch_sub(1, Ordering::Relaxed);
+        self.word(offsets::LIVE_BYTES).fetch_sub(size, Ordering::Relaxed);
+    }
+
+    /// Records an in-place size change of a live block.
+    #[inline]
+    pub fn on_resize(&self, old: u64, new: u64) {
+        if new >= old {
+            let live = self
+                .word(offsets::LIVE_BYTES)
+                .fetch_add(new - old, Ordering::Relaxed)
+                .wrapping_add(new - old);
+            let peak = self.word(offsets::PEAK_LIVE_BYTES);
+            if live > peak.load(Ordering::Relaxed) {
+                peak.fetch_max(live, Ordering::Relaxed);
+            }
+        } else {
+            self.word(offsets::LIVE_BYTES).fetch_sub(old - new, Ordering::Relaxed);
+        }
+        self.word(offsets::TOTAL_BYTES)
+            .fetch_add(new.saturating_sub(old), Ordering::Relaxed);
+    }
+
+    /// Counts one dropped event. Async-signal-safe (one atomic add).
+    #[inline]
+    pub fn on_dropped(&self, reason: DroppedReason) {
+        self.word(offsets::DROPPED + 8 * reason as u64)
+            .fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Bumps the snapshot-request counter without a name.
+    /// Async-signal-safe: a clock read and atomic stores only.
+    pub fn request_snapshot_signal_safe(&self, now_monotonic_ns: u64) {
+        self.word(offsets::REQUEST_TIME)
+            .store(now_monotonic_ns, Ordering::Relaxed);
+        // Release: a reader that sees the new count also sees the time.
+        self.word(offsets::REQUEST_COUNT).fetch_add(1, Ordering::Release);
+    }
+
+    /// Records a named snapshot request: writes the name under the name's
+    /// seqlock, then bumps the counter. Concurrent callers serialise on the
+    /// seqlock (a CAS from even to odd); readers never block it.
+    pub fn request_snapshot(&self, name: &str, now_monotonic_ns: u64) {
+        let seq = self.word(offsets::REQUEST_NAME_SEQ);
+        let mut spins = 0u32;
+        let start = loop {
+            let s = seq.load(Ordering::Relaxed);
+            if s % 2 == 0
+                && seq
+                    .compare_exchange_weak(s, s + 1, Ordering::Acquire, Ordering::Relaxed)
+                    .is_ok()
+            {
+                break s;
+            }
+            spins += 1;
+            if spins > 1000 {
+                // Another thread holds the name slot for very long (or died
+                // holding it): record the request without a name.
+                self.request_snapshot_signal_safe(now_monotonic_ns);
+                return;
+            }
+            std::hint::spin_loop();
+        };
+        // Release fence: the odd sequence is visible before the name bytes
+        // change, so a reader that copies torn bytes sees a changed seq.
+        fence(Ordering::Release);
+        let bytes = name.as_bytes();
+        let n = bytes.len().min(REQUEST_NAME_MAX);
+        let mut chunk = [0u8; REQUEST_NAME_MAX];
+        chunk[..n].copy_from_slice(&bytes[..n]);
+        for i in 0..REQUEST_NAME_MAX / 8 {
+            let w = u64::from_le_bytes(chunk[i * 8..i * 8 + 8].try_into().unwrap());
+            self.word(offsets::REQUEST_NAME + 8 * i as u64)
+                .store(w, Ordering::Relaxed);
+        }
+        self.word(offsets::REQUEST_NAME_LEN)
+            .store(n as u64, Ordering::Relaxed);
+        self.word(offsets::REQUEST_TIME)
+            .store(now_monotonic_ns, Ordering::Relaxed);
+        let count = self.word(offsets::REQUEST_COUNT).load(Ordering::Relaxed);
+        self.word(offsets::REQUEST_NAME_FOR)
+            .store(count + 1, Ordering::Relaxed);
+        seq.store(start + 2, Ordering::Release);
+        self.word(offsets::REQUEST_COUNT).fetch_add(1, Ordering::Release);
+    }
+}
+
+/// Reads the last snapshot request (bounded retries on the name seqlock).
+pub fn read_request(view: &SharedView) -> SnapshotRequest {
+    let count = view.load_u64(offsets::REQUEST_COUNT).unwrap_or(0);
+    fence(Ordering::Acquire);
+    let time = view.load_u64(offsets::REQUEST_TIME).unwrap_or(0);
+    let mut name = None;
+    for _ in 0..64 {
+        let s1 = view.load_u64(offsets::REQUEST_NAME_SEQ).unwrap_or(1);
+        fence(Ordering::Acquire);
+        if s1 % 2 == 1 {
+            std::hint::spin_loop();
+            continue;
+        }
+        let len = view.load_u64(offsets::REQUEST_NAME_LEN).unwrap_or(0) as usize;
+        let mut bytes = Vec::new();
+        if view
+            .copy_bytes(offsets::REQUEST_NAME, len.min(REQUEST_NAME_MAX), &mut bytes)
+            .is_none()
+        {
+            break;
+        }
+        fence(Ordering::Acquire);
+        let name_for = view.load_u64(offsets::REQUEST_NAME_FOR).unwrap_or(0);
+        fence(Ordering::Acquire);
+        let s2 = view.load_u64(offsets::REQUEST_NAME_SEQ).unwrap_or(0);
+        if s1 == s2 {
+            name = Some(if name_for == count {
+                String::from_utf8_lossy(&bytes).into_owned()
+            } else {
+                String::new()
+            });
+            break;
+        }
+    }
+    SnapshotRequest {
+        count,
+        time_monotonic_ns: time,
+        name,
+    }
+}

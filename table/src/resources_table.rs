@@ -1,0 +1,574 @@
+//! The resources table: append-only, deduplicated stack traces and thread
+//! records, addressed by [`ResourceKey`] (the byte offset of a record).
+//!
+//! Layout (after the header page):
+//! `[bucket heads: bucket_count x u64][pad to page][records ... data_end)`.
+//! `layout[0]` = bucket count (power of two), `layout[1]` = bucket array
+//! offset, `layout[2]` = first record offset, `layout[3]` = end of data.
+//! Dynamic words: `KIND_WORDS+0` = bump pointer (next free offset),
+//! `+8` = head of the thread-record list, `+16` stack count, `+24` thread
+//! count.
+//!
+//! Records are 8-aligned: word 0 = `tag | len << 32`, word 1 = `next`
+//! (bucket chain or thread list, 0 = end). A stack record then has
+//! `crc | frames << 32`, `alloc_count`, `alloc_bytes` and `len` payload bytes
+//! (the compressed trace); a thread record has `tid`, `serial`, and `len`
+//! name bytes.
+//!
+//! Invariants:
+//! - A record is fully written before it is published (CAS of a list head
+//!   with `Release`), and never changes afterwards except for the two
+//!   cumulative counters of a stack record (relaxed atomic adds).
+//! - Space is reserved by an atomic bump of one word; a record that loses a
+//!   publication race to a twin is left unlinked (a little wasted space,
+//!   never a second copy in the bucket): before each retry the writer
+//!   re-scans the entries that were published since its last look.
+//! - Readers need only a key: they check it lies in the data area below
+//!   the bump pointer, is aligned, has the right tag and a length that fits,
+//!   before copying anything. Walks over bucket chains are bounded by the
+//!   number of records the data area could hold and refuse to revisit a
+//!   key, so a cyclic or hostile list ends.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{fence, Ordering};
+
+use crc::{Crc, CRC_32_ISCSI};
+
+use crate::error::TableError;
+use crate::header::{offsets, parse_header, RegionKind, HEADER_SIZE};
+use crate::region::{RegionReader, RegionWriter};
+use crate::shared_view::SharedView;
+use crate::stack_compression::{self, MAX_ENCODED_LEN, MAX_FRAMES};
+
+/// The offset of a record in the resources region; 0 means "none".
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub struct ResourceKey(pub u64);
+
+const TAG_STACK: u32 = 0x4b43_5453; // "STCK"
+const TAG_THREAD: u32 = 0x4452_4854; // "THRD"
+const STACK_HEADER: u64 = 40;
+const THREAD_HEADER: u64 = 32;
+/// Longest thread name stored (Linux names are at most 15 bytes).
+pub const MAX_THREAD_NAME: usize = 64;
+
+const W_BUMP: u64 = offsets::KIND_WORDS;
+const W_THREADS: u64 = offsets::KIND_WORDS + 8;
+const W_STACK_COUNT: u64 = offsets::KIND_WORDS + 16;
+const W_THREAD_COUNT: u64 = offsets::KIND_WORDS + 24;
+
+/// Default number of bucket heads.
+pub const DEFAULT_BUCKETS: u64 = 1 << 16;
+
+static CRC32C: Crc<u32> = Crc::<u32>::new(&CRC_32_ISCSI);
+
+fn round8(n: u64) -> u64 {
+    (n + 7) & !7
+}
+
+/// Parsed and validated layout parameters.
+#[derive(Clone, Copy, Debug)]
+struct Layout {
+    buckets: u64,
+    buckets_off: u64,
+    data_off: u64,
+    data_end: u64,
+}
+
+impl Layout {
+    fn new(region_size: u64, buckets: u64) -> Result<Self, TableError> {
+        let data_off = (HEADER_SIZE + buckets * 8).div_ceil(4096) * 4096;
+        let l = Layout {
+            buckets,
+            buckets_off: HEADER_SIZE,
+            data_off,
+            data_end: region_size,
+        };
+        l.check(region_size)?;
+        Ok(l)
+    }
+
+    fn from_header(layout: &[u64; 8], region_size: u64) -> Result<Self, TableError> {
+        let l = Layout {
+            buckets: layout[0],
+            buckets_off: layout[1],
+            data_off: layout[2],
+            data_end: layout[3],
+        };
+        l.check(region_size)?;
+        Ok(l)
+    }
+
+    fn check(&self, region_size: u64) -> Result<(), TableError> {
+        let bad = |m: &str| Err(TableError::CorruptHeader(format!("resources layout: {m}")));
+        if !self.buckets.is_power_of_two() || self.buckets > 1 << 24 {
+            return bad("bucket count is not a power of two up to 2^24");
+        }
+        if self.buckets_off != HEADER_SIZE {
+            return bad("bucket array not right after the header");
+        }
+        if self.data_off % 8 != 0 || self.data_off < self.buckets_off + self.buckets * 8 {
+            return bad("data area overlaps the buckets");
+        }
+        if self.data_end != region_size || self.data_end < self.data_off {
+            return bad("data area does not end at the region's end");
+        }
+        Ok(())
+    }
+
+    fn as_words(&self) -> [u64; 8] {
+        [self.buckets, self.buckets_off, self.data_off, self.data_end, 0, 0, 0, 0]
+    }
+}
+
+/// Writer handle for the resources table of this process.
+#[derive(Clone, Copy, Debug)]
+pub struct ResourcesWriter<'a> {
+    view: SharedView,
+    layout: Layout,
+    _region: &'a RegionWriter,
+}
+
+impl<'a> ResourcesWriter<'a> {
+    /// Creates a resources region of `size` bytes with `buckets` bucket
+    /// heads (a power of two).
+    pub fn create_region(size: u64, buckets: u64) -> Result<RegionWriter, TableError> {
+        let layout = Layout::new(size, buckets)?;
+        let region = RegionWriter::create(RegionKind::Resources, size, layout.as_words())?;
+        region
+            .view()
+            .atomic_u64(W_BUMP)
+            .expect("header word")
+            .store(layout.data_off, Ordering::Release);
+        Ok(region)
+    }
+
+    /// Wraps a region made by [`Self::create_region`].
+    pub fn new(region: &'a RegionWriter) -> Result<Self, TableError> {
+        let h = region.header();
+        let layout = Layout::from_header(&h.layout, h.region_size)?;
+        Ok(ResourcesWriter {
+            view: region.view(),
+            layout,
+            _region: region,
+        })
+    }
+
+    fn word(&self, off: u64) -> &std::sync::atomic::AtomicU64 {
+        self.view.atomic_u64(off).expect("offset checked by caller")
+    }
+
+    fn reserve(&self, size: u64) -> Result<u64, TableError> {
+        // Relaxed: the bump only hands out disjoint space; publication of
+        // the contents is ordered by the Release CAS on a list head.
+        let bump = self.word(W_BUMP);
+        let mut cur = bump.load(Ordering::Relaxed);
+        loop {
+            if cur < self.layout.data_off || cur.saturating_add(size) > self.layout.data_end {
+                return Err(TableError::Full("resources region"));
+            }
+            match bump.compare_exchange_weak(cur, cur + size, Ordering::Relaxed, Ordering::Relaxed)
+            {
+                Ok(_) => return Ok(cur),
+                Err(now) => cur = now,
+            }
+        }
+    }
+
+    fn write_payload(&self, at: u64, bytes: &[u8]) {
+        let mut chunks = bytes.chunks(8);
+        let mut off = at;
+        for c in &mut chunks {
+            let mut w = [0u8; 8];
+            w[..c.len()].copy_from_slice(c);
+            self.word(off).store(u64::from_le_bytes(w), Ordering::Relaxed);
+            off += 8;
+        }
+    }
+
+    fn payload_equals(&self, at: u64, bytes: &[u8]) -> bool {
+        let mut off = at;
+        for c in bytes.chunks(8) {
+            let mut w = [0u8; 8];
+            w[..c.len()].copy_from_slice(c);
+            match self.view.load_u64(off) {
+                Some(v) if v == u64::from_le_bytes(w) => {}
+                _ => return false,
+            }
+            off += 8;
+        }
+        true
+    }
+
+    /// Searches the chain from `from` up to (not including) `until` for a
+    /// stack record equal to `bytes`.
+    fn find_in_chain(&self, from: u64, until: u64, bytes: &[u8], crc: u32) -> Option<u64> {
+        let want0 = u64::from(TAG_STACK) | (bytes.len() as u64) << 32;
+        let mut cur = from;
+        let mut steps = 0u64;
+        let limit = (self.layout.data_end - self.layout.data_off) / STACK_HEADER + 1;
+        while cur != 0 && cur != until && steps < limit {
+            steps += 1;
+            let w0 = self.view.load_u64(cur)?;
+            if w0 == want0
+                && self.view.load_u64(cur + 16).map(|w| w as u32) == Some(crc)
+                && self.payload_equals(cur + STACK_HEADER, bytes)
+            {
+                return Some(cur);
+            }
+            cur = self.view.load_u64(cur + 8)?;
+        }
+        None
+    }
+
+    /// Returns the key of the stack trace with these compressed bytes,
+    /// storing it first if it is new (`true` when this call stored it).
+    /// Lock-free; never allocates.
+    pub fn intern_stack_trace(&self, bytes: &[u8]) -> Result<(ResourceKey, bool), TableError> {
+        if bytes.len() > MAX_ENCODED_LEN {
+            return Err(TableError::TooLarge("stack trace longer than the format allows"));
+        }
+        let crc = CRC32C.checksum(bytes);
+        let bucket = self.layout.buckets_off + 8 * (u64::from(crc) & (self.layout.buckets - 1));
+        let head_word = self.word(bucket);
+        // Acquire pairs with the publishing CAS: records reachable from the
+        // head are fully written.
+        let mut head = head_word.load(Ordering::Acquire);
+        if let Some(k) = self.find_in_chain(head, 0, bytes, crc) {
+            return Ok((ResourceKey(k), false));
+        }
+        let size = STACK_HEADER + round8(bytes.len() as u64);
+        let off = self.reserve(size)?;
+        let frames = bytes.iter().filter(|b| **b & 0x80 == 0).count() as u64;
+        self.word(off)
+            .store(u64::from(TAG_STACK) | (bytes.len() as u64) << 32, Ordering::Relaxed);
+        self.word(off + 16)
+            .store(u64::from(crc) | frames << 32, Ordering::Relaxed);
+        self.write_payload(off + STACK_HEADER, bytes);
+        loop {
+            self.word(off + 8).store(head, Ordering::Relaxed);
+            // Release publishes the record's words written above.
+            match head_word.compare_exchange(head, off, Ordering::Release, Ordering::Acquire) {
+                Ok(_) => {
+                    self.word(W_STACK_COUNT).fetch_add(1, Ordering::Relaxed);
+                    return Ok((ResourceKey(off), true));
+                }
+                Err(now) => {
+                    // Someone published first: look at just the new entries.
+                    if let Some(k) = self.find_in_chain(now, head, bytes, crc) {
+                        return Ok((ResourceKey(k), false));
+                    }
+                    head = now;
+                }
+            }
+        }
+    }
+
+    /// Stores a thread record (tid and name, truncated to
+    /// [`MAX_THREAD_NAME`] bytes) and returns its key. Never allocates.
+    pub fn insert_thread_info(&self, tid: u64, name: &[u8]) -> Result<ResourceKey, TableError> {
+        let name = &name[..name.len().min(MAX_THREAD_NAME)];
+        let size = THREAD_HEADER + round8(name.len() as u64);
+        let off = self.reserve(size)?;
+        let serial = self.word(W_THREAD_COUNT).fetch_add(1, Ordering::Relaxed);
+        self.word(off)
+            .store(u64::from(TAG_THREAD) | (name.len() as u64) << 32, Ordering::Relaxed);
+        self.word(off + 16).store(tid, Ordering::Relaxed);
+        self.word(off + 24).store(serial, Ordering::Relaxed);
+        self.write_payload(off + THREAD_HEADER, name);
+        let head_word = self.word(W_THREADS);
+        let mut head = head_word.load(Ordering::Relaxed);
+        loop {
+            self.word(off + 8).store(head, Ordering::Relaxed);
+            match head_word.compare_exchange_weak(head, off, Ordering::Release, Ordering::Relaxed)
+            {
+                Ok(_) => return Ok(ResourceKey(off)),
+                Err(now) => head = now,
+            }
+        }
+    }
+
+    /// Adds one allocation of `size` bytes to the cumulative counters of
+    /// the stack `key` (from [`Self::intern_stack_trace`]). Lock-free.
+    #[inline]
+    pub fn record_allocation(&self, key: ResourceKey, size: u64) {
+        let k = key.0;
+        if k < self.layout.data_off || k % 8 != 0 || k + STACK_HEADER > self.layout.data_end {
+            return;
+        }
+        self.word(k + 24).fetch_add(1, Ordering::Relaxed);
+        self.word(k + 32).fetch_add(size, Ordering::Relaxed);
+    }
+
+    /// Bytes of the data area in use.
+    pub fn used_bytes(&self) -> u64 {
+        self.word(W_BUMP).load(Ordering::Relaxed) - self.layout.data_off
+    }
+}
+
+/// A decoded stack record.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StackRecord {
+    /// Return addresses, innermost (leaf) first.
+    pub frames: Vec<u64>,
+    /// Allocations ever made from this stack.
+    pub alloc_count: u64,
+    /// Bytes ever allocated from this stack.
+    pub alloc_bytes: u64,
+}
+
+/// A decoded thread record.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ThreadRecord {
+    /// Kernel thread id.
+    pub tid: u64,
+    /// Order in which the thread was registered (0 first).
+    pub serial: u64,
+    /// Thread name (lossy UTF-8).
+    pub name: String,
+}
+
+/// All stack records of a region, twins folded together.
+#[derive(Clone, Debug, Default)]
+pub struct StackCatalog {
+    /// One entry per distinct trace.
+    pub stacks: Vec<StackRecord>,
+    /// Every key seen, to its index in `stacks`.
+    pub by_key: HashMap<ResourceKey, usize>,
+    /// Why the walk was incomplete, if it was.
+    pub partial: Option<String>,
+}
+
+/// Read-only access to a resources region (the dumper's side).
+#[derive(Clone, Copy, Debug)]
+pub struct ResourcesReader<'a> {
+    view: SharedView,
+    layout: Layout,
+    _region: std::marker::PhantomData<&'a ()>,
+}
+
+impl<'a> ResourcesReader<'a> {
+    /// Validates the layout of a mapped resources region.
+    pub fn new(region: &'a RegionReader) -> Result<Self, TableError> {
+        let h = region.header();
+        if region.kind() != RegionKind::Resources {
+            return Err(TableError::WrongKind {
+                found: h.kind,
+                expected: RegionKind::Resources as u32,
+            });
+        }
+        let layout = Layout::from_header(&h.layout, h.region_size)?;
+        Ok(ResourcesReader {
+            view: region.view(),
+            layout,
+            _region: std::marker::PhantomData,
+        })
+    }
+
+    /// Reads any bytes as a resources region (fuzzing, tests): validates
+    /// the header first.
+    ///
+    /// # Safety
+    /// `view` must stay mapped for `'a`.
+    pub unsafe fn from_view(view: SharedView) -> Result<Self, TableError> {
+        let h = parse_header(&view, RegionKind::Resources)?;
+        let layout = Layout::from_header(&h.layout, h.region_size)?;
+        Ok(ResourcesReader {
+            view,
+            layout,
+            _region: std::marker::PhantomData,
+        })
+    }
+
+    /// End of the published data (bump pointer, clamped to the region).
+    fn limit(&self) -> u64 {
+        let b = self.view.load_u64(W_BUMP).unwrap_or(0);
+        fence(Ordering::Acquire);
+        b.clamp(self.layout.data_off, self.layout.data_end)
+    }
+
+    fn check_key(&self, key: ResourceKey, tag: u32, hdr: u64) -> Result<(u64, u64), TableError> {
+        let k = key.0;
+        let bad = |why| Err(TableError::BadKey { key: k, why });
+        if k % 8 != 0 {
+            return bad("misaligned");
+        }
+        let limit = self.limit();
+        if k < self.layout.data_off || k.saturating_add(hdr) > limit {
+            return bad("outside the data area");
+        }
+        let w0 = self.view.load_u64(k).unwrap_or(0);
+        if w0 as u32 != tag {
+            return bad("wrong record type");
+        }
+        let len = w0 >> 32;
+        let max = if tag == TAG_STACK {
+            MAX_ENCODED_LEN as u64
+        } else {
+            MAX_THREAD_NAME as u64
+        };
+        if len > max || k + hdr + len > limit {
+            return bad("length does not fit");
+        }
+        Ok((k, len))
+    }
+
+    /// The compressed bytes of the stack `key`.
+    pub fn stack_bytes(&self, key: ResourceKey) -> Result<Vec<u8>, TableError> {
+        let (k, len) = self.check_key(key, TAG_STACK, STACK_HEADER)?;
+        let mut out = Vec::new();
+        self.view
+            .copy_bytes(k + STACK_HEADER, len as usize, &mut out)
+            .ok_or(TableError::BadKey {
+                key: k,
+                why: "payload outside the mapping",
+            })?;
+        Ok(out)
+    }
+
+    /// The stack `key`, decoded.
+    pub fn stack(&self, key: ResourceKey) -> Result<StackRecord, TableError> {
+        let bytes = self.stack_bytes(key)?;
+        let frames = stack_compression::decode(&bytes, MAX_FRAMES)?;
+        let k = key.0;
+        Ok(StackRecord {
+            frames,
+            alloc_count: self.view.load_u64(k + 24).unwrap_or(0),
+            alloc_bytes: self.view.load_u64(k + 32).unwrap_or(0),
+        })
+    }
+
+    /// The thread record `key`.
+    pub fn thread(&self, key: ResourceKey) -> Result<ThreadRecord, TableError> {
+        let (k, len) = self.check_key(key, TAG_THREAD, THREAD_HEADER)?;
+        let mut name = Vec::new();
+        self.view
+            .copy_bytes(k + THREAD_HEADER, len as usize, &mut name)
+            .ok_or(TableError::BadKey {
+                key: k,
+                why: "name outside the mapping",
+            })?;
+        Ok(ThreadRecord {
+            tid: self.view.load_u64(k + 16).unwrap_or(0),
+            serial: self.view.load_u64(k + 24).unwrap_or(0),
+            name: String::from_utf8_lossy(&name).into_owned(),
+        })
+    }
+
+    fn max_records(&self) -> u64 {
+        (self.layout.data_end - self.layout.data_off) / THREAD_HEADER + 1
+    }
+
+    /// Walks a list from `head`, bounded and cycle-safe; returns the keys
+    /// and whether the walk was cut short.
+    fn walk_list(
+        &self,
+        head: u64,
+        seen: &mut HashSet<u64>,
+        budget: &mut u64,
+        out: &mut Vec<ResourceKey>,
+    ) -> Option<&'static str> {
+        let mut cur = head;
+        while cur != 0 {
+            if *budget == 0 {
+                return Some("walk bound reached");
+            }
+            *budget -= 1;
+            if !seen.insert(cur) {
+                return Some("cycle in a list");
+            }
+            if cur % 8 != 0 || cur < self.layout.data_off || cur + 16 > self.layout.data_end {
+                return Some("link outside the data area");
+            }
+            out.push(ResourceKey(cur));
+            match self.view.load_u64(cur + 8) {
+                Some(n) => cur = n,
+                None => return Some("link outside the mapping"),
+            }
+        }
+        None
+    }
+
+    /// Every stack record, with twins (equal bytes stored twice by a race)
+    /// folded into one entry whose counters are the sums.
+    pub fn stacks(&self) -> StackCatalog {
+        let mut seen = HashSet::new();
+        let mut budget = self.max_records();
+        let mut keys = Vec::new();
+        let mut partial = None;
+        for b in 0..self.layout.buckets {
+            let head = self
+                .view
+                .load_u64(self.layout.buckets_off + 8 * b)
+                .unwrap_or(0);
+            fence(Ordering::Acquire);
+            if let Some(why) = self.walk_list(head, &mut seen, &mut budget, &mut keys) {
+                partial.get_or_insert_with(|| why.to_string());
+                if budget == 0 {
+                    break;
+                }
+            }
+        }
+        let mut catalog = StackCatalog::default();
+        let mut by_bytes: HashMap<Vec<u8>, usize> = HashMap::new();
+        for key in keys {
+            let bytes = match self.stack_bytes(key) {
+                Ok(b) => b,
+                Err(e) => {
+                    partial.get_or_insert_with(|| e.to_string());
+                    continue;
+                }
+            };
+            let rec = match self.stack(key) {
+                Ok(r) => r,
+                Err(e) => {
+                    partial.get_or_insert_with(|| e.to_string());
+                    continue;
+                }
+            };
+            let idx = match by_bytes.get(&bytes) {
+                Some(&i) => {
+                    let s = &mut catalog.stacks[i];
+                    s.alloc_count = s.alloc_count.saturating_add(rec.alloc_count);
+                    s.alloc_bytes = s.alloc_bytes.saturating_add(rec.alloc_bytes);
+                    i
+                }
+                None => {
+                    catalog.stacks.push(rec);
+                    by_bytes.insert(bytes, catalog.stacks.len() - 1);
+                    catalog.stacks.len() - 1
+                }
+            };
+            catalog.by_key.insert(key, idx);
+        }
+        catalog.partial = partial;
+        catalog
+    }
+
+    /// Every thread record (newest first), and why the walk was cut short
+    /// if it was.
+    pub fn threads(&self) -> (Vec<(ResourceKey, ThreadRecord)>, Option<String>) {
+        let head = self.view.load_u64(W_THREADS).unwrap_or(0);
+        fence(Ordering::Acquire);
+        let mut seen = HashSet::new();
+        let mut budget = self.max_records();
+        let mut keys = Vec::new();
+        let mut partial = self
+            .walk_list(head, &mut seen, &mut budget, &mut keys)
+            .map(str::to_string);
+        let mut out = Vec::with_capacity(keys.len());
+        for k in keys {
+            match self.thread(k) {
+                Ok(t) => out.push((k, t)),
+                Err(e) => {
+                    partial.get_or_insert_with(|| e.to_string());
+                }
+            }
+        }
+        (out, partial)
+    }
+
+    /// Number of stack records stored (as counted by the writer).
+    pub fn stack_count(&self) -> u64 {
+        self.view.load_u64(W_STACK_COUNT).unwrap_or(0)
+    }
+}
