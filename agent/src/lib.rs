@@ -1,1 +1,25 @@
-//! x
+//! `heapdump-agent`: the in-process side of heapdump.
+//!
+//! It records every live heap allocation of the process, with its stack
+//! trace (frame-pointer walk) and thread, into two sealed shared-memory
+//! regions (`heapdump.resources`, `heapdump.allocations`) that the
+//! `heapdump` dumper maps read-only from outside. Use it as a Rust global
+//! allocator ([`Agent`]), or through `libheapdump_preload.so` for any
+//! program. It never allocates on its own path, never takes a lock a
+//! reader holds, and turns every failure into a dropped-event count: it
+//! must never be the reason a service crashes or hangs.
+//!
+//! Configuration is read from `HEAPDUMP_*` environment variables at start
+//! (see [`config::Config`]).
+
+#![deny(missing_docs)]
+
+pub mod config;
+mod global_alloc;
+pub mod recorder;
+mod signal;
+pub mod stack_capture;
+pub mod thread_state;
+
+pub use global_alloc::Agent;
+pub use recorder::{request_snapshot, start, stats, Stats};

@@ -1,0 +1,188 @@
+//! Configuration from environment variables, read once at start-up.
+//!
+//! Invariant: reading the configuration never allocates (it uses
+//! `getenv`, which returns a pointer into the environment block), so it is
+//! safe inside the first `malloc` of a process.
+
+use std::ffi::CStr;
+
+use heapdump_table::stack_compression::MAX_FRAMES;
+
+/// Default signal that requests a snapshot.
+pub const DEFAULT_SIGNAL: libc::c_int = libc::SIGUSR2;
+
+/// The agent's settings.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Config {
+    /// `HEAPDUMP_DISABLE=1`: record nothing, create no regions.
+    pub disabled: bool,
+    /// `HEAPDUMP_MAX_FRAMES` (1..=64, default 64).
+    pub max_frames: usize,
+    /// `HEAPDUMP_SIGNAL`: signal number, or 0 for none (default SIGUSR2).
+    pub signal: libc::c_int,
+    /// `HEAPDUMP_CAPACITY`: most live blocks recorded (default 16 Mi).
+    pub capacity: u64,
+    /// `HEAPDUMP_SHARDS`: allocation table shards (power of two, default 256).
+    pub shards: u64,
+    /// `HEAPDUMP_RESOURCES_MB`: size of the resources region in MiB
+    /// (default 256; sparse, only used pages cost memory).
+    pub resources_bytes: u64,
+    /// `HEAPDUMP_QUIET=1`: no messages on stderr.
+    pub quiet: bool,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            disabled: false,
+            max_frames: MAX_FRAMES,
+            signal: DEFAULT_SIGNAL,
+            capacity: 16 << 20,
+            shards: 256,
+            resources_bytes: 256 << 20,
+            quiet: false,
+        }
+    }
+}
+
+fn env(name: &CStr) -> Option<&'static [u8]> {
+    // SAFETY: getenv is given a NUL-terminated name; the returned pointer,
+    // if non-null, points at a NUL-terminated string in the environment
+    // block, which lives for the process (we never call setenv).
+    unsafe {
+        let p = libc::getenv(name.as_ptr());
+        if p.is_null() {
+            None
+        } else {
+            Some(CStr::from_ptr(p).to_bytes())
+        }
+    }
+}
+
+fn parse_u64(v: &[u8]) -> Option<u64> {
+    let s = std::str::from_utf8(v).ok()?.trim();
+    s.parse().ok()
+}
+
+fn truthy(v: &[u8]) -> bool {
+    !matches!(v, b"" | b"0" | b"false" | b"no" | b"off")
+}
+
+/// Parses a signal given by number (`12`), name (`SIGUSR2`, `USR2`) or
+/// real-time offset (`SIGRTMIN+3`); `0`/`none`/`off` disables. `None` if
+/// unrecognised.
+pub fn parse_signal(v: &[u8]) -> Option<libc::c_int> {
+    let s = std::str::from_utf8(v).ok()?.trim();
+    if let Ok(n) = s.parse::<libc::c_int>() {
+        return (0..=libc::SIGRTMAX()).contains(&n).then_some(n);
+    }
+    if s.eq_ignore_ascii_case("none") || s.eq_ignore_ascii_case("off") {
+        return Some(0);
+    }
+    let name = match s.get(..3) {
+        Some(p) if p.eq_ignore_ascii_case("SIG") => &s[3..],
+        _ => s,
+    };
+    if name.len() >= 5 && name[..5].eq_ignore_ascii_case("RTMIN") {
+        let rest = &name[5..];
+        let off: libc::c_int = if rest.is_empty() {
+            0
+        } else {
+            rest.strip_prefix('+')?.parse().ok()?
+        };
+        let n = libc::SIGRTMIN() + off;
+        return (n <= libc::SIGRTMAX()).then_some(n);
+    }
+    let is = |n: &str| name.eq_ignore_ascii_case(n);
+    [
+        ("USR1", libc::SIGUSR1),
+        ("USR2", libc::SIGUSR2),
+        ("HUP", libc::SIGHUP),
+        ("URG", libc::SIGURG),
+        ("WINCH", libc::SIGWINCH),
+        ("PROF", libc::SIGPROF),
+        ("PWR", libc::SIGPWR),
+    ]
+    .into_iter()
+    .find(|(n, _)| is(n))
+    .map(|(_, v)| v)
+}
+
+impl Config {
+    /// Reads `HEAPDUMP_*` variables; invalid values keep the default (and
+    /// are reported once on stderr by the caller via `warnings`).
+    pub fn from_env() -> (Config, Warnings) {
+        let mut c = Config::default();
+        let mut w = Warnings::default();
+        if let Some(v) = env(c"HEAPDUMP_DISABLE") {
+            c.disabled = truthy(v);
+        }
+        if let Some(v) = env(c"HEAPDUMP_QUIET") {
+            c.quiet = truthy(v);
+        }
+        if let Some(v) = env(c"HEAPDUMP_MAX_FRAMES") {
+            match parse_u64(v) {
+                Some(n) if (1..=MAX_FRAMES as u64).contains(&n) => c.max_frames = n as usize,
+                _ => w.bad_max_frames = true,
+            }
+        }
+        if let Some(v) = env(c"HEAPDUMP_SIGNAL") {
+            match parse_signal(v) {
+                Some(s) => c.signal = s,
+                None => w.bad_signal = true,
+            }
+        }
+        if let Some(v) = env(c"HEAPDUMP_CAPACITY") {
+            match parse_u64(v) {
+                Some(n) if n >= 1 && n <= heapdump_table::allocations_table::MAX_NODES => {
+                    c.capacity = n
+                }
+                _ => w.bad_capacity = true,
+            }
+        }
+        if let Some(v) = env(c"HEAPDUMP_SHARDS") {
+            match parse_u64(v) {
+                Some(n) if n.is_power_of_two() && n <= 65536 => c.shards = n,
+                _ => w.bad_shards = true,
+            }
+        }
+        if let Some(v) = env(c"HEAPDUMP_RESOURCES_MB") {
+            match parse_u64(v) {
+                Some(n) if (1..=1 << 20).contains(&n) => c.resources_bytes = n << 20,
+                _ => w.bad_resources = true,
+            }
+        }
+        (c, w)
+    }
+}
+
+/// Which variables were set to values the agent could not use.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Warnings {
+    /// `HEAPDUMP_MAX_FRAMES` invalid.
+    pub bad_max_frames: bool,
+    /// `HEAPDUMP_SIGNAL` invalid.
+    pub bad_signal: bool,
+    /// `HEAPDUMP_CAPACITY` invalid.
+    pub bad_capacity: bool,
+    /// `HEAPDUMP_SHARDS` invalid.
+    pub bad_shards: bool,
+    /// `HEAPDUMP_RESOURCES_MB` invalid.
+    pub bad_resources: bool,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn signals_parse_by_name_number_and_rt_offset() {
+        assert_eq!(parse_signal(b"SIGUSR1"), Some(libc::SIGUSR1));
+        assert_eq!(parse_signal(b"usr2"), Some(libc::SIGUSR2));
+        assert_eq!(parse_signal(b"10"), Some(10));
+        assert_eq!(parse_signal(b"none"), Some(0));
+        assert_eq!(parse_signal(b"SIGRTMIN+2"), Some(libc::SIGRTMIN() + 2));
+        assert_eq!(parse_signal(b"SIGKILLME"), None);
+        assert_eq!(parse_signal(b"999"), None);
+    }
+}

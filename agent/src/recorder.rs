@@ -1,0 +1,437 @@
+//! The recorder: process-wide agent state and the work done for each
+//! allocation event, shared by the `GlobalAlloc` wrapper and the
+//! `LD_PRELOAD` library.
+//!
+//! Invariants:
+//! - State machine `UNINIT -> INITIALIZING -> READY` (or `DISABLED`). One
+//!   thread wins the CAS to INITIALIZING and builds the regions with its
+//!   `busy` flag set; other threads' events meanwhile pass through
+//!   unrecorded and are counted as dropped (`not_ready`). READY is stored
+//!   with Release after the region statics are written; every reader
+//!   loads it with Acquire before touching them.
+//! - Nothing on the event path allocates, blocks on a lock another process
+//!   holds, or panics into the caller: failures become dropped counts.
+//! - A block is removed from the table *before* the memory is returned to
+//!   the allocator (free, and realloc, which may move), so an address
+//!   reused by another thread can never be removed by a late free.
+//! - After `fork`, the child closes and unmaps its parent's regions in the
+//!   atfork child handler and starts a new generation on its next event:
+//!   it never writes into its parent's regions.
+
+use std::cell::UnsafeCell;
+use std::mem::MaybeUninit;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
+
+use heapdump_table::header::{read_counters, DroppedReason, HeaderCounters};
+use heapdump_table::stack_compression::{encode_into, MAX_ENCODED_LEN, MAX_FRAMES};
+use heapdump_table::{
+    AllocationRecord, AllocationsConfig, AllocationsWriter, InsertError, RegionWriter,
+    ResourceKey, ResourcesWriter,
+};
+
+use crate::config::{Config, Warnings};
+use crate::stack_capture;
+use crate::thread_state::{trace_hash, CacheEntry, ThreadState, CACHE_SIZE, THREAD};
+
+const UNINIT: u8 = 0;
+const INITIALIZING: u8 = 1;
+const READY: u8 = 2;
+const DISABLED: u8 = 3;
+
+static STATE: AtomicU8 = AtomicU8::new(UNINIT);
+static GENERATION: AtomicU64 = AtomicU64::new(1);
+static NOT_READY: AtomicU64 = AtomicU64::new(0);
+static ONCE_HOOKS: AtomicBool = AtomicBool::new(false);
+
+/// A static slot written once per generation before READY is published.
+struct Slot<T>(UnsafeCell<MaybeUninit<T>>);
+// SAFETY: the slot is written only by the one thread that owns the
+// INITIALIZING state (or the single thread of a freshly forked child), and
+// read only after observing READY with Acquire, which orders the write
+// before every read.
+unsafe impl<T> Sync for Slot<T> {}
+
+static RESOURCES_REGION: Slot<RegionWriter> = Slot(UnsafeCell::new(MaybeUninit::uninit()));
+static ALLOCATIONS_REGION: Slot<RegionWriter> = Slot(UnsafeCell::new(MaybeUninit::uninit()));
+static WRITERS: Slot<Writers> = Slot(UnsafeCell::new(MaybeUninit::uninit()));
+
+struct Writers {
+    resources: ResourcesWriter<'static>,
+    allocations: AllocationsWriter<'static>,
+    counters: HeaderCounters,
+    clock_base_ns: u64,
+    config: Config,
+}
+
+/// The writers, if the agent is READY.
+#[inline]
+fn writers() -> Option<&'static Writers> {
+    if STATE.load(Ordering::Acquire) == READY {
+        // SAFETY: READY (Acquire) is published only after WRITERS was
+        // written (see `init`), and WRITERS is not rewritten while READY.
+        Some(unsafe { (*WRITERS.0.get()).assume_init_ref() })
+    } else {
+        None
+    }
+}
+
+fn stderr(msg: &[u8]) {
+    // SAFETY: write(2) on fd 2 with a valid buffer; the result is ignored
+    // (a closed stderr must not matter).
+    unsafe {
+        libc::write(2, msg.as_ptr().cast(), msg.len());
+    }
+}
+
+fn report_warnings(w: &Warnings) {
+    let pairs = [
+        (w.bad_max_frames, &b"heapdump: ignoring invalid HEAPDUMP_MAX_FRAMES (1..=64)\n"[..]),
+        (w.bad_signal, b"heapdump: ignoring invalid HEAPDUMP_SIGNAL\n"),
+        (w.bad_capacity, b"heapdump: ignoring invalid HEAPDUMP_CAPACITY\n"),
+        (w.bad_shards, b"heapdump: ignoring invalid HEAPDUMP_SHARDS (power of two <= 65536)\n"),
+        (w.bad_resources, b"heapdump: ignoring invalid HEAPDUMP_RESOURCES_MB\n"),
+    ];
+    for (bad, msg) in pairs {
+        if bad {
+            stderr(msg);
+        }
+    }
+}
+
+/// Makes the agent READY if it can. Returns the writers, or `None` while
+/// another thread initialises, or if the agent is disabled.
+/// Must be called with this thread's `busy` flag set.
+#[cold]
+fn init() -> Option<&'static Writers> {
+    if STATE
+        .compare_exchange(UNINIT, INITIALIZING, Ordering::Acquire, Ordering::Acquire)
+        .is_err()
+    {
+        return writers();
+    }
+    let (config, warnings) = Config::from_env();
+    if !config.quiet {
+        report_warnings(&warnings);
+    }
+    if config.disabled {
+        STATE.store(DISABLED, Ordering::Release);
+        return None;
+    }
+    let made = ResourcesWriter::create_region(
+        config.resources_bytes,
+        heapdump_table::resources_table::DEFAULT_BUCKETS,
+    )
+    .and_then(|r| {
+        AllocationsWriter::create_region(AllocationsConfig {
+            capacity: config.capacity,
+            shards: config.shards,
+        })
+        .map(|a| (r, a))
+    });
+    let (res, alloc) = match made {
+        Ok(p) => p,
+        Err(e) => {
+            if !config.quiet {
+                stderr(b"heapdump: cannot create shared regions, not recording: ");
+                let mut buf = [0u8; 256];
+                let mut cur = std::io::Cursor::new(&mut buf[..]);
+                let _ = std::io::Write::write_fmt(&mut cur, format_args!("{e}\n"));
+                let n = cur.position() as usize;
+                stderr(&buf[..n]);
+            }
+            STATE.store(DISABLED, Ordering::Release);
+            return None;
+        }
+    };
+    // SAFETY: we own INITIALIZING, so nobody reads or writes these slots
+    // concurrently; previous contents (a forked child's parent regions)
+    // were already released by `after_fork_child`, so overwriting without
+    // dropping leaks nothing.
+    let w = unsafe {
+        (*RESOURCES_REGION.0.get()).write(res);
+        (*ALLOCATIONS_REGION.0.get()).write(alloc);
+        let res: &'static RegionWriter = (*RESOURCES_REGION.0.get()).assume_init_ref();
+        let alloc: &'static RegionWriter = (*ALLOCATIONS_REGION.0.get()).assume_init_ref();
+        let (Ok(resources), Ok(allocations)) =
+            (ResourcesWriter::new(res), AllocationsWriter::new(alloc))
+        else {
+            STATE.store(DISABLED, Ordering::Release);
+            return None;
+        };
+        (*WRITERS.0.get()).write(Writers {
+            resources,
+            allocations,
+            counters: alloc.counters(),
+            clock_base_ns: alloc.header().clock_monotonic_ns,
+            config,
+        })
+    };
+    let missed = NOT_READY.swap(0, Ordering::Relaxed);
+    for _ in 0..missed.min(1 << 20) {
+        w.counters.on_dropped(DroppedReason::NotReady);
+    }
+    if !ONCE_HOOKS.swap(true, Ordering::Relaxed) {
+        crate::signal::install(config.signal, config.quiet);
+        // SAFETY: registering plain `extern "C"` functions without
+        // arguments; pthread_atfork may allocate, which passes through
+        // because this thread is busy.
+        unsafe {
+            libc::pthread_atfork(None, None, Some(after_fork_child));
+        }
+    }
+    GENERATION.fetch_add(1, Ordering::Relaxed);
+    // Release: the slots above are written before any thread sees READY.
+    STATE.store(READY, Ordering::Release);
+    Some(w)
+}
+
+/// atfork child handler: release the parent's regions (close the memfds,
+/// unmap them) so the child can never write into them; the child builds
+/// its own on its next allocation.
+extern "C" fn after_fork_child() {
+    if STATE.load(Ordering::Acquire) == READY {
+        // SAFETY: the child has a single thread, which is inside fork() and
+        // not inside the agent, so nobody holds references into the slots.
+        // Dropping the writers closes the fds and unmaps (no allocation).
+        unsafe {
+            std::ptr::drop_in_place((*RESOURCES_REGION.0.get()).as_mut_ptr());
+            std::ptr::drop_in_place((*ALLOCATIONS_REGION.0.get()).as_mut_ptr());
+        }
+    }
+    // A parent thread was initialising: its half-built state is not ours.
+    GENERATION.fetch_add(1, Ordering::Relaxed);
+    STATE.store(UNINIT, Ordering::Release);
+}
+
+/// Runs `f` with this thread's state marked busy; returns `None` (and
+/// records nothing) when the agent is already busy on this thread or the
+/// thread's TLS is gone.
+#[inline]
+fn with_thread<R>(f: impl FnOnce(&ThreadState) -> R) -> Option<R> {
+    THREAD
+        .try_with(|t| {
+            if t.busy.get() {
+                if let Some(w) = writers() {
+                    w.counters.on_dropped(DroppedReason::Reentrant);
+                }
+                return None;
+            }
+            t.busy.set(true);
+            let r = f(t);
+            t.busy.set(false);
+            Some(r)
+        })
+        .ok()
+        .flatten()
+}
+
+#[inline]
+fn ready_writers() -> Option<&'static Writers> {
+    match writers() {
+        Some(w) => Some(w),
+        None => match STATE.load(Ordering::Acquire) {
+            DISABLED => None,
+            _ => {
+                let w = init();
+                if w.is_none() && STATE.load(Ordering::Relaxed) != DISABLED {
+                    NOT_READY.fetch_add(1, Ordering::Relaxed);
+                }
+                w
+            }
+        },
+    }
+}
+
+fn coarse_now_ns() -> u64 {
+    heapdump_table::region::clock_ns(libc::CLOCK_MONOTONIC_COARSE)
+}
+
+#[cold]
+fn register_thread(w: &Writers, t: &ThreadState) {
+    // SAFETY: gettid has no preconditions.
+    let tid = unsafe { libc::syscall(libc::SYS_gettid) } as u64;
+    let mut name = [0u8; 16];
+    // SAFETY: PR_GET_NAME writes at most 16 bytes into the buffer.
+    unsafe {
+        libc::prctl(libc::PR_GET_NAME, name.as_mut_ptr());
+    }
+    let len = name.iter().position(|b| *b == 0).unwrap_or(16);
+    match w.resources.insert_thread_info(tid, &name[..len]) {
+        Ok(k) => t.thread_key.set(k.0),
+        Err(_) => w.counters.on_dropped(DroppedReason::ResourcesFull),
+    }
+    t.name.set(name);
+}
+
+#[cold]
+fn name_changed(t: &ThreadState) -> bool {
+    let mut name = [0u8; 16];
+    // SAFETY: PR_GET_NAME writes at most 16 bytes into the buffer.
+    unsafe {
+        libc::prctl(libc::PR_GET_NAME, name.as_mut_ptr());
+    }
+    name != t.name.get()
+}
+
+#[inline]
+fn prepare_thread(w: &Writers, t: &ThreadState) {
+    let generation = GENERATION.load(Ordering::Relaxed);
+    if t.generation.get() != generation {
+        t.reset(generation);
+    }
+    if !t.stack_known.get() {
+        t.stack_known.set(true);
+        t.stack
+            .set(stack_capture::current_thread_stack().unwrap_or((0, 0)));
+    }
+    let n = t.allocs.get();
+    t.allocs.set(n + 1);
+    // Threads are often named just after they start: look again at the
+    // 16th and 256th event, then every 4096th.
+    if t.thread_key.get() == 0 || ((n == 16 || n == 256 || n % 4096 == 4095) && name_changed(t))
+    {
+        register_thread(w, t);
+    }
+}
+
+#[inline]
+fn stack_key(w: &Writers, t: &ThreadState, fp: usize) -> Option<ResourceKey> {
+    let mut frames = [0u64; MAX_FRAMES];
+    let max = w.config.max_frames.min(MAX_FRAMES);
+    let n = stack_capture::walk(
+        fp,
+        stack_capture::stack_pointer(),
+        t.stack.get(),
+        &mut frames[..max],
+    );
+    let frames = &frames[..n];
+    let h = trace_hash(frames);
+    let slot = &t.cache[(h >> 56) as usize % CACHE_SIZE];
+    let e = slot.get();
+    if e.hash == h {
+        return Some(ResourceKey(e.key));
+    }
+    let mut buf = [0u8; MAX_ENCODED_LEN];
+    let len = encode_into(frames, &mut buf)?;
+    match w.resources.intern_stack_trace(&buf[..len]) {
+        Ok((key, _)) => {
+            slot.set(CacheEntry { hash: h, key: key.0 });
+            Some(key)
+        }
+        Err(_) => {
+            w.counters.on_dropped(DroppedReason::ResourcesFull);
+            None
+        }
+    }
+}
+
+/// Records a new block at `addr` of `size` bytes, allocated by the hook
+/// whose frame pointer is `fp`.
+#[inline]
+pub fn on_alloc(addr: usize, size: usize, fp: usize) {
+    if addr == 0 {
+        return;
+    }
+    with_thread(|t| {
+        let Some(w) = ready_writers() else { return };
+        prepare_thread(w, t);
+        let Some(stack) = stack_key(w, t, fp) else {
+            return;
+        };
+        let now_us = coarse_now_ns().saturating_sub(w.clock_base_ns) / 1000;
+        let rec = AllocationRecord {
+            address: addr as u64,
+            size: size as u64,
+            stack,
+            thread: ResourceKey(t.thread_key.get()),
+            timestamp_us: now_us,
+        };
+        match w.allocations.insert(&rec) {
+            Ok(()) => {}
+            // A free we never saw (memory released behind the allocator's
+            // back): the stale record is replaced by the new block.
+            Err(InsertError::Duplicate) => {
+                let _ = w.allocations.replace(rec.address, &rec);
+            }
+            Err(_) => return,
+        }
+        w.resources.record_allocation(stack, rec.size);
+    });
+}
+
+/// Removes the block at `addr` from the table; call *before* releasing
+/// the memory. Returns the recorded size, if the block was recorded.
+#[inline]
+pub fn on_free(addr: usize) -> Option<u64> {
+    if addr == 0 {
+        return None;
+    }
+    with_thread(|_| writers().and_then(|w| w.allocations.remove(addr as u64))).flatten()
+}
+
+/// Snapshot of the agent's process-wide counters.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Stats {
+    /// Bytes in live recorded blocks.
+    pub live_bytes: u64,
+    /// Live recorded blocks.
+    pub live_blocks: u64,
+    /// Highest `live_bytes` seen.
+    pub peak_live_bytes: u64,
+    /// Allocations recorded since start.
+    pub total_allocs: u64,
+    /// Bytes allocated since start.
+    pub total_bytes: u64,
+    /// Events not recorded (all reasons).
+    pub dropped: u64,
+    /// True when the agent is recording.
+    pub enabled: bool,
+}
+
+/// The agent's counters (zero when it is disabled or not started yet).
+pub fn stats() -> Stats {
+    let Some(w) = writers() else {
+        return Stats::default();
+    };
+    // SAFETY: READY was observed, so the region slot is initialised.
+    let view = unsafe { (*ALLOCATIONS_REGION.0.get()).assume_init_ref() }.view();
+    let c = read_counters(&view);
+    let _ = w;
+    Stats {
+        live_bytes: c.live_bytes,
+        live_blocks: c.live_blocks,
+        peak_live_bytes: c.peak_live_bytes,
+        total_allocs: c.total_allocs,
+        total_bytes: c.total_bytes,
+        dropped: c.dropped_total(),
+        enabled: true,
+    }
+}
+
+/// Asks a watching dumper for a snapshot named `name`.
+pub fn request_snapshot(name: &str) {
+    let w = match writers() {
+        Some(w) => Some(w),
+        None => with_thread(|_| ready_writers()).flatten(),
+    };
+    if let Some(w) = w {
+        w.counters
+            .request_snapshot(name, heapdump_table::monotonic_ns());
+    }
+}
+
+/// The async-signal-safe part of a signal request.
+pub(crate) fn request_snapshot_from_signal() {
+    if let Some(w) = writers() {
+        w.counters
+            .request_snapshot_signal_safe(heapdump_table::monotonic_ns());
+    }
+}
+
+/// Starts the agent now instead of at the first allocation (the preload
+/// library calls this from its constructor).
+pub fn start() {
+    with_thread(|_| {
+        ready_writers();
+    });
+}

@@ -1,0 +1,87 @@
+//! Per-thread state of the agent: the re-entrancy flag, the thread's
+//! record key, its stack bounds and a small cache of stacks already
+//! interned.
+//!
+//! Invariants:
+//! - The state is a `const`-initialised thread-local without a destructor,
+//!   so touching it never allocates and it stays valid until the thread's
+//!   memory is released (also while TLS destructors of other libraries run).
+//! - `busy` is set while the agent works on this thread; any allocation
+//!   that happens meanwhile (from the agent's own set-up, or from a signal
+//!   handler that interrupted it) passes through unrecorded.
+//! - Cached keys belong to one generation of regions (a new generation
+//!   starts in a forked child); a stale generation clears the cache.
+
+use std::cell::Cell;
+
+/// Entries in the per-thread stack cache (direct-mapped).
+pub const CACHE_SIZE: usize = 256;
+
+/// One cache entry: the hash of a captured trace and its resource key.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CacheEntry {
+    /// Hash of (frames, depth); 0 = empty.
+    pub hash: u64,
+    /// Resource key of the interned trace.
+    pub key: u64,
+}
+
+/// Everything the agent keeps per thread.
+pub struct ThreadState {
+    /// The agent is running on this thread.
+    pub busy: Cell<bool>,
+    /// Generation of the regions the keys below belong to.
+    pub generation: Cell<u64>,
+    /// Thread record key (0 = not registered in this generation).
+    pub thread_key: Cell<u64>,
+    /// Allocations recorded by this thread (drives name re-checks).
+    pub allocs: Cell<u64>,
+    /// Name bytes last registered (Linux names are up to 15 bytes).
+    pub name: Cell<[u8; 16]>,
+    /// Stack bounds `[lo, hi)`, or `(0, 0)` if unknown / not yet read.
+    pub stack: Cell<(usize, usize)>,
+    /// Stack bounds have been looked up.
+    pub stack_known: Cell<bool>,
+    /// Interned traces seen by this thread.
+    pub cache: [Cell<CacheEntry>; CACHE_SIZE],
+}
+
+const EMPTY_ENTRY: Cell<CacheEntry> = Cell::new(CacheEntry { hash: 0, key: 0 });
+
+thread_local! {
+    /// This thread's agent state.
+    pub static THREAD: ThreadState = const {
+        ThreadState {
+            busy: Cell::new(false),
+            generation: Cell::new(0),
+            thread_key: Cell::new(0),
+            allocs: Cell::new(0),
+            name: Cell::new([0; 16]),
+            stack: Cell::new((0, 0)),
+            stack_known: Cell::new(false),
+            cache: [EMPTY_ENTRY; CACHE_SIZE],
+        }
+    };
+}
+
+impl ThreadState {
+    /// Forgets every key (regions of a new generation).
+    pub fn reset(&self, generation: u64) {
+        for c in &self.cache {
+            c.set(CacheEntry::default());
+        }
+        self.thread_key.set(0);
+        self.allocs.set(0);
+        self.generation.set(generation);
+    }
+}
+
+/// Hash of a captured trace (never 0).
+#[inline]
+pub fn trace_hash(frames: &[u64]) -> u64 {
+    let mut h = 0x9e37_79b9_7f4a_7c15u64 ^ frames.len() as u64;
+    for &f in frames {
+        h = (h.rotate_left(5) ^ f).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
+    }
+    (h ^ (h >> 29)) | 1
+}
