@@ -25,8 +25,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use heapdump_table::header::{read_counters, DroppedReason, HeaderCounters};
 use heapdump_table::stack_compression::{encode_into, MAX_ENCODED_LEN, MAX_FRAMES};
 use heapdump_table::{
-    AllocationRecord, AllocationsConfig, AllocationsWriter, InsertError, RegionWriter,
-    ResourceKey, ResourcesWriter,
+    AllocationRecord, AllocationsConfig, AllocationsWriter, InsertError, RegionWriter, ResourceKey,
+    ResourcesWriter,
 };
 
 use crate::config::{Config, Warnings};
@@ -85,11 +85,26 @@ fn stderr(msg: &[u8]) {
 
 fn report_warnings(w: &Warnings) {
     let pairs = [
-        (w.bad_max_frames, &b"heapdump: ignoring invalid HEAPDUMP_MAX_FRAMES (1..=64)\n"[..]),
-        (w.bad_signal, b"heapdump: ignoring invalid HEAPDUMP_SIGNAL\n"),
-        (w.bad_capacity, b"heapdump: ignoring invalid HEAPDUMP_CAPACITY\n"),
-        (w.bad_shards, b"heapdump: ignoring invalid HEAPDUMP_SHARDS (power of two <= 65536)\n"),
-        (w.bad_resources, b"heapdump: ignoring invalid HEAPDUMP_RESOURCES_MB\n"),
+        (
+            w.bad_max_frames,
+            &b"heapdump: ignoring invalid HEAPDUMP_MAX_FRAMES (1..=64)\n"[..],
+        ),
+        (
+            w.bad_signal,
+            b"heapdump: ignoring invalid HEAPDUMP_SIGNAL\n",
+        ),
+        (
+            w.bad_capacity,
+            b"heapdump: ignoring invalid HEAPDUMP_CAPACITY\n",
+        ),
+        (
+            w.bad_shards,
+            b"heapdump: ignoring invalid HEAPDUMP_SHARDS (power of two <= 65536)\n",
+        ),
+        (
+            w.bad_resources,
+            b"heapdump: ignoring invalid HEAPDUMP_RESOURCES_MB\n",
+        ),
     ];
     for (bad, msg) in pairs {
         if bad {
@@ -211,6 +226,9 @@ fn with_thread<R>(f: impl FnOnce(&ThreadState) -> R) -> Option<R> {
     THREAD
         .try_with(|t| {
             if t.busy.get() {
+                if t.internal.get() {
+                    return None;
+                }
                 if let Some(w) = writers() {
                     w.counters.on_dropped(DroppedReason::Reentrant);
                 }
@@ -232,7 +250,15 @@ fn ready_writers() -> Option<&'static Writers> {
         None => match STATE.load(Ordering::Acquire) {
             DISABLED => None,
             _ => {
-                let w = init();
+                let w = THREAD
+                    .try_with(|t| {
+                        t.internal.set(true);
+                        let w = init();
+                        t.internal.set(false);
+                        w
+                    })
+                    .ok()
+                    .flatten();
                 if w.is_none() && STATE.load(Ordering::Relaxed) != DISABLED {
                     NOT_READY.fetch_add(1, Ordering::Relaxed);
                 }
@@ -281,15 +307,16 @@ fn prepare_thread(w: &Writers, t: &ThreadState) {
     }
     if !t.stack_known.get() {
         t.stack_known.set(true);
+        t.internal.set(true);
         t.stack
             .set(stack_capture::current_thread_stack().unwrap_or((0, 0)));
+        t.internal.set(false);
     }
     let n = t.allocs.get();
     t.allocs.set(n + 1);
     // Threads are often named just after they start: look again at the
     // 16th and 256th event, then every 4096th.
-    if t.thread_key.get() == 0 || ((n == 16 || n == 256 || n % 4096 == 4095) && name_changed(t))
-    {
+    if t.thread_key.get() == 0 || ((n == 16 || n == 256 || n % 4096 == 4095) && name_changed(t)) {
         register_thread(w, t);
     }
 }
@@ -315,7 +342,10 @@ fn stack_key(w: &Writers, t: &ThreadState, fp: usize) -> Option<ResourceKey> {
     let len = encode_into(frames, &mut buf)?;
     match w.resources.intern_stack_trace(&buf[..len]) {
         Ok((key, _)) => {
-            slot.set(CacheEntry { hash: h, key: key.0 });
+            slot.set(CacheEntry {
+                hash: h,
+                key: key.0,
+            });
             Some(key)
         }
         Err(_) => {

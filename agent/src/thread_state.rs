@@ -30,6 +30,9 @@ pub struct CacheEntry {
 pub struct ThreadState {
     /// The agent is running on this thread.
     pub busy: Cell<bool>,
+    /// The agent is doing its own set-up on this thread: allocations it
+    /// causes are its own, not the program's, and are not counted dropped.
+    pub internal: Cell<bool>,
     /// Generation of the regions the keys below belong to.
     pub generation: Cell<u64>,
     /// Thread record key (0 = not registered in this generation).
@@ -53,6 +56,7 @@ thread_local! {
     pub static THREAD: ThreadState = const {
         ThreadState {
             busy: Cell::new(false),
+            internal: Cell::new(false),
             generation: Cell::new(0),
             thread_key: Cell::new(0),
             allocs: Cell::new(0),
