@@ -134,7 +134,7 @@ impl Config {
         }
         if let Some(v) = env(c"HEAPDUMP_CAPACITY") {
             match parse_u64(v) {
-                Some(n) if n >= 1 && n <= heapdump_table::allocations_table::MAX_NODES => {
+                Some(n) if (1..=heapdump_table::allocations_table::MAX_NODES).contains(&n) => {
                     c.capacity = n
                 }
                 _ => w.bad_capacity = true,

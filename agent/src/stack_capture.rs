@@ -79,7 +79,7 @@ pub fn walk(fp: usize, sp: usize, stack: (usize, usize), out: &mut [u64]) -> usi
     let mut fp = fp;
     let mut n = 0;
     while n < out.len() {
-        if fp < sp || fp % 8 != 0 || fp.saturating_add(16) > hi {
+        if fp < sp || !fp.is_multiple_of(8) || fp.saturating_add(16) > hi {
             break;
         }
         // SAFETY: fp..fp+16 lies inside [sp, hi), the live part of this

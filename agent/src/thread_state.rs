@@ -49,6 +49,9 @@ pub struct ThreadState {
     pub cache: [Cell<CacheEntry>; CACHE_SIZE],
 }
 
+// A `const` item (not a static) on purpose: it is the array initialiser,
+// copied into each thread's state, never shared.
+#[allow(clippy::declare_interior_mutable_const)]
 const EMPTY_ENTRY: Cell<CacheEntry> = Cell::new(CacheEntry { hash: 0, key: 0 });
 
 thread_local! {

@@ -39,7 +39,7 @@ pub fn preload_lib() -> PathBuf {
     p
 }
 
-/// Compiles `tests/c/NAME.c` (with frame pointers, non-PIE) into the
+/// Compiles `tests/c/NAME.c` or `NAME.cpp` (with frame pointers, non-PIE) into the
 /// profile directory once per test process and returns its path.
 pub fn compile_c(name: &str) -> PathBuf {
     static BUILT: std::sync::Mutex<Vec<(String, PathBuf)>> = std::sync::Mutex::new(Vec::new());
@@ -53,14 +53,17 @@ pub fn compile_c(name: &str) -> PathBuf {
 }
 
 fn compile_c_uncached(name: &str) -> PathBuf {
-    let src = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("c")
-        .join(format!("{name}.c"));
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("c");
+    let (src, compiler) = if dir.join(format!("{name}.cpp")).exists() {
+        (dir.join(format!("{name}.cpp")), "g++")
+    } else {
+        (dir.join(format!("{name}.c")), "cc")
+    };
     let out_dir = profile_dir().join("c-test-programs");
     std::fs::create_dir_all(&out_dir).unwrap();
     // One output per test process avoids races between test binaries.
     let out = out_dir.join(format!("{name}-{}", std::process::id()));
-    let status = Command::new("cc")
+    let status = Command::new(compiler)
         .args([
             "-O1",
             "-g",
@@ -72,8 +75,8 @@ fn compile_c_uncached(name: &str) -> PathBuf {
         .arg(&out)
         .arg(&src)
         .status()
-        .expect("run cc");
-    assert!(status.success(), "cc failed for {}", src.display());
+        .unwrap_or_else(|e| panic!("run {compiler}: {e}"));
+    assert!(status.success(), "{compiler} failed for {}", src.display());
     out
 }
 
@@ -84,11 +87,18 @@ pub struct Target {
     pub child: Child,
     stdin: Option<ChildStdin>,
     lines: mpsc::Receiver<String>,
+    last: String,
 }
 
 impl Target {
     /// Spawns `cmd` (stdout piped) and waits for its `ready` line.
-    pub fn spawn(mut cmd: Command) -> Target {
+    pub fn spawn(cmd: Command) -> Target {
+        Self::spawn_until(cmd, "ready")
+    }
+
+    /// Spawns `cmd` (stdout piped) and waits for a line starting with
+    /// `prefix` (see [`Self::last_line`]).
+    pub fn spawn_until(mut cmd: Command, prefix: &str) -> Target {
         cmd.stdin(Stdio::piped()).stdout(Stdio::piped());
         let mut child = cmd.spawn().expect("spawn target");
         let stdout = child.stdout.take().unwrap();
@@ -106,16 +116,25 @@ impl Target {
             child,
             stdin,
             lines: rx,
+            last: String::new(),
         };
-        t.wait_line("ready");
+        t.wait_line(prefix);
         t
+    }
+
+    /// The last line returned by a wait.
+    pub fn last_line(&self) -> &str {
+        &self.last
     }
 
     /// Waits for a stdout line starting with `prefix` and returns it.
     pub fn wait_line(&mut self, prefix: &str) -> String {
         loop {
             match self.lines.recv_timeout(HANG_GUARD) {
-                Ok(l) if l.starts_with(prefix) => return l,
+                Ok(l) if l.starts_with(prefix) => {
+                    self.last = l.clone();
+                    return l;
+                }
                 Ok(_) => continue,
                 Err(e) => {
                     let _ = self.child.kill();

@@ -1,0 +1,251 @@
+//! The agent under the lifecycle events a long-running service goes
+//! through: thread exit storms with allocating TLS destructors, allocation
+//! before main and after it returns, fork and fork+exec, snapshot requests
+//! by signal and API (and a program that handles the signal itself), a full
+//! table, C++ new/delete, and HEAPDUMP_DISABLE.
+
+use std::os::unix::process::CommandExt;
+use std::process::Command;
+
+use heapdump_tests::*;
+
+fn preloaded(exe: &std::path::Path) -> Command {
+    let mut c = Command::new(exe);
+    c.env("LD_PRELOAD", preload_lib());
+    c
+}
+
+#[test]
+fn thread_exit_storm_keeps_exact_accounting() {
+    let exe = compile_c("threads");
+    let target = Target::spawn(preloaded(&exe));
+    let pid = target.pid();
+    let d = dump(pid);
+    assert_eq!(d.partial, None);
+    let syms = Symbols::of_process(&exe, pid);
+    let t = by_site(&d, &syms, "site_");
+    let get = |s: &str| t.get(s).map(|e| (e.0, e.1)).unwrap_or_default();
+    assert_eq!(get("site_ctor"), (1, 4321), "allocation before main");
+    assert_eq!(get("site_worker"), (200, 200 * 640), "{t:#?}");
+    // Every TLS block (99 bytes) was freed by its destructor, which kept a
+    // 48-byte block allocated during thread exit.
+    assert_eq!(get("site_tls_dtor"), (200, 200 * 48), "{t:#?}");
+    assert!(
+        !t.values().any(|e| e.2.contains(&99)),
+        "TLS blocks leaked: {t:#?}"
+    );
+    assert_eq!(d.counters.dropped_total(), 0, "{:?}", d.counters.dropped);
+    let status = target.finish();
+    assert!(status.success(), "atexit allocation crashed it: {status:?}");
+}
+
+#[test]
+fn fork_child_gets_own_regions_and_exec_inherits_none() {
+    let exe = compile_c("forkexec");
+    let mut target = Target::spawn_until(preloaded(&exe), "child-fds");
+    let fds = target.last_line().to_string();
+    assert!(
+        !fds.contains("heapdump"),
+        "exec'd image sees regions: {fds}"
+    );
+    let ready = target.wait_line("ready");
+    let mut it = ready.split_whitespace().skip(1);
+    let parent: u32 = it.next().unwrap().parse().unwrap();
+    let child: u32 = it.next().unwrap().parse().unwrap();
+    assert_eq!(parent, target.pid());
+
+    let syms_p = Symbols::of_process(&exe, parent);
+    let dp = dump(parent);
+    assert_eq!(dp.writer_pid, parent);
+    let tp = by_site(&dp, &syms_p, "site_");
+    assert_eq!(tp.get("site_parent").map(|e| e.0), Some(40));
+    assert_eq!(tp.get("site_parent_after").map(|e| e.0), Some(10));
+    assert!(
+        !tp.contains_key("site_child"),
+        "child wrote into the parent's table"
+    );
+
+    let dc = dump(child);
+    assert_eq!(dc.writer_pid, child, "child reads its parent's regions");
+    let tc = by_site(&dc, &syms_p, "site_");
+    assert_eq!(
+        tc.get("site_child").map(|e| (e.0, e.1)),
+        Some((25, 25 * 222))
+    );
+    assert!(!tc.contains_key("site_parent_after"));
+    // Only one pair of regions is open in the child.
+    let memfds = std::fs::read_dir(format!("/proc/{child}/fd"))
+        .unwrap()
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .filter(|l| l.to_string_lossy().contains("heapdump"))
+        .count();
+    assert_eq!(memfds, 2);
+    assert!(target.finish().success());
+}
+
+#[test]
+fn rust_fork_while_threads_allocate() {
+    let exe = env!("CARGO_BIN_EXE_rust_fork");
+    let target = Target::spawn(Command::new(exe));
+    let ready = target.last_line().to_string();
+    let child: u32 = ready.split_whitespace().nth(2).unwrap().parse().unwrap();
+    let syms = Symbols::of_process(exe.as_ref(), target.pid());
+    let dp = dump(target.pid());
+    let dc = dump(child);
+    assert_eq!(dc.writer_pid, child);
+    let tp = by_site(&dp, &syms, "rust_fork::");
+    let tc = by_site(&dc, &syms, "rust_fork::");
+    // 40 blocks of 111 bytes and the 40-element outer Vec (24-byte items).
+    assert_eq!(
+        tp.get("parent_site").map(|e| (e.0, e.1)),
+        Some((41, 40 * 111 + 40 * 24))
+    );
+    assert!(!tp.contains_key("child_site"));
+    assert_eq!(
+        tc.get("child_site").map(|e| (e.0, e.1)),
+        Some((26, 25 * 222 + 25 * 24))
+    );
+    assert!(
+        !tc.contains_key("parent_site"),
+        "inherited blocks reported in child"
+    );
+    assert!(target.finish().success());
+}
+
+#[test]
+fn signal_and_api_requests_are_counted() {
+    let exe = compile_c("signals");
+    let mut target = Target::spawn(preloaded(&exe));
+    let pid = target.pid();
+    assert_eq!(dump(pid).request.count, 0);
+    target.send("raise");
+    target.wait_line("raised");
+    let d = dump(pid);
+    assert_eq!(d.request.count, 1);
+    assert_eq!(d.request.name.as_deref(), Some(""));
+    target.send("api nightly-check");
+    target.wait_line("requested");
+    let d = dump(pid);
+    assert_eq!(d.request.count, 2);
+    assert_eq!(d.request.name.as_deref(), Some("nightly-check"));
+    // A signal from outside, as a user would send it.
+    // SAFETY: sending a signal to our own child.
+    assert_eq!(unsafe { libc::kill(pid as i32, libc::SIGUSR2) }, 0);
+    target.send("api second");
+    target.wait_line("requested");
+    assert_eq!(dump(pid).request.count, 4);
+    assert!(target.finish().success());
+}
+
+#[test]
+fn program_handler_for_the_signal_is_left_alone() {
+    let exe = compile_c("signals");
+    let mut cmd = preloaded(&exe);
+    cmd.arg("own").env("HEAPDUMP_SIGNAL", "SIGUSR1");
+    let mut target = Target::spawn(cmd);
+    target.send("raise");
+    let line = target.wait_line("raised");
+    assert_eq!(line, "raised 1", "the program's own handler must run");
+    assert!(target.finish().success());
+}
+
+#[test]
+fn inherited_ignore_disposition_is_not_replaced() {
+    let exe = compile_c("signals");
+    let mut cmd = preloaded(&exe);
+    cmd.stderr(std::process::Stdio::piped());
+    // SAFETY: only async-signal-safe calls between fork and exec.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::signal(libc::SIGUSR2, libc::SIG_IGN);
+            Ok(())
+        });
+    }
+    let mut target = Target::spawn(cmd);
+    let pid = target.pid();
+    target.send("raise");
+    target.wait_line("raised");
+    assert_eq!(dump(pid).request.count, 0, "agent replaced SIG_IGN");
+    let mut stderr = target.child.stderr.take().unwrap();
+    assert!(target.finish().success(), "SIGUSR2 killed the program");
+    let mut msg = String::new();
+    std::io::Read::read_to_string(&mut stderr, &mut msg).unwrap();
+    assert_eq!(
+        msg.matches("handles the snapshot signal itself").count(),
+        1,
+        "stderr: {msg}"
+    );
+}
+
+#[test]
+fn rust_api_request_has_its_name() {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_rust_pattern"));
+    cmd.arg("request");
+    let target = Target::spawn(cmd);
+    let d = dump(target.pid());
+    assert_eq!(d.request.count, 1);
+    assert_eq!(d.request.name.as_deref(), Some("from-api"));
+    assert!(target.finish().success());
+}
+
+#[test]
+fn full_table_counts_dropped_and_program_runs_on() {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_rust_pattern"));
+    cmd.arg("full").env("HEAPDUMP_CAPACITY", "1000");
+    let mut target = Target::spawn_until(cmd, "stats");
+    let stats = target.last_line().to_string();
+    target.wait_line("ready");
+    let d = dump(target.pid());
+    assert!(d.blocks.len() <= 1000);
+    assert!(d.blocks.len() >= 900, "{} blocks", d.blocks.len());
+    let full = d.counters.dropped[heapdump_table::DroppedReason::AllocationsFull as usize];
+    assert!(full >= 4000, "dropped {:?}", d.counters.dropped);
+    // The program printed its own view (heapdump_agent::stats) earlier;
+    // printing allocates, so the header may have moved on since.
+    let said: u64 = stats.rsplit("dropped=").next().unwrap().parse().unwrap();
+    assert!(
+        said >= 4000 && d.counters.dropped_total() >= said,
+        "{stats}"
+    );
+    let live: u64 = d.blocks.iter().map(|b| b.size).sum();
+    assert_eq!(d.counters.live_bytes, live);
+    assert!(target.finish().success());
+}
+
+#[test]
+fn cxx_new_traces_start_at_the_caller_of_new() {
+    let exe = compile_c("cxx_pattern");
+    let target = Target::spawn(preloaded(&exe));
+    let pid = target.pid();
+    let d = dump(pid);
+    let syms = Symbols::of_process(&exe, pid);
+    // The leaf frame itself must be the site (not libstdc++ or its caller).
+    let mut leaf: std::collections::HashMap<String, (u64, u64)> = Default::default();
+    for b in &d.blocks {
+        if let Some(f) = b.frames.first().and_then(|f| syms.function_of(*f)) {
+            if f.starts_with("site_") {
+                let e = leaf
+                    .entry(f.trim_end_matches("()").to_string())
+                    .or_default();
+                e.0 += 1;
+                e.1 += b.size;
+            }
+        }
+    }
+    assert_eq!(leaf.get("site_new"), Some(&(40, 40 * 300)), "{leaf:?}");
+    assert_eq!(leaf.get("site_new_object"), Some(&(30, 30 * 8)));
+    assert_eq!(leaf.get("site_new_aligned"), Some(&(12, 12 * 128)));
+    assert_eq!(leaf.get("site_nothrow"), Some(&(5, 5 * 70)));
+    assert!(!leaf.contains_key("site_deleted"), "{leaf:?}");
+    assert!(target.finish().success());
+}
+
+#[test]
+fn disabled_agent_creates_no_regions() {
+    let exe = compile_c("pattern");
+    let mut cmd = preloaded(&exe);
+    cmd.env("HEAPDUMP_DISABLE", "1");
+    let target = Target::spawn(cmd);
+    assert!(find_regions(target.pid()).is_none());
+    assert!(target.finish().success());
+}
