@@ -166,7 +166,7 @@ pub unsafe extern "C" fn aligned_alloc(align: usize, size: usize) -> *mut c_void
 #[no_mangle]
 pub unsafe extern "C" fn posix_memalign(out: *mut *mut c_void, align: usize, size: usize) -> c_int {
     let fp = frame_pointer();
-    if !align.is_power_of_two() || align % std::mem::size_of::<*mut c_void>() != 0 {
+    if !align.is_power_of_two() || !align.is_multiple_of(std::mem::size_of::<*mut c_void>()) {
         return libc::EINVAL;
     }
     let p = aligned(align, size, fp);
