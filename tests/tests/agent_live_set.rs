@@ -24,7 +24,7 @@ fn check_c_pattern(hold: bool) {
     if hold {
         cmd.arg("hold");
     }
-    let mut target = Target::spawn(cmd);
+    let target = Target::spawn(cmd);
     let pid = target.pid();
     let d = dump(pid);
     assert_eq!(d.writer_pid, pid);
