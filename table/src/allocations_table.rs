@@ -52,7 +52,10 @@ use crate::shared_view::SharedView;
 
 const NODE_SIZE: u64 = 32;
 const SHARD_SIZE: u64 = 64;
-const MIN_CAP_LOG2: u32 = 4;
+/// Smallest index window in use: one page of `u32` slots. A window's first
+/// page is never returned to the system, so small shards rehash (clearing
+/// tombstones) without a system call or a page fault.
+const MIN_CAP_LOG2: u32 = 10;
 const EMPTY: u32 = 0;
 const TOMBSTONE: u32 = u32::MAX;
 const NODE_BITS: u32 = 27;
@@ -70,6 +73,10 @@ const S_CAP_LOG2: u64 = 8;
 const S_LEN: u64 = 12;
 const S_TOMBS: u64 = 16;
 const S_FREE: u64 = 20;
+// Per-shard cumulative counters (u64, written under the shard lock, read
+// racily by readers and summed over shards).
+const S_TOTAL_ALLOCS: u64 = 24;
+const S_TOTAL_BYTES: u64 = 32;
 
 /// One live block, as stored and as reported.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -177,12 +184,15 @@ impl Layout {
     }
 
     fn check(&self, region_size: u64) -> Result<(), TableError> {
-        let bad = |m: &str| Err(TableError::CorruptHeader(format!("allocations layout: {m}")));
+        let bad = |m: &str| {
+            Err(TableError::CorruptHeader(format!(
+                "allocations layout: {m}"
+            )))
+        };
         if !self.shards.is_power_of_two() || self.shards > 65536 {
             return bad("shard count");
         }
-        if !self.slots_max.is_power_of_two() || self.slots_max < 1024 || self.slots_max > 1 << 32
-        {
+        if !self.slots_max.is_power_of_two() || self.slots_max < 1024 || self.slots_max > 1 << 32 {
             return bad("index window size");
         }
         if self.capacity == 0 || self.capacity > MAX_NODES {
@@ -194,8 +204,13 @@ impl Layout {
         {
             return bad("shard array placement");
         }
-        let index_end = self.shards * 2 * self.slots_max * 4 + self.index_off;
-        if self.nodes_off < index_end || self.nodes_off % 4096 != 0 {
+        // Every field is untrusted: no arithmetic may overflow. shards <=
+        // 2^16 and slots_max <= 2^32 (checked above), so the product fits.
+        let index_fits = match (self.shards * 2 * self.slots_max * 4).checked_add(self.index_off) {
+            Some(index_end) => self.nodes_off >= index_end,
+            None => false,
+        };
+        if !index_fits || self.nodes_off % 4096 != 0 {
             return bad("index placement");
         }
         match (self.capacity * NODE_SIZE).checked_add(self.nodes_off) {
@@ -277,12 +292,16 @@ impl<'a> AllocationsWriter<'a> {
 
     #[inline]
     fn u32_at(&self, off: u64) -> &AtomicU32 {
-        self.view.atomic_u32(off).expect("offset inside the validated layout")
+        self.view
+            .atomic_u32(off)
+            .expect("offset inside the validated layout")
     }
 
     #[inline]
     fn u64_at(&self, off: u64) -> &AtomicU64 {
-        self.view.atomic_u64(off).expect("offset inside the validated layout")
+        self.view
+            .atomic_u64(off)
+            .expect("offset inside the validated layout")
     }
 
     #[inline]
@@ -299,11 +318,50 @@ impl<'a> AllocationsWriter<'a> {
         self.u32_at(self.layout.shards_off + shard * SHARD_SIZE + field)
     }
 
+    /// Adds 1 to (or subtracts 1 from) a u32 shard field and returns the new
+    /// value. Caller holds the shard lock, so a load and a store suffice
+    /// (no locked instruction).
+    #[inline]
+    fn bump_locked(&self, shard: u64, field: u64, op: fn(u32, u32) -> u32) -> u32 {
+        let f = self.shard_field(shard, field);
+        let v = op(f.load(Ordering::Relaxed), 1);
+        f.store(v, Ordering::Relaxed);
+        v
+    }
+
+    /// Counts one allocation of `size` bytes in the shard's cumulative
+    /// counters. Caller holds the shard lock.
+    #[inline]
+    fn count_alloc_locked(&self, shard: u64, size: u64) {
+        let base = self.layout.shards_off + shard * SHARD_SIZE;
+        let n = self.u64_at(base + S_TOTAL_ALLOCS);
+        n.store(n.load(Ordering::Relaxed).wrapping_add(1), Ordering::Relaxed);
+        let b = self.u64_at(base + S_TOTAL_BYTES);
+        b.store(
+            b.load(Ordering::Relaxed).wrapping_add(size),
+            Ordering::Relaxed,
+        );
+    }
+
+    /// The process-wide counters as a reader would see them (header words
+    /// plus the per-shard sums).
+    pub fn stats(&self) -> Counters {
+        read_counters(&self.view)
+    }
+
     fn lock(&self, shard: u64) -> ShardGuard<'_> {
         let lock = self.shard_field(shard, S_LOCK);
         let mut spins = 0u32;
+        // Uncontended fast path: one CAS (a load first would fetch the line
+        // shared, then need a second transaction to own it).
+        // Acquire pairs with the Release in ShardGuard::drop.
+        if lock
+            .compare_exchange(0, 1, Ordering::Acquire, Ordering::Relaxed)
+            .is_ok()
+        {
+            return ShardGuard { lock };
+        }
         loop {
-            // Acquire pairs with the Release in ShardGuard::drop.
             if lock.load(Ordering::Relaxed) == 0
                 && lock
                     .compare_exchange_weak(0, 1, Ordering::Acquire, Ordering::Relaxed)
@@ -354,7 +412,10 @@ impl<'a> AllocationsWriter<'a> {
         self.node_word(node, 3).store(w3, Ordering::Relaxed);
         // Release: data stores happen-before the even seq a reader acquires.
         let next = (seq | 1).wrapping_add(1);
-        w0.store(u64::from(thread32) << 32 | u64::from(next), Ordering::Release);
+        w0.store(
+            u64::from(thread32) << 32 | u64::from(next),
+            Ordering::Release,
+        );
     }
 
     fn tag(h: u64) -> u32 {
@@ -407,7 +468,10 @@ impl<'a> AllocationsWriter<'a> {
     fn rehash(&self, shard: u64, need: u64) -> bool {
         let old_cap = 1u64 << self.cap_log2(shard);
         let old_win = self.shard_field(shard, S_WINDOW).load(Ordering::Relaxed);
-        let mut new_cap = (need * 3).div_ceil(2).next_power_of_two().max(1 << MIN_CAP_LOG2);
+        let mut new_cap = (need * 3)
+            .div_ceil(2)
+            .next_power_of_two()
+            .max(1 << MIN_CAP_LOG2);
         if new_cap > self.layout.slots_max {
             new_cap = self.layout.slots_max;
         }
@@ -432,14 +496,19 @@ impl<'a> AllocationsWriter<'a> {
             }
             self.slot(shard, new_win, j).store(s, Ordering::Relaxed);
         }
-        self.shard_field(shard, S_WINDOW).store(new_win, Ordering::Relaxed);
+        self.shard_field(shard, S_WINDOW)
+            .store(new_win, Ordering::Relaxed);
         self.shard_field(shard, S_CAP_LOG2)
             .store(new_cap.trailing_zeros(), Ordering::Relaxed);
         self.shard_field(shard, S_TOMBS).store(0, Ordering::Relaxed);
-        // Return the old window's pages to the system.
+        // Return the old window's pages to the system, except the first
+        // (see MIN_CAP_LOG2).
         let win_off =
             self.layout.index_off + (shard * 2 + u64::from(old_win)) * self.layout.slots_max * 4;
-        self.region.release_range(win_off, page_up(old_cap * 4));
+        let used = page_up(old_cap * 4);
+        if used > 4096 {
+            self.region.release_range(win_off + 4096, used - 4096);
+        }
         true
     }
 
@@ -500,12 +569,19 @@ impl<'a> AllocationsWriter<'a> {
         };
         let h = hash(rec.address);
         let shard = self.shard_of(h);
+        // The stored (and later returned) size is clamped to 48 bits; count
+        // the same value so live bytes return to zero.
+        let size = rec.size.min(SIZE_MASK);
         let r = {
             let _g = self.lock(shard);
-            self.insert_locked(shard, h, t32, w1, w2, w3)
+            let r = self.insert_locked(shard, h, t32, w1, w2, w3);
+            if r.is_ok() {
+                self.count_alloc_locked(shard, size);
+            }
+            r
         };
         match r {
-            Ok(()) => self.counters.on_alloc(rec.size),
+            Ok(()) => self.counters.live_bytes_changed(size, 0),
             Err(InsertError::Full) => self.counters.on_dropped(DroppedReason::AllocationsFull),
             Err(_) => {}
         }
@@ -548,10 +624,10 @@ impl<'a> AllocationsWriter<'a> {
         self.write_node(node, t32, w1, w2, w3);
         let slot = self.slot(shard, win, i);
         if slot.load(Ordering::Relaxed) == TOMBSTONE {
-            self.shard_field(shard, S_TOMBS).fetch_sub(1, Ordering::Relaxed);
+            self.bump_locked(shard, S_TOMBS, u32::wrapping_sub);
         }
         slot.store(Self::tag(h) << NODE_BITS | (node + 1), Ordering::Relaxed);
-        self.shard_field(shard, S_LEN).fetch_add(1, Ordering::Relaxed);
+        self.bump_locked(shard, S_LEN, u32::wrapping_add);
         Ok(())
     }
 
@@ -564,8 +640,8 @@ impl<'a> AllocationsWriter<'a> {
         let free = self.shard_field(shard, S_FREE);
         self.write_node(node, 0, 0, 0, u64::from(free.load(Ordering::Relaxed)));
         free.store(node + 1, Ordering::Relaxed);
-        let len = self.shard_field(shard, S_LEN).fetch_sub(1, Ordering::Relaxed) - 1;
-        self.shard_field(shard, S_TOMBS).fetch_add(1, Ordering::Relaxed);
+        let len = self.bump_locked(shard, S_LEN, u32::wrapping_sub);
+        self.bump_locked(shard, S_TOMBS, u32::wrapping_add);
         if cap > 1 << MIN_CAP_LOG2 && u64::from(len) * 8 < cap {
             // Shrink so index memory follows the live count.
             self.rehash(shard, u64::from(len));
@@ -583,7 +659,7 @@ impl<'a> AllocationsWriter<'a> {
             self.remove_locked(shard, h, addr)
         };
         if let Some(size) = r {
-            self.counters.on_free(size);
+            self.counters.live_bytes_changed(0, size);
         }
         r
     }
@@ -610,6 +686,7 @@ impl<'a> AllocationsWriter<'a> {
                 Some((_, node)) => {
                     let s = self.node_word(node, 2).load(Ordering::Relaxed) & SIZE_MASK;
                     self.write_node(node, t32, w1, w2, w3);
+                    self.count_alloc_locked(shard, rec.size.min(SIZE_MASK));
                     Some(s)
                 }
                 None => None,
@@ -617,14 +694,42 @@ impl<'a> AllocationsWriter<'a> {
         };
         match old_size {
             Some(s) => {
-                self.counters.on_free(s);
-                self.counters.on_alloc(rec.size);
+                self.counters.live_bytes_changed(rec.size.min(SIZE_MASK), s);
                 Ok(Some(s))
             }
             None => self.insert(rec).map(|()| None),
         }
     }
 }
+
+/// Adds the per-shard counters of an allocations region (live blocks,
+/// total allocations and bytes) to `c`. Does nothing when the header or
+/// layout does not validate. Bounded by the shard count (at most 2^16).
+pub(crate) fn add_shard_counters(view: &SharedView, c: &mut Counters) {
+    let Ok(h) = parse_header(view, RegionKind::Allocations) else {
+        return;
+    };
+    let Ok(l) = Layout::from_header(&h.layout, h.region_size) else {
+        return;
+    };
+    let (mut blocks, mut allocs, mut bytes) = (0u64, 0u64, 0u64);
+    for s in 0..l.shards {
+        let base = l.shards_off + s * SHARD_SIZE;
+        blocks = blocks.wrapping_add(u64::from(view.load_u32(base + S_LEN).unwrap_or(0)));
+        allocs = allocs.wrapping_add(view.load_u64(base + S_TOTAL_ALLOCS).unwrap_or(0));
+        bytes = bytes.wrapping_add(view.load_u64(base + S_TOTAL_BYTES).unwrap_or(0));
+    }
+    c.live_blocks = c.live_blocks.wrapping_add(blocks);
+    c.total_allocs = c.total_allocs.wrapping_add(allocs);
+    c.total_bytes = c.total_bytes.wrapping_add(bytes);
+}
+
+/// Most nodes a walk puts aside for a patient second look.
+pub const WALK_MAX_DEFERRED: usize = 1024;
+/// Total retries a walk spends on nodes that were changing.
+pub const WALK_RETRY_BUDGET: u32 = 200_000;
+/// Longest a walk spends re-reading nodes that were changing.
+pub const WALK_RETRY_TIME: std::time::Duration = std::time::Duration::from_millis(500);
 
 /// The outcome of a walk over the live table.
 #[derive(Clone, Debug, Default)]
@@ -737,26 +842,36 @@ impl<'a> AllocationsReader<'a> {
         })
     }
 
-    fn read_node_patiently(&self, i: u64, patience: u32) -> NodeRead {
-        for attempt in 0..patience {
+    /// Reads node `i` up to `tries` times; spins for the first
+    /// `spin_tries`, then yields the CPU between tries (a writer preempted
+    /// mid-update needs it). Returns the outcome and the tries used.
+    fn read_node_retrying(&self, i: u64, tries: u32, spin_tries: u32) -> (NodeRead, u32) {
+        for attempt in 0..tries {
             match self.read_node(i) {
                 NodeRead::Changing => {
-                    if attempt < 32 {
+                    if attempt < spin_tries {
                         std::hint::spin_loop();
                     } else {
                         std::thread::yield_now();
                     }
                 }
-                r => return r,
+                r => return (r, attempt + 1),
             }
         }
-        NodeRead::Changing
+        (NodeRead::Changing, tries)
     }
 
     /// Calls `f` for every live record, each read consistently. Never
     /// blocks the writers; bounded by the node capacity. Nodes that keep
     /// changing are retried once more at the end (giving a descheduled
     /// writer time to finish) and otherwise counted as `unstable`.
+    ///
+    /// Every retry is bounded: a first pass spins briefly on a changing
+    /// node; at most [`WALK_MAX_DEFERRED`] nodes are put aside for a
+    /// patient second look, which has a total budget of
+    /// [`WALK_RETRY_BUDGET`] tries and [`WALK_RETRY_TIME`] of wall time.
+    /// So a region whose nodes all look mid-update (a target killed at the
+    /// wrong moment, or hostile bytes) costs one quick pass, not a hang.
     pub fn walk(&self, mut f: impl FnMut(&AllocationRecord)) -> WalkStats {
         let hw = self.view.load_u64(W_NODE_HW).unwrap_or(0);
         fence(Ordering::Acquire);
@@ -767,20 +882,30 @@ impl<'a> AllocationsReader<'a> {
         };
         let mut later = Vec::new();
         for i in 0..n {
-            match self.read_node_patiently(i, 64) {
+            match self.read_node_retrying(i, 16, u32::MAX).0 {
                 NodeRead::Free => {}
                 NodeRead::Live(r) => {
                     stats.reported += 1;
                     f(&r);
                 }
-                NodeRead::Changing => later.push(i),
+                NodeRead::Changing if later.len() < WALK_MAX_DEFERRED => later.push(i),
+                NodeRead::Changing => stats.unstable += 1,
             }
         }
-        for (k, i) in later.iter().enumerate() {
-            // Generous for the first few (a writer preempted mid-update),
-            // short once many look stuck (a target killed or hostile).
-            let patience = if k < 64 { 20_000 } else { 64 };
-            match self.read_node_patiently(*i, patience) {
+        if later.is_empty() {
+            return stats;
+        }
+        let started = std::time::Instant::now();
+        let mut budget = WALK_RETRY_BUDGET;
+        for i in later {
+            let tries = if budget == 0 || started.elapsed() > WALK_RETRY_TIME {
+                1
+            } else {
+                budget.min(20_000)
+            };
+            let (r, used) = self.read_node_retrying(i, tries, 32);
+            budget = budget.saturating_sub(used);
+            match r {
                 NodeRead::Free => {}
                 NodeRead::Live(r) => {
                     stats.reported += 1;

@@ -168,12 +168,17 @@ impl DroppedReason {
 pub fn parse_header(view: &SharedView, expected: RegionKind) -> Result<StaticHeader, TableError> {
     if (view.len() as u64) < HEADER_SIZE {
         return Err(TableError::Truncated {
-            what: format!("{} bytes, smaller than the {HEADER_SIZE}-byte header", view.len()),
+            what: format!(
+                "{} bytes, smaller than the {HEADER_SIZE}-byte header",
+                view.len()
+            ),
         });
     }
     let mut bytes = Vec::with_capacity(STATIC_HEADER_LEN);
     view.copy_bytes(0, STATIC_HEADER_LEN, &mut bytes)
-        .ok_or_else(|| TableError::Truncated { what: "header".into() })?;
+        .ok_or_else(|| TableError::Truncated {
+            what: "header".into(),
+        })?;
     let header = StaticHeader::read_from_bytes(&bytes)
         .map_err(|_| TableError::CorruptHeader("header does not parse".into()))?;
     if header.magic != MAGIC {
@@ -237,7 +242,18 @@ impl Counters {
 }
 
 /// Reads the counters (relaxed; each word is individually consistent).
+///
+/// In an allocations region, live blocks and the cumulative totals are kept
+/// per shard (so the allocation path touches no shared counter for them);
+/// this sums them with the header words, so the result is the same
+/// whichever way a region is read.
 pub fn read_counters(view: &SharedView) -> Counters {
+    let mut c = read_header_words(view);
+    crate::allocations_table::add_shard_counters(view, &mut c);
+    c
+}
+
+fn read_header_words(view: &SharedView) -> Counters {
     let ld = |off| view.load_u64(off).unwrap_or(0);
     let mut dropped = [0u64; DROPPED_SLOTS];
     for (i, d) in dropped.iter_mut().enumerate() {
@@ -283,12 +299,35 @@ impl HeaderCounters {
         self.view.atomic_u64(off).expect("header word in range")
     }
 
+    /// Adds `add` to and subtracts `sub` from the live bytes (one atomic
+    /// add), raising the peak if needed. The allocations table keeps live
+    /// blocks and totals per shard (see [`read_counters`]).
+    #[inline]
+    pub(crate) fn live_bytes_changed(&self, add: u64, sub: u64) {
+        let delta = add.wrapping_sub(sub);
+        let live = self
+            .word(offsets::LIVE_BYTES)
+            .fetch_add(delta, Ordering::Relaxed)
+            .wrapping_add(delta);
+        // Only a rise can set a new peak; a wrapped (negative) value is a
+        // transient of racing threads and must not become the peak.
+        if add > sub && live <= i64::MAX as u64 {
+            let peak = self.word(offsets::PEAK_LIVE_BYTES);
+            if live > peak.load(Ordering::Relaxed) {
+                peak.fetch_max(live, Ordering::Relaxed);
+            }
+        }
+    }
+
     /// Records an allocation of `size` bytes in the process-wide counters.
     #[inline]
     pub fn on_alloc(&self, size: u64) {
-        self.word(offsets::TOTAL_ALLOCS).fetch_add(1, Ordering::Relaxed);
-        self.word(offsets::TOTAL_BYTES).fetch_add(size, Ordering::Relaxed);
-        self.word(offsets::LIVE_BLOCKS).fetch_add(1, Ordering::Relaxed);
+        self.word(offsets::TOTAL_ALLOCS)
+            .fetch_add(1, Ordering::Relaxed);
+        self.word(offsets::TOTAL_BYTES)
+            .fetch_add(size, Ordering::Relaxed);
+        self.word(offsets::LIVE_BLOCKS)
+            .fetch_add(1, Ordering::Relaxed);
         let live = self
             .word(offsets::LIVE_BYTES)
             .fetch_add(size, Ordering::Relaxed)
@@ -302,8 +341,10 @@ impl HeaderCounters {
     /// Records that a block of `size` bytes was freed.
     #[inline]
     pub fn on_free(&self, size: u64) {
-        self.word(offsets::LIVE_BLOCKS).fetch_sub(1, Ordering::Relaxed);
-        self.word(offsets::LIVE_BYTES).fetch_sub(size, Ordering::Relaxed);
+        self.word(offsets::LIVE_BLOCKS)
+            .fetch_sub(1, Ordering::Relaxed);
+        self.word(offsets::LIVE_BYTES)
+            .fetch_sub(size, Ordering::Relaxed);
     }
 
     /// Records an in-place size change of a live block.
@@ -319,7 +360,8 @@ impl HeaderCounters {
                 peak.fetch_max(live, Ordering::Relaxed);
             }
         } else {
-            self.word(offsets::LIVE_BYTES).fetch_sub(old - new, Ordering::Relaxed);
+            self.word(offsets::LIVE_BYTES)
+                .fetch_sub(old - new, Ordering::Relaxed);
         }
         self.word(offsets::TOTAL_BYTES)
             .fetch_add(new.saturating_sub(old), Ordering::Relaxed);
@@ -338,7 +380,8 @@ impl HeaderCounters {
         self.word(offsets::REQUEST_TIME)
             .store(now_monotonic_ns, Ordering::Relaxed);
         // Release: a reader that sees the new count also sees the time.
-        self.word(offsets::REQUEST_COUNT).fetch_add(1, Ordering::Release);
+        self.word(offsets::REQUEST_COUNT)
+            .fetch_add(1, Ordering::Release);
     }
 
     /// Records a named snapshot request: writes the name under the name's
@@ -385,7 +428,8 @@ impl HeaderCounters {
         self.word(offsets::REQUEST_NAME_FOR)
             .store(count + 1, Ordering::Relaxed);
         seq.store(start + 2, Ordering::Release);
-        self.word(offsets::REQUEST_COUNT).fetch_add(1, Ordering::Release);
+        self.word(offsets::REQUEST_COUNT)
+            .fetch_add(1, Ordering::Release);
     }
 }
 

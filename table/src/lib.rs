@@ -25,7 +25,11 @@ pub use allocations_table::{
     WalkStats,
 };
 pub use error::TableError;
-pub use header::{Counters, DroppedReason, RegionKind, SnapshotRequest, FORMAT_MAJOR, FORMAT_MINOR};
+pub use header::{
+    Counters, DroppedReason, RegionKind, SnapshotRequest, FORMAT_MAJOR, FORMAT_MINOR,
+};
 pub use region::{monotonic_ns, RegionReader, RegionWriter};
-pub use resources_table::{ResourceKey, ResourcesReader, ResourcesWriter, StackCatalog, StackRecord, ThreadRecord};
+pub use resources_table::{
+    ResourceKey, ResourcesReader, ResourcesWriter, StackCatalog, StackRecord, ThreadRecord,
+};
 pub use shared_view::SharedView;

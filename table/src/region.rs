@@ -132,6 +132,22 @@ impl RegionWriter {
         self.fd.as_fd()
     }
 
+    /// Maps this region read-only through a duplicate of its fd, exactly as
+    /// a dumper would (seal and header checks included). For tests and for
+    /// in-process readers.
+    pub fn open_reader(&self) -> Result<RegionReader, TableError> {
+        let fd = self
+            .fd
+            .try_clone()
+            .map_err(|e| TableError::io("dup region fd", e))?;
+        let kind = if self.header.kind == RegionKind::Resources as u32 {
+            RegionKind::Resources
+        } else {
+            RegionKind::Allocations
+        };
+        RegionReader::from_file(File::from(fd), kind)
+    }
+
     /// Writer access to the process-wide counters in the header.
     pub fn counters(&self) -> HeaderCounters {
         HeaderCounters::new(self.view)
