@@ -1,1 +1,476 @@
-fn main(){}
+//! The `heapdump` command line. Parsing with clap's derive API (the
+//! standard, well-kept Rust CLI crate: complete `--help` from the doc
+//! comments below); errors with anyhow, with context saying what to do.
+
+use std::io::{IsTerminal, Write};
+use std::path::PathBuf;
+use std::sync::atomic::AtomicBool;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, Parser, Subcommand};
+
+use heapdump::discovery;
+use heapdump::fake_target::{self, Corruption, FakeOptions};
+use heapdump::maps::{read_maps, BuildIds};
+use heapdump::output::{self, Format, RenderOptions};
+use heapdump::run::{self, AgentEnv};
+use heapdump::snapshot;
+use heapdump::symbolize::Symbolizer;
+use heapdump::text::{human_bytes, TextOptions};
+use heapdump::watch::{self, WatchOptions};
+
+/// heapdump: heap snapshots of running Linux processes.
+///
+/// A process instrumented by heapdump's agent (`heapdump run -- CMD`,
+/// LD_PRELOAD=libheapdump_preload.so, or the heapdump_agent::Agent global
+/// allocator) records every live heap allocation in shared memory. This
+/// tool maps that memory read-only and turns it into snapshots at any
+/// moment, without stopping the process. Inspecting a process needs the
+/// same permission as debugging it (same user, or root).
+#[derive(Parser, Debug)]
+#[command(name = "heapdump", version, propagate_version = true)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand, Debug)]
+enum Cmd {
+    /// List instrumented processes: pid, name, live bytes and blocks,
+    /// threads, dropped events.
+    List,
+    /// Take one snapshot of a process: a text top-N report on stdout, or a
+    /// file with -o.
+    Snapshot(SnapshotArgs),
+    /// Write a snapshot for every snapshot request of the target(s) (signal
+    /// or API), optionally every --interval, and a final one when a target
+    /// exits (even when killed).
+    Watch(WatchArgs),
+    /// Serve Go-compatible `GET /debug/pprof/heap` over HTTP for `go tool
+    /// pprof`, Pyroscope / Grafana Alloy and Parca.
+    Serve(ServeArgs),
+    /// Growth per stack between two JSON snapshots (B minus A).
+    Diff(DiffArgs),
+    /// Run a program under the preload agent; exits with its status.
+    Run(RunArgs),
+    /// Start a bundled example workload under the agent, snapshot it
+    /// live, print the top allocation sites and write the snapshot files.
+    Demo(DemoArgs),
+    /// Test helper: a fake instrumented process with a known live set.
+    #[command(name = "__fake-target", hide = true)]
+    FakeTarget {
+        /// Damage the regions after writing them.
+        #[arg(long, value_enum)]
+        corrupt: Option<Corruption>,
+        /// Publish only an unsealed memfd.
+        #[arg(long)]
+        unsealed: bool,
+        /// Keep two threads allocating and freeing.
+        #[arg(long)]
+        churn: bool,
+    },
+    /// The demo's workload.
+    #[command(name = "__demo-workload", hide = true)]
+    DemoWorkload,
+}
+
+#[derive(Args, Debug, Clone)]
+struct SymArgs {
+    /// Do not symbolize: frames carry addresses and modules only (mappings
+    /// and build IDs are still recorded, for symbolizing later).
+    #[arg(long)]
+    no_symbolize: bool,
+    /// pprof: split live values per allocating thread with a `thread` label.
+    #[arg(long)]
+    per_thread: bool,
+}
+
+#[derive(Args, Debug)]
+struct SnapshotArgs {
+    /// Process id of the instrumented process.
+    pid: u32,
+    /// Write the snapshot to FILE (mode 0600) instead of a text report on
+    /// stdout. The format follows the name when clear: .pb.gz/.pprof
+    /// pprof, .json JSON, .dhat.json DHAT, .folded, .svg, .txt.
+    #[arg(short, long, value_name = "FILE")]
+    output: Option<PathBuf>,
+    /// Output format (default: from the file name, else text).
+    #[arg(short, long, value_enum)]
+    format: Option<Format>,
+    /// Number of sites in the text report.
+    #[arg(short = 'n', long, default_value_t = 10)]
+    top: usize,
+    /// Frames shown per site in the text report.
+    #[arg(long, default_value_t = 6)]
+    depth: usize,
+    #[command(flatten)]
+    sym: SymArgs,
+}
+
+#[derive(Args, Debug)]
+struct WatchArgs {
+    /// Process ids to watch.
+    #[arg(required = true)]
+    pids: Vec<u32>,
+    /// Directory for the snapshot files (created with mode 0700). Files are
+    /// named heapdump-PID-SEQ-REASON-TIME.EXT.
+    #[arg(short, long, default_value = ".")]
+    dir: PathBuf,
+    /// Formats written for each snapshot (repeatable).
+    #[arg(short, long, value_enum, default_values_t = [Format::Pprof])]
+    format: Vec<Format>,
+    /// Also take a snapshot every DURATION (e.g. 30s, 5m).
+    #[arg(long, value_parser = humantime::parse_duration)]
+    interval: Option<Duration>,
+    /// How often requests and exits are checked.
+    #[arg(long, default_value = "15ms", value_parser = humantime::parse_duration)]
+    poll: Duration,
+    #[command(flatten)]
+    sym: SymArgs,
+}
+
+#[derive(Args, Debug)]
+struct ServeArgs {
+    /// Address to listen on, e.g. 127.0.0.1:6060 (port 0: any free port).
+    #[arg(short, long, default_value = "127.0.0.1:6060")]
+    listen: String,
+    /// Serve only these pids (default: every instrumented process; then
+    /// ?pid=N selects one when there are several).
+    pids: Vec<u32>,
+    /// Do not symbolize.
+    #[arg(long)]
+    no_symbolize: bool,
+}
+
+#[derive(Args, Debug)]
+struct DiffArgs {
+    /// The earlier JSON snapshot.
+    a: String,
+    /// The later JSON snapshot.
+    b: String,
+    /// Write to FILE (pprof if named .pb.gz/.pprof, else text).
+    #[arg(short, long, value_name = "FILE")]
+    output: Option<PathBuf>,
+    /// Output format: text or pprof.
+    #[arg(short, long, value_enum)]
+    format: Option<Format>,
+    /// Sites shown in the text report.
+    #[arg(short = 'n', long, default_value_t = 10)]
+    top: usize,
+    /// Frames per site in the text report.
+    #[arg(long, default_value_t = 6)]
+    depth: usize,
+}
+
+#[derive(Args, Debug, Clone)]
+struct AgentArgs {
+    /// Signal (name or number) that makes the target request a snapshot
+    /// (HEAPDUMP_SIGNAL; the agent's default is SIGUSR2).
+    #[arg(long)]
+    signal: Option<String>,
+    /// Deepest stack recorded (HEAPDUMP_MAX_FRAMES).
+    #[arg(long)]
+    max_frames: Option<u32>,
+    /// Path of libheapdump_preload.so (default: $HEAPDUMP_PRELOAD, else
+    /// next to this executable).
+    #[arg(long)]
+    preload: Option<PathBuf>,
+}
+
+impl AgentArgs {
+    fn env(&self) -> AgentEnv {
+        AgentEnv {
+            signal: self.signal.clone(),
+            max_frames: self.max_frames,
+            preload: self.preload.clone(),
+        }
+    }
+}
+
+#[derive(Args, Debug)]
+struct RunArgs {
+    #[command(flatten)]
+    agent: AgentArgs,
+    /// Also watch the program, writing snapshots into DIR (as `watch`).
+    #[arg(long, value_name = "DIR")]
+    watch: Option<PathBuf>,
+    /// Formats written with --watch (repeatable).
+    #[arg(short, long, value_enum, default_values_t = [Format::Pprof])]
+    format: Vec<Format>,
+    /// The program and its arguments (after `--`).
+    #[arg(last = true, required = true, value_name = "CMD")]
+    command: Vec<String>,
+}
+
+#[derive(Args, Debug)]
+struct DemoArgs {
+    /// Directory for the snapshot files.
+    #[arg(short, long, default_value = "heapdump-demo")]
+    dir: PathBuf,
+    #[command(flatten)]
+    agent: AgentArgs,
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let code = match dispatch(cli) {
+        Ok(code) => code,
+        Err(e) => {
+            let _ = std::io::stdout().flush();
+            eprintln!("heapdump: error: {e:#}");
+            1
+        }
+    };
+    // process::exit does not run destructors: flush what is buffered.
+    let _ = std::io::stdout().flush();
+    std::process::exit(code);
+}
+
+fn dispatch(cli: Cli) -> Result<i32> {
+    match cli.cmd {
+        Cmd::List => list(),
+        Cmd::Snapshot(a) => snapshot_cmd(a),
+        Cmd::Watch(a) => watch_cmd(a),
+        Cmd::Serve(a) => serve_cmd(a),
+        Cmd::Diff(a) => diff_cmd(a),
+        Cmd::Run(a) => run_cmd(a),
+        Cmd::Demo(a) => demo_cmd(a),
+        Cmd::FakeTarget {
+            corrupt,
+            unsealed,
+            churn,
+        } => {
+            fake_target::run(FakeOptions {
+                corrupt,
+                unsealed,
+                churn,
+            })
+            .map_err(|e| anyhow::anyhow!("fake target: {e}"))?;
+            Ok(0)
+        }
+        Cmd::DemoWorkload => {
+            heapdump::demo::workload();
+            Ok(0)
+        }
+    }
+}
+
+fn list() -> Result<i32> {
+    let (entries, denied) = discovery::scan();
+    let mut out = std::io::stdout().lock();
+    if entries.is_empty() {
+        writeln!(out, "no instrumented processes found")?;
+    } else {
+        writeln!(
+            out,
+            "{:>8}  {:<16} {:>12} {:>10} {:>8} {:>8}",
+            "PID", "NAME", "LIVE", "BLOCKS", "THREADS", "DROPPED"
+        )?;
+        for e in &entries {
+            match &e.state {
+                Ok((c, threads)) => writeln!(
+                    out,
+                    "{:>8}  {:<16} {:>12} {:>10} {:>8} {:>8}",
+                    e.pid,
+                    e.name,
+                    human_bytes(c.live_bytes),
+                    c.live_blocks,
+                    threads.map_or("?".to_string(), |t| t.to_string()),
+                    c.dropped_total()
+                )?,
+                Err(err) => writeln!(out, "{:>8}  {:<16} ({err})", e.pid, e.name)?,
+            }
+        }
+    }
+    if denied > 0 {
+        writeln!(
+            out,
+            "({denied} processes of other users could not be inspected; run as root to see them)"
+        )?;
+    }
+    Ok(0)
+}
+
+fn snapshot_cmd(a: SnapshotArgs) -> Result<i32> {
+    let format = match (a.format, &a.output) {
+        (Some(f), _) => f,
+        (None, None) => Format::Text,
+        (None, Some(p)) => Format::from_path(p).with_context(|| {
+            format!(
+                "cannot tell the format from the name {}: add --format \
+                 pprof|json|dhat|folded|svg|text",
+                p.display()
+            )
+        })?,
+    };
+    let target = discovery::open_target(a.pid)?;
+    let maps = read_maps(a.pid, &mut BuildIds::default())
+        .with_context(|| format!("reading /proc/{}/maps", a.pid))?;
+    let mut sym = Symbolizer::new();
+    let snap = snapshot::take(
+        &target,
+        &maps,
+        snapshot::Options {
+            symbolizer: (!a.sym.no_symbolize).then_some(&mut sym),
+            progress: std::io::stderr().is_terminal(),
+            request: None,
+        },
+    )
+    .with_context(|| format!("taking a snapshot of pid {}", a.pid))?;
+    let bytes = output::render(
+        &snap,
+        format,
+        RenderOptions {
+            text: TextOptions {
+                top: a.top,
+                depth: a.depth,
+            },
+            per_thread: a.sym.per_thread,
+        },
+    );
+    match &a.output {
+        Some(p) => {
+            output::write_private(p, &bytes).with_context(|| format!("writing {}", p.display()))?;
+            eprintln!(
+                "wrote {} ({:?}): {} live in {} blocks, {} sites{}",
+                p.display(),
+                format,
+                human_bytes(snap.totals.live_bytes),
+                snap.totals.live_blocks,
+                snap.sites.len(),
+                snap.partial
+                    .as_ref()
+                    .map_or(String::new(), |r| format!(", PARTIAL: {r}"))
+            );
+        }
+        None => std::io::stdout().lock().write_all(&bytes)?,
+    }
+    Ok(0)
+}
+
+fn print_written(w: &watch::Written) {
+    for p in &w.paths {
+        println!("wrote {}", p.display());
+    }
+    if w.partial {
+        eprintln!("heapdump: snapshot {} of pid {} is partial", w.seq, w.pid);
+    }
+    let _ = std::io::stdout().flush();
+}
+
+fn watch_cmd(a: WatchArgs) -> Result<i32> {
+    watch::install_stop_handlers();
+    let opts = WatchOptions {
+        dir: a.dir,
+        formats: a.format,
+        interval: a.interval,
+        symbolize: !a.sym.no_symbolize,
+        render: RenderOptions {
+            text: TextOptions::default(),
+            per_thread: a.sym.per_thread,
+        },
+        poll: a.poll,
+    };
+    eprintln!(
+        "heapdump: watching {:?}, writing to {}",
+        a.pids,
+        opts.dir.display()
+    );
+    watch::watch(&a.pids, &opts, &AtomicBool::new(false), print_written)?;
+    Ok(0)
+}
+
+fn serve_cmd(a: ServeArgs) -> Result<i32> {
+    let (server, bound) = heapdump::serve::bind(&a.listen)?;
+    println!("listening on http://{bound}/debug/pprof/heap");
+    std::io::stdout().flush()?;
+    heapdump::serve::serve(
+        server,
+        heapdump::serve::ServeOptions {
+            pids: a.pids,
+            symbolize: !a.no_symbolize,
+        },
+    );
+    Ok(0)
+}
+
+fn diff_cmd(a: DiffArgs) -> Result<i32> {
+    let format = match (a.format, &a.output) {
+        (Some(f), _) => f,
+        (None, Some(p)) => match Format::from_path(p) {
+            Some(Format::Pprof) => Format::Pprof,
+            _ => Format::Text,
+        },
+        (None, None) => Format::Text,
+    };
+    if !matches!(format, Format::Text | Format::Pprof) {
+        bail!("diff writes text or pprof, not {format:?}");
+    }
+    let d = heapdump::diff::diff(
+        heapdump::diff::read_snapshot(&a.a)?,
+        heapdump::diff::read_snapshot(&a.b)?,
+    );
+    let bytes = match format {
+        Format::Pprof => heapdump::diff::render_pprof(&d),
+        _ => heapdump::diff::render_text(&d, a.top, a.depth).into_bytes(),
+    };
+    match &a.output {
+        Some(p) => {
+            output::write_private(p, &bytes).with_context(|| format!("writing {}", p.display()))?
+        }
+        None => std::io::stdout().lock().write_all(&bytes)?,
+    }
+    Ok(0)
+}
+
+fn run_cmd(a: RunArgs) -> Result<i32> {
+    let mut child = run::spawn(&a.command, &a.agent.env(), false)?;
+    let pid = child.id();
+    let watcher = match a.watch {
+        Some(dir) => {
+            let opts = WatchOptions {
+                dir,
+                formats: a.format,
+                interval: None,
+                symbolize: true,
+                render: RenderOptions::default(),
+                poll: Duration::from_millis(15),
+            };
+            Some(std::thread::spawn(move || -> Result<()> {
+                watch::wait_instrumented(pid, Duration::from_secs(30))?;
+                watch::watch(&[pid], &opts, &AtomicBool::new(false), print_written)?;
+                Ok(())
+            }))
+        }
+        None => None,
+    };
+    run::ignore_terminal_signals();
+    let status = child.wait().context("waiting for the program")?;
+    if let Some(w) = watcher {
+        match w.join() {
+            Ok(Err(e)) => eprintln!("heapdump: watch: {e:#}"),
+            Err(_) => eprintln!("heapdump: watch thread panicked"),
+            Ok(Ok(())) => {}
+        }
+    }
+    Ok(run::exit_code(status))
+}
+
+fn demo_cmd(a: DemoArgs) -> Result<i32> {
+    let report = heapdump::demo::demo(&a.dir, &a.agent.env()).context("heapdump demo")?;
+    let text = heapdump::text::render(&report.snapshot, TextOptions { top: 5, depth: 4 });
+    println!("{text}");
+    println!("snapshot files:");
+    for (f, p) in &report.files {
+        println!("  {:<7} {}", format!("{f:?}").to_lowercase(), p.display());
+    }
+    println!(
+        "\nexplore: go tool pprof -http=: {}\n         open the .svg in a browser; load the .dhat.json in valgrind's dh_view.html",
+        report
+            .files
+            .first()
+            .map_or(String::new(), |(_, p)| p.display().to_string())
+    );
+    Ok(0)
+}

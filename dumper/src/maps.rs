@@ -1,0 +1,163 @@
+//! The executable mappings of a process (`/proc/PID/maps`) with the build
+//! ID of each mapped file, recorded in every snapshot so that it can also
+//! be symbolized later, elsewhere.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::io;
+use std::path::{Path, PathBuf};
+
+use object::{Object, ReadCache};
+use serde::{Deserialize, Serialize};
+
+/// One executable, file-backed mapping.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Mapping {
+    /// First address of the mapping.
+    pub start: u64,
+    /// One past the last address.
+    pub end: u64,
+    /// File offset mapped at `start`.
+    pub offset: u64,
+    /// Path of the mapped file, as the target sees it.
+    pub path: String,
+    /// GNU build ID of the file (lower-case hex), when it has one.
+    pub build_id: Option<String>,
+    /// Where this process can read the file (through `/proc/PID/root` for
+    /// a target in another mount namespace). Not serialized.
+    #[serde(skip)]
+    pub local_path: Option<PathBuf>,
+}
+
+impl Mapping {
+    /// Whether `addr` lies inside the mapping.
+    pub fn contains(&self, addr: u64) -> bool {
+        (self.start..self.end).contains(&addr)
+    }
+
+    /// The file name without directories.
+    pub fn basename(&self) -> &str {
+        self.path.rsplit('/').next().unwrap_or(&self.path)
+    }
+}
+
+/// Finds the mapping containing `addr`.
+pub fn find(maps: &[Mapping], addr: u64) -> Option<&Mapping> {
+    // Few mappings (tens to hundreds): a linear scan is fine and needs no
+    // sorting invariant from the caller.
+    maps.iter().find(|m| m.contains(addr))
+}
+
+/// Caches build IDs by file path, so a long-running dumper reads each
+/// file's notes once.
+#[derive(Debug, Default)]
+pub struct BuildIds {
+    cache: HashMap<PathBuf, Option<String>>,
+}
+
+impl BuildIds {
+    /// The build ID of the ELF file at `path` (hex), if any.
+    pub fn get(&mut self, path: &Path) -> Option<String> {
+        self.cache
+            .entry(path.to_path_buf())
+            .or_insert_with(|| read_build_id(path))
+            .clone()
+    }
+}
+
+/// Reads the GNU build ID note of an ELF file, reading only the parts
+/// needed (`object::ReadCache`, no mapping of the whole file).
+pub fn read_build_id(path: &Path) -> Option<String> {
+    let file = File::open(path).ok()?;
+    let cache = ReadCache::new(file);
+    let obj = object::File::parse(&cache).ok()?;
+    let id = obj.build_id().ok()??;
+    Some(id.iter().map(|b| format!("{b:02x}")).collect())
+}
+
+/// Where to read a file the target maps: through `/proc/PID/root` when that
+/// works (containers), else the path itself.
+fn local_path(pid: u32, path: &str) -> Option<PathBuf> {
+    let path = path.strip_suffix(" (deleted)").unwrap_or(path);
+    let via_root = PathBuf::from(format!("/proc/{pid}/root{path}"));
+    if via_root.exists() {
+        return Some(via_root);
+    }
+    let plain = PathBuf::from(path);
+    plain.exists().then_some(plain)
+}
+
+/// Parses the text of a `/proc/PID/maps` file, keeping executable,
+/// file-backed mappings.
+pub fn parse_maps(text: &str) -> Vec<Mapping> {
+    let mut out = Vec::new();
+    for line in text.lines() {
+        let mut fields = line.splitn(6, ' ');
+        let (Some(range), Some(perms), Some(offset), Some(_dev), Some(_inode)) = (
+            fields.next(),
+            fields.next(),
+            fields.next(),
+            fields.next(),
+            fields.next(),
+        ) else {
+            continue;
+        };
+        let path = fields.next().unwrap_or("").trim_start();
+        if !perms.contains('x') || !path.starts_with('/') {
+            continue;
+        }
+        let Some((s, e)) = range.split_once('-') else {
+            continue;
+        };
+        let (Ok(start), Ok(end), Ok(offset)) = (
+            u64::from_str_radix(s, 16),
+            u64::from_str_radix(e, 16),
+            u64::from_str_radix(offset, 16),
+        ) else {
+            continue;
+        };
+        out.push(Mapping {
+            start,
+            end,
+            offset,
+            path: path.to_string(),
+            build_id: None,
+            local_path: None,
+        });
+    }
+    out
+}
+
+/// Reads the executable mappings of `pid`, with build IDs.
+pub fn read_maps(pid: u32, build_ids: &mut BuildIds) -> io::Result<Vec<Mapping>> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/maps"))?;
+    let mut maps = parse_maps(&text);
+    for m in &mut maps {
+        m.local_path = local_path(pid, &m.path);
+        m.build_id = m.local_path.as_deref().and_then(|p| build_ids.get(p));
+    }
+    Ok(maps)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_executable_file_mappings_only() {
+        let text = "\
+55d0c0a00000-55d0c0a20000 r--p 00000000 08:01 123 /usr/bin/prog
+55d0c0a20000-55d0c0a80000 r-xp 00020000 08:01 123 /usr/bin/prog
+7f0000000000-7f0000001000 r-xp 00000000 00:00 0 [vdso]
+7f0000002000-7f0000003000 r-xp 00001000 08:01 9 /lib/with space.so (deleted)
+";
+        let m = parse_maps(text);
+        assert_eq!(m.len(), 2);
+        assert_eq!(m[0].start, 0x55d0c0a20000);
+        assert_eq!(m[0].offset, 0x20000);
+        assert_eq!(m[0].path, "/usr/bin/prog");
+        assert_eq!(m[1].path, "/lib/with space.so (deleted)");
+        assert!(find(&m, 0x55d0c0a20010).is_some());
+        assert!(find(&m, 0x55d0c0a00010).is_none());
+    }
+}

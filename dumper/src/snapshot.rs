@@ -1,0 +1,354 @@
+//! Taking a snapshot: walk the live table, aggregate per stack and per
+//! thread, read the counters, and symbolize the stacks.
+//!
+//! The walk goes first and the stack catalog second, so every stack key a
+//! live record names was already published when the catalog is read.
+
+use std::collections::{BTreeMap, HashMap};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use heapdump_table::{
+    AllocationsReader, DroppedReason, ResourceKey, ResourcesReader, TableError,
+};
+use indicatif::{ProgressBar, ProgressStyle};
+
+use crate::discovery::Target;
+use crate::maps::Mapping;
+use crate::symbolize::{self, Frame, Symbolizer};
+
+/// Process-wide totals.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Totals {
+    /// Bytes in live blocks (sum over the walk).
+    pub live_bytes: u64,
+    /// Live blocks (count from the walk).
+    pub live_blocks: u64,
+    /// Bytes ever allocated (header counter).
+    pub alloc_bytes: u64,
+    /// Blocks ever allocated (header counter).
+    pub alloc_blocks: u64,
+    /// Highest live bytes seen (header counter).
+    pub peak_bytes: u64,
+}
+
+/// Live use of one thread (the thread that allocated each live block).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ThreadStat {
+    /// Kernel thread id (0 when the record is unreadable).
+    pub tid: u64,
+    /// Thread name.
+    pub name: String,
+    /// Bytes in live blocks allocated by this thread.
+    pub live_bytes: u64,
+    /// Live blocks allocated by this thread.
+    pub live_blocks: u64,
+}
+
+/// One allocation site: a distinct stack trace.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Site {
+    /// Return addresses, leaf (caller of malloc) first.
+    pub addresses: Vec<u64>,
+    /// Symbolized frames, leaf first, inlined frames expanded.
+    pub frames: Vec<Frame>,
+    /// Bytes in live blocks.
+    pub live_bytes: u64,
+    /// Live blocks.
+    pub live_blocks: u64,
+    /// Bytes ever allocated from this stack.
+    pub alloc_bytes: u64,
+    /// Blocks ever allocated from this stack.
+    pub alloc_blocks: u64,
+    /// Live use per thread: (index into `Snapshot::threads`, bytes, blocks).
+    pub by_thread: Vec<(usize, u64, u64)>,
+}
+
+/// The snapshot request this snapshot answers.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Request {
+    /// The request counter value answered.
+    pub count: u64,
+    /// Its name (empty for a signal).
+    pub name: String,
+    /// When it was made (wall clock), if known.
+    pub time: Option<SystemTime>,
+}
+
+/// Timing of one snapshot.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Timing {
+    /// Time spent walking the live table.
+    pub walk: Duration,
+    /// Time spent symbolizing.
+    pub symbolize: Duration,
+    /// Nodes examined by the walk.
+    pub nodes: u64,
+}
+
+/// A heap snapshot of one process.
+#[derive(Clone, Debug, Default)]
+pub struct Snapshot {
+    /// Process id.
+    pub pid: u32,
+    /// Process name.
+    pub process: String,
+    /// Command line.
+    pub cmdline: Vec<String>,
+    /// When the walk started.
+    pub taken_at: Option<SystemTime>,
+    /// Totals.
+    pub totals: Totals,
+    /// Dropped events by reason name (only non-zero reasons).
+    pub dropped: BTreeMap<String, u64>,
+    /// Threads, registration order.
+    pub threads: Vec<ThreadStat>,
+    /// Sites, by live bytes then allocated bytes, descending.
+    pub sites: Vec<Site>,
+    /// Executable mappings with build IDs.
+    pub mappings: Vec<Mapping>,
+    /// Why the snapshot is incomplete, if it is.
+    pub partial: Option<String>,
+    /// The request answered, if any.
+    pub request: Option<Request>,
+    /// Whether frames carry symbols.
+    pub symbolized: bool,
+    /// Timing.
+    pub timing: Timing,
+}
+
+impl Snapshot {
+    /// Total dropped events.
+    pub fn dropped_total(&self) -> u64 {
+        self.dropped.values().sum()
+    }
+}
+
+/// How to take a snapshot.
+#[derive(Debug, Default)]
+pub struct Options<'a> {
+    /// Symbolize with this symbolizer (`None`: addresses and modules only).
+    pub symbolizer: Option<&'a mut Symbolizer>,
+    /// Show a progress bar on stderr (only drawn when stderr is a terminal).
+    pub progress: bool,
+    /// The request being answered.
+    pub request: Option<Request>,
+}
+
+/// Converts a monotonic timestamp of the target into wall time.
+pub fn wall_time(target: &Target, monotonic_ns: u64) -> Option<SystemTime> {
+    let h = target.allocations.header();
+    if monotonic_ns == 0 {
+        return None;
+    }
+    let ns = h
+        .clock_realtime_ns
+        .checked_add(monotonic_ns.checked_sub(h.clock_monotonic_ns)?)?;
+    Some(UNIX_EPOCH + Duration::from_nanos(ns))
+}
+
+/// Takes a snapshot of `target`, symbolizing against `mappings` (read from
+/// `/proc/PID/maps` now, or recorded earlier if the target has exited).
+pub fn take(
+    target: &Target,
+    mappings: &[Mapping],
+    opts: Options<'_>,
+) -> Result<Snapshot, TableError> {
+    let allocs = AllocationsReader::new(&target.allocations)?;
+    let resources = ResourcesReader::new(&target.resources)?;
+    let taken_at = SystemTime::now();
+    let t0 = Instant::now();
+
+    // Aggregate during the walk: per (stack key, thread key).
+    let mut per_key: HashMap<(ResourceKey, ResourceKey), (u64, u64)> = HashMap::new();
+    let (mut live_bytes, mut live_blocks) = (0u64, 0u64);
+    let stats = allocs.walk(|r| {
+        let e = per_key.entry((r.stack, r.thread)).or_default();
+        e.0 = e.0.saturating_add(r.size);
+        e.1 += 1;
+        live_bytes = live_bytes.saturating_add(r.size);
+        live_blocks += 1;
+    });
+    let walk_time = t0.elapsed();
+    let counters = allocs.counters();
+    let catalog = resources.stacks();
+    let (thread_records, threads_partial) = resources.threads();
+
+    let mut partial: Vec<String> = Vec::new();
+    if let Some(p) = stats.partial_reason() {
+        partial.push(p);
+    }
+    if let Some(p) = &catalog.partial {
+        partial.push(format!("stack catalog: {p}"));
+    }
+    if let Some(p) = threads_partial {
+        partial.push(format!("thread list: {p}"));
+    }
+
+    // Threads: registration order.
+    let mut threads: Vec<ThreadStat> = Vec::new();
+    let mut thread_index: HashMap<ResourceKey, usize> = HashMap::new();
+    let mut recs = thread_records;
+    recs.sort_by_key(|(_, t)| t.serial);
+    for (key, t) in recs {
+        thread_index.insert(key, threads.len());
+        threads.push(ThreadStat {
+            tid: t.tid,
+            name: t.name,
+            ..Default::default()
+        });
+    }
+
+    // Sites: every catalog stack, plus any live key missing from it.
+    let mut sites: Vec<Site> = catalog
+        .stacks
+        .iter()
+        .map(|s| Site {
+            addresses: s.frames.clone(),
+            alloc_bytes: s.alloc_bytes,
+            alloc_blocks: s.alloc_count,
+            ..Default::default()
+        })
+        .collect();
+    let mut extra_sites: HashMap<ResourceKey, usize> = HashMap::new();
+    let mut unknown_stacks = 0u64;
+    let mut per_site_thread: HashMap<(usize, usize), (u64, u64)> = HashMap::new();
+    for ((stack, thread), (bytes, blocks)) in per_key {
+        let site = match catalog.by_key.get(&stack) {
+            Some(&i) => i,
+            None => *extra_sites.entry(stack).or_insert_with(|| {
+                let addresses = match resources.stack(stack) {
+                    Ok(s) => s.frames,
+                    Err(_) => {
+                        unknown_stacks += 1;
+                        Vec::new()
+                    }
+                };
+                sites.push(Site {
+                    addresses,
+                    ..Default::default()
+                });
+                sites.len() - 1
+            }),
+        };
+        sites[site].live_bytes = sites[site].live_bytes.saturating_add(bytes);
+        sites[site].live_blocks += blocks;
+        let ti = match thread_index.get(&thread) {
+            Some(&i) => i,
+            None => {
+                let t = resources.thread(thread).ok();
+                threads.push(ThreadStat {
+                    tid: t.as_ref().map_or(0, |t| t.tid),
+                    name: t.map_or_else(|| "<unknown thread>".to_string(), |t| t.name),
+                    ..Default::default()
+                });
+                thread_index.insert(thread, threads.len() - 1);
+                threads.len() - 1
+            }
+        };
+        threads[ti].live_bytes = threads[ti].live_bytes.saturating_add(bytes);
+        threads[ti].live_blocks += blocks;
+        let e = per_site_thread.entry((site, ti)).or_default();
+        e.0 = e.0.saturating_add(bytes);
+        e.1 += blocks;
+    }
+    if unknown_stacks > 0 {
+        partial.push(format!(
+            "{unknown_stacks} stack key(s) named by live blocks could not be read"
+        ));
+    }
+    for ((site, ti), (bytes, blocks)) in per_site_thread {
+        sites[site].by_thread.push((ti, bytes, blocks));
+    }
+    for s in &mut sites {
+        s.by_thread.sort_unstable();
+    }
+    // Blocks live now were allocated, so a cumulative counter below the live
+    // count only means the counters raced the walk: keep alloc >= live.
+    for s in &mut sites {
+        s.alloc_blocks = s.alloc_blocks.max(s.live_blocks);
+        s.alloc_bytes = s.alloc_bytes.max(s.live_bytes);
+    }
+    sites.sort_by(|a, b| {
+        (b.live_bytes, b.alloc_bytes, &a.addresses).cmp(&(a.live_bytes, a.alloc_bytes, &b.addresses))
+    });
+
+    // Symbolize each distinct address once.
+    let t1 = Instant::now();
+    let symbolized = opts.symbolizer.is_some();
+    let mut unique: Vec<u64> = sites.iter().flat_map(|s| s.addresses.iter().copied()).collect();
+    unique.sort_unstable();
+    unique.dedup();
+    let mut table: HashMap<u64, Vec<Frame>> = HashMap::with_capacity(unique.len());
+    match opts.symbolizer {
+        Some(sym) => {
+            let bar = if opts.progress && unique.len() > 200 {
+                let b = ProgressBar::new(unique.len() as u64);
+                b.set_style(
+                    ProgressStyle::with_template("symbolizing {bar:30} {pos}/{len} frames")
+                        .unwrap_or_else(|_| ProgressStyle::default_bar()),
+                );
+                b
+            } else {
+                ProgressBar::hidden()
+            };
+            for (i, a) in unique.iter().enumerate() {
+                table.insert(*a, sym.symbolize(*a, mappings));
+                if i % 64 == 0 {
+                    bar.set_position(i as u64);
+                }
+            }
+            bar.finish_and_clear();
+        }
+        None => {
+            for a in &unique {
+                table.insert(*a, vec![symbolize::unsymbolized(*a, mappings)]);
+            }
+        }
+    }
+    for s in &mut sites {
+        s.frames = s
+            .addresses
+            .iter()
+            .flat_map(|a| table.get(a).cloned().unwrap_or_default())
+            .collect();
+    }
+
+    let mut dropped = BTreeMap::new();
+    for r in DroppedReason::ALL {
+        let n = counters.dropped[r as usize];
+        if n > 0 {
+            dropped.insert(r.name().to_string(), n);
+        }
+    }
+    for (i, n) in counters.dropped.iter().enumerate() {
+        if i >= DroppedReason::ALL.len() && *n > 0 {
+            dropped.insert(format!("reason_{i}"), *n);
+        }
+    }
+
+    Ok(Snapshot {
+        pid: target.pid,
+        process: target.name.clone(),
+        cmdline: target.cmdline.clone(),
+        taken_at: Some(taken_at),
+        totals: Totals {
+            live_bytes,
+            live_blocks,
+            alloc_bytes: counters.total_bytes.max(live_bytes),
+            alloc_blocks: counters.total_allocs.max(live_blocks),
+            peak_bytes: counters.peak_live_bytes.max(live_bytes),
+        },
+        dropped,
+        threads,
+        sites,
+        mappings: mappings.to_vec(),
+        partial: (!partial.is_empty()).then(|| partial.join("; ")),
+        request: opts.request,
+        symbolized,
+        timing: Timing {
+            walk: walk_time,
+            symbolize: t1.elapsed(),
+            nodes: stats.nodes,
+        },
+    })
+}

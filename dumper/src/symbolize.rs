@@ -1,0 +1,200 @@
+//! Out-of-process symbolization of return addresses.
+//!
+//! Uses gimli-rs's `addr2line` (with `object` underneath): it is the DWARF
+//! reader behind Rust's own backtraces, well kept, pure Rust, and gives
+//! file, line and inlined frames from DWARF plus symbol-table fallback and
+//! demangling of Rust and C++ names. We pick it over a whole-process
+//! symbolizer because the dumper must symbolize from a list of mappings
+//! it recorded earlier: the target may have exited (watch's final
+//! snapshot), so `/proc/PID` may no longer exist.
+//!
+//! A runtime address is mapped to the file through the mapping that holds
+//! it (file offset), then to the ELF's virtual address through the PT_LOAD
+//! segment that holds that file offset. Stack frames are return addresses,
+//! so `address - 1` is looked up (the call instruction).
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use addr2line::Loader;
+use object::{Object, ObjectSegment, ReadCache};
+
+use crate::maps::{self, Mapping};
+
+/// One symbolized frame. Inlined functions give several frames for one
+/// address, innermost first; all but the last of them have `inlined` set.
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+pub struct Frame {
+    /// The return address as captured in the target.
+    pub address: u64,
+    /// Demangled function name, if known.
+    pub function: Option<String>,
+    /// Source file, if known.
+    pub file: Option<String>,
+    /// Source line, if known.
+    pub line: Option<u32>,
+    /// Path of the mapped file that holds the address.
+    pub module: Option<String>,
+    /// This frame was inlined into the next one (same address).
+    pub inlined: bool,
+}
+
+impl Frame {
+    /// A short human name: the function, or `module+0xoffset`, or the
+    /// address.
+    pub fn display_name(&self) -> String {
+        match (&self.function, &self.module) {
+            (Some(f), _) => f.clone(),
+            (None, Some(m)) => format!(
+                "{}@{:#x}",
+                m.rsplit('/').next().unwrap_or(m),
+                self.address
+            ),
+            (None, None) => format!("{:#x}", self.address),
+        }
+    }
+
+    /// `file:line` if known.
+    pub fn location(&self) -> Option<String> {
+        let file = self.file.as_ref()?;
+        Some(match self.line {
+            Some(l) => format!("{file}:{l}"),
+            None => file.clone(),
+        })
+    }
+}
+
+struct Module {
+    /// PT_LOAD segments: (file offset, file size, virtual address).
+    segments: Vec<(u64, u64, u64)>,
+    loader: Option<Loader>,
+}
+
+impl Module {
+    fn open(path: &Path) -> Option<Module> {
+        let file = File::open(path).ok()?;
+        let cache = ReadCache::new(file);
+        let obj = object::File::parse(&cache).ok()?;
+        let segments = obj
+            .segments()
+            .map(|s| {
+                let (off, size) = s.file_range();
+                (off, size, s.address())
+            })
+            .collect();
+        Some(Module {
+            segments,
+            loader: Loader::new(path).ok(),
+        })
+    }
+
+    fn svma(&self, file_offset: u64) -> Option<u64> {
+        self.segments
+            .iter()
+            .find(|(off, size, _)| (*off..off.saturating_add(*size)).contains(&file_offset))
+            .map(|(off, _, vaddr)| file_offset - off + vaddr)
+    }
+}
+
+/// Symbolizes addresses against recorded mappings, caching each file's
+/// debug information across calls (and across snapshots).
+#[derive(Default)]
+pub struct Symbolizer {
+    modules: HashMap<PathBuf, Option<Module>>,
+}
+
+impl std::fmt::Debug for Symbolizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Symbolizer")
+            .field("modules", &self.modules.len())
+            .finish()
+    }
+}
+
+/// The frame for an address without symbol information (module only).
+pub fn unsymbolized(address: u64, maps: &[Mapping]) -> Frame {
+    Frame {
+        address,
+        module: maps::find(maps, address.wrapping_sub(1)).map(|m| m.path.clone()),
+        ..Frame::default()
+    }
+}
+
+impl Symbolizer {
+    /// A symbolizer with an empty cache.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Frames for the return address `address` (innermost inlined first).
+    /// Always returns at least one frame.
+    pub fn symbolize(&mut self, address: u64, maps: &[Mapping]) -> Vec<Frame> {
+        let base = unsymbolized(address, maps);
+        let lookup = address.wrapping_sub(1);
+        let Some(m) = maps::find(maps, lookup) else {
+            return vec![base];
+        };
+        let Some(path) = m.local_path.clone() else {
+            return vec![base];
+        };
+        let module = self
+            .modules
+            .entry(path.clone())
+            .or_insert_with(|| Module::open(&path));
+        let Some(module) = module.as_ref() else {
+            return vec![base];
+        };
+        let file_offset = lookup - m.start + m.offset;
+        let Some(probe) = module.svma(file_offset) else {
+            return vec![base];
+        };
+        let Some(loader) = module.loader.as_ref() else {
+            return vec![base];
+        };
+        let mut out = Vec::new();
+        if let Ok(mut frames) = loader.find_frames(probe) {
+            while let Ok(Some(f)) = frames.next() {
+                let function = f
+                    .function
+                    .as_ref()
+                    .and_then(|n| n.demangle().ok().map(|s| s.into_owned()));
+                let (file, line) = match &f.location {
+                    Some(l) => (l.file.map(str::to_string), l.line),
+                    None => (None, None),
+                };
+                out.push(Frame {
+                    function,
+                    file,
+                    line,
+                    inlined: true,
+                    ..base.clone()
+                });
+            }
+        }
+        if out.iter().all(|f| f.function.is_none()) {
+            // No DWARF function: fall back to the symbol table, keeping a
+            // line if DWARF had one.
+            let (file, line) = out
+                .first()
+                .map(|f| (f.file.clone(), f.line))
+                .unwrap_or((None, None));
+            if let Some(sym) = loader.find_symbol(probe) {
+                out = vec![Frame {
+                    function: Some(
+                        addr2line::demangle_auto(sym.into(), None).into_owned(),
+                    ),
+                    file,
+                    line,
+                    ..base.clone()
+                }];
+            }
+        }
+        if let Some(last) = out.last_mut() {
+            last.inlined = false;
+        } else {
+            out.push(base);
+        }
+        out
+    }
+}

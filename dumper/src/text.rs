@@ -1,0 +1,145 @@
+//! The default human-readable output: totals, threads and the top-N
+//! allocation sites by live bytes.
+
+use std::fmt::Write;
+
+use crate::snapshot::Snapshot;
+
+/// Formats a byte count with a binary unit (`1.5 MiB`).
+pub fn human_bytes(n: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = n as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u < UNITS.len() - 1 {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{n} B")
+    } else {
+        format!("{v:.1} {}", UNITS[u])
+    }
+}
+
+/// Formats a signed byte count (`+1.5 MiB`, `-12 B`).
+pub fn human_delta(n: i64) -> String {
+    let sign = if n < 0 { "-" } else { "+" };
+    format!("{sign}{}", human_bytes(n.unsigned_abs()))
+}
+
+/// How much to show.
+#[derive(Clone, Copy, Debug)]
+pub struct TextOptions {
+    /// Number of sites.
+    pub top: usize,
+    /// Frames shown per site.
+    pub depth: usize,
+}
+
+impl Default for TextOptions {
+    fn default() -> Self {
+        TextOptions { top: 10, depth: 6 }
+    }
+}
+
+/// Renders the text report.
+pub fn render(s: &Snapshot, opts: TextOptions) -> String {
+    let mut o = String::new();
+    let when = s
+        .taken_at
+        .map(crate::json_format::rfc3339)
+        .unwrap_or_default();
+    let _ = writeln!(o, "heapdump snapshot of pid {} ({}) at {when}", s.pid, s.process);
+    let t = &s.totals;
+    let _ = writeln!(
+        o,
+        "live: {} in {} blocks | allocated since start: {} in {} blocks | peak live: {}",
+        human_bytes(t.live_bytes),
+        t.live_blocks,
+        human_bytes(t.alloc_bytes),
+        t.alloc_blocks,
+        human_bytes(t.peak_bytes)
+    );
+    if s.dropped_total() > 0 {
+        let detail: Vec<String> = s.dropped.iter().map(|(k, v)| format!("{k} {v}")).collect();
+        let _ = writeln!(
+            o,
+            "dropped events: {} ({}): the snapshot misses these",
+            s.dropped_total(),
+            detail.join(", ")
+        );
+    }
+    if let Some(p) = &s.partial {
+        let _ = writeln!(o, "PARTIAL snapshot: {p}");
+    }
+    let live_threads: Vec<_> = s.threads.iter().filter(|t| t.live_blocks > 0).collect();
+    if !live_threads.is_empty() {
+        let _ = writeln!(o, "threads with live blocks:");
+        for th in live_threads {
+            let _ = writeln!(
+                o,
+                "  {:>10}  {:>7} blocks  {} [{}]",
+                human_bytes(th.live_bytes),
+                th.live_blocks,
+                th.name,
+                th.tid
+            );
+        }
+    }
+    let shown: Vec<_> = s.sites.iter().filter(|x| x.live_blocks > 0).take(opts.top).collect();
+    let total_sites = s.sites.iter().filter(|x| x.live_blocks > 0).count();
+    let _ = writeln!(
+        o,
+        "top {} of {} allocation sites by live bytes:",
+        shown.len(),
+        total_sites
+    );
+    for (i, site) in shown.iter().enumerate() {
+        let pct = if t.live_bytes > 0 {
+            site.live_bytes as f64 * 100.0 / t.live_bytes as f64
+        } else {
+            0.0
+        };
+        let _ = writeln!(
+            o,
+            "#{:<3} {:>10} {:>5.1}%  {:>7} blocks  (allocated {} in {} blocks)",
+            i + 1,
+            human_bytes(site.live_bytes),
+            pct,
+            site.live_blocks,
+            human_bytes(site.alloc_bytes),
+            site.alloc_blocks
+        );
+        for f in site.frames.iter().take(opts.depth) {
+            let inl = if f.inlined { " (inlined)" } else { "" };
+            match f.location() {
+                Some(loc) => {
+                    let _ = writeln!(o, "       {}{inl}\n           at {loc}", f.display_name());
+                }
+                None => {
+                    let _ = writeln!(o, "       {}{inl}", f.display_name());
+                }
+            }
+        }
+        if site.frames.len() > opts.depth {
+            let _ = writeln!(o, "       ... {} more frames", site.frames.len() - opts.depth);
+        }
+        if site.frames.is_empty() {
+            let _ = writeln!(o, "       <no stack>");
+        }
+    }
+    o
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bytes_are_human() {
+        assert_eq!(human_bytes(0), "0 B");
+        assert_eq!(human_bytes(1023), "1023 B");
+        assert_eq!(human_bytes(1536), "1.5 KiB");
+        assert_eq!(human_delta(-2048), "-2.0 KiB");
+    }
+}

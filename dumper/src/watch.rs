@@ -1,0 +1,361 @@
+//! `heapdump watch`: a snapshot for every request a target makes (signal
+//! or API), optionally one every interval, and a final one when the target
+//! exits.
+//!
+//! The regions stay mapped by the dumper, so when the target dies (even by
+//! SIGKILL or the OOM killer) the final snapshot is the live set at death.
+//! Exit is detected with a pidfd (immune to pid reuse), falling back to
+//! `kill(pid, 0)` and `/proc/PID/stat` where pidfds are not available. The
+//! last mappings read while the target was alive are used to symbolize the
+//! final snapshot.
+
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use heapdump_table::header::read_request;
+
+use crate::discovery::{open_target, DiscoveryError, Target};
+use crate::maps::{read_maps, BuildIds, Mapping};
+use crate::output::{self, Format, RenderOptions};
+use crate::snapshot::{self, Request, Snapshot};
+use crate::symbolize::Symbolizer;
+
+/// What `watch` does.
+#[derive(Clone, Debug)]
+pub struct WatchOptions {
+    /// Directory for the snapshot files.
+    pub dir: PathBuf,
+    /// Formats written for each snapshot.
+    pub formats: Vec<Format>,
+    /// Also snapshot every this long.
+    pub interval: Option<Duration>,
+    /// Symbolize frames.
+    pub symbolize: bool,
+    /// Rendering options.
+    pub render: RenderOptions,
+    /// How often requests and exit are polled.
+    pub poll: Duration,
+}
+
+/// Why a snapshot was taken.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Reason {
+    /// A snapshot request (signal or API) with this name (empty: signal).
+    Request(String),
+    /// The interval elapsed.
+    Interval,
+    /// The target exited.
+    Exit,
+    /// The dumper was asked to stop (SIGINT/SIGTERM).
+    Stop,
+}
+
+impl Reason {
+    fn label(&self) -> String {
+        match self {
+            Reason::Request(n) if n.is_empty() => "signal".to_string(),
+            Reason::Request(n) => {
+                let s: String = n
+                    .chars()
+                    .map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' { c } else { '_' })
+                    .take(40)
+                    .collect();
+                format!("req-{s}")
+            }
+            Reason::Interval => "interval".to_string(),
+            Reason::Exit => "exit".to_string(),
+            Reason::Stop => "stop".to_string(),
+        }
+    }
+}
+
+/// A snapshot written by `watch`.
+#[derive(Clone, Debug)]
+pub struct Written {
+    /// Target pid.
+    pub pid: u32,
+    /// Sequence number (per target, from 1).
+    pub seq: u64,
+    /// Why it was taken.
+    pub reason: Reason,
+    /// Files written (one per format).
+    pub paths: Vec<PathBuf>,
+    /// Live bytes in the snapshot.
+    pub live_bytes: u64,
+    /// Whether it was partial.
+    pub partial: bool,
+}
+
+/// Errors of `watch`.
+#[derive(Debug, thiserror::Error)]
+pub enum WatchError {
+    /// A target could not be opened.
+    #[error(transparent)]
+    Discovery(#[from] DiscoveryError),
+    /// A snapshot could not be taken.
+    #[error("snapshot of pid {pid} failed: {source}")]
+    Snapshot {
+        /// Target.
+        pid: u32,
+        /// Cause.
+        #[source]
+        source: heapdump_table::TableError,
+    },
+    /// A file could not be written.
+    #[error("writing {path}: {source}")]
+    Write {
+        /// File.
+        path: PathBuf,
+        /// Cause.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Watches for the exit of a process.
+#[derive(Debug)]
+pub struct ExitWatch {
+    pid: u32,
+    pidfd: Option<OwnedFd>,
+}
+
+impl ExitWatch {
+    /// Starts watching `pid` (opens a pidfd when the kernel has them).
+    pub fn new(pid: u32) -> Self {
+        // SAFETY: pidfd_open takes a pid and flags and returns a new fd or
+        // -1; no memory is passed.
+        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+        let pidfd = (fd >= 0).then(|| {
+            // SAFETY: `fd` is a fresh descriptor we own exclusively.
+            unsafe { OwnedFd::from_raw_fd(fd as i32) }
+        });
+        ExitWatch { pid, pidfd }
+    }
+
+    /// Whether the process has exited (a zombie counts as exited).
+    pub fn exited(&self) -> bool {
+        if let Some(fd) = &self.pidfd {
+            let mut p = libc::pollfd {
+                fd: fd.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            // SAFETY: one valid pollfd, zero timeout.
+            let n = unsafe { libc::poll(&mut p, 1, 0) };
+            return n > 0 && p.revents & (libc::POLLIN | libc::POLLHUP) != 0;
+        }
+        // SAFETY: signal 0 only checks for existence and permission.
+        let alive = unsafe { libc::kill(self.pid as libc::pid_t, 0) } == 0
+            || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM);
+        if !alive {
+            return true;
+        }
+        match std::fs::read_to_string(format!("/proc/{}/stat", self.pid)) {
+            Ok(stat) => stat
+                .rsplit_once(") ")
+                .is_some_and(|(_, rest)| rest.starts_with('Z') || rest.starts_with('X')),
+            Err(_) => true,
+        }
+    }
+}
+
+/// One watched process.
+struct Watched {
+    target: Target,
+    exit: ExitWatch,
+    maps: Vec<Mapping>,
+    last_request: u64,
+    seq: u64,
+    last_snapshot: Instant,
+    done: bool,
+}
+
+/// Set by SIGINT/SIGTERM while watching.
+static STOP: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_stop_signal(_: libc::c_int) {
+    STOP.store(true, Ordering::Relaxed);
+}
+
+/// Makes SIGINT and SIGTERM end `watch` cleanly (with a final snapshot of
+/// each target) instead of killing the dumper.
+pub fn install_stop_handlers() {
+    use nix::sys::signal::{sigaction, SaFlags, SigAction, SigHandler, SigSet, Signal};
+    let act = SigAction::new(
+        SigHandler::Handler(on_stop_signal),
+        SaFlags::SA_RESTART,
+        SigSet::empty(),
+    );
+    for sig in [Signal::SIGINT, Signal::SIGTERM] {
+        // SAFETY: the handler only stores to an atomic (async-signal-safe).
+        let _ = unsafe { sigaction(sig, &act) };
+    }
+}
+
+/// Whether a stop was requested by signal.
+pub fn stop_requested() -> bool {
+    STOP.load(Ordering::Relaxed)
+}
+
+fn file_name(pid: u32, seq: u64, reason: &Reason, snap: &Snapshot, format: Format) -> String {
+    let time: String = snap
+        .taken_at
+        .map(crate::json_format::rfc3339)
+        .unwrap_or_default()
+        .chars()
+        .filter(|c| *c != '-' && *c != ':')
+        .collect();
+    format!(
+        "heapdump-{pid}-{seq:04}-{}-{time}.{}",
+        reason.label(),
+        format.extension()
+    )
+}
+
+/// Takes one snapshot of `w` and writes it in every format.
+fn shoot(
+    w: &mut Watched,
+    reason: Reason,
+    opts: &WatchOptions,
+    symbolizer: &mut Symbolizer,
+    build_ids: &mut BuildIds,
+) -> Result<Written, WatchError> {
+    let pid = w.target.pid;
+    if !w.done {
+        if let Ok(m) = read_maps(pid, build_ids) {
+            if !m.is_empty() {
+                w.maps = m;
+            }
+        }
+    }
+    let request = match &reason {
+        Reason::Request(name) => {
+            let r = read_request(&w.target.allocations.view());
+            Some(Request {
+                count: w.last_request,
+                name: name.clone(),
+                time: snapshot::wall_time(&w.target, r.time_monotonic_ns),
+            })
+        }
+        _ => None,
+    };
+    let snap = snapshot::take(
+        &w.target,
+        &w.maps,
+        snapshot::Options {
+            symbolizer: opts.symbolize.then_some(symbolizer),
+            progress: false,
+            request,
+        },
+    )
+    .map_err(|source| WatchError::Snapshot { pid, source })?;
+    w.seq += 1;
+    w.last_snapshot = Instant::now();
+    let mut paths = Vec::new();
+    for f in &opts.formats {
+        let path = opts.dir.join(file_name(pid, w.seq, &reason, &snap, *f));
+        output::write_private(&path, &output::render(&snap, *f, opts.render)).map_err(
+            |source| WatchError::Write {
+                path: path.clone(),
+                source,
+            },
+        )?;
+        paths.push(path);
+    }
+    Ok(Written {
+        pid,
+        seq: w.seq,
+        reason,
+        paths,
+        live_bytes: snap.totals.live_bytes,
+        partial: snap.partial.is_some(),
+    })
+}
+
+/// Opens the targets, then watches until every target has exited or a
+/// stop was requested (SIGINT/SIGTERM, or `stop` set). Calls `on_written`
+/// for each snapshot written.
+pub fn watch(
+    pids: &[u32],
+    opts: &WatchOptions,
+    stop: &AtomicBool,
+    mut on_written: impl FnMut(&Written),
+) -> Result<(), WatchError> {
+    output::create_private_dir(&opts.dir).map_err(|source| WatchError::Write {
+        path: opts.dir.clone(),
+        source,
+    })?;
+    let mut build_ids = BuildIds::default();
+    let mut symbolizer = Symbolizer::new();
+    let mut watched = Vec::new();
+    for &pid in pids {
+        let target = open_target(pid)?;
+        let exit = ExitWatch::new(pid);
+        let maps = read_maps(pid, &mut build_ids).unwrap_or_default();
+        let last_request = read_request(&target.allocations.view()).count;
+        watched.push(Watched {
+            target,
+            exit,
+            maps,
+            last_request,
+            seq: 0,
+            last_snapshot: Instant::now(),
+            done: false,
+        });
+    }
+    loop {
+        let stopping = stop.load(Ordering::Relaxed) || stop_requested();
+        for w in watched.iter_mut().filter(|w| !w.done) {
+            let exited = w.exit.exited();
+            let req = read_request(&w.target.allocations.view());
+            if req.count > w.last_request {
+                w.last_request = req.count;
+                let name = req.name.unwrap_or_default();
+                let written = shoot(w, Reason::Request(name), opts, &mut symbolizer, &mut build_ids)?;
+                on_written(&written);
+            } else if let Some(iv) = opts.interval {
+                if w.last_snapshot.elapsed() >= iv && !exited {
+                    let written = shoot(w, Reason::Interval, opts, &mut symbolizer, &mut build_ids)?;
+                    on_written(&written);
+                }
+            }
+            if exited || stopping {
+                let reason = if exited { Reason::Exit } else { Reason::Stop };
+                w.done = exited;
+                let written = shoot(w, reason, opts, &mut symbolizer, &mut build_ids)?;
+                w.done = true;
+                on_written(&written);
+            }
+        }
+        if watched.iter().all(|w| w.done) {
+            return Ok(());
+        }
+        std::thread::sleep(opts.poll);
+    }
+}
+
+/// Waits (bounded) until `pid` has its own heapdump regions: used right
+/// after starting a program, whose agent creates them on first allocation.
+/// Returns the last discovery error on timeout or exit.
+pub fn wait_instrumented(pid: u32, timeout: Duration) -> Result<(), DiscoveryError> {
+    let start = Instant::now();
+    let exit = ExitWatch::new(pid);
+    loop {
+        match open_target(pid) {
+            Ok(_) => return Ok(()),
+            Err(e) => {
+                if start.elapsed() >= timeout || exit.exited() {
+                    return Err(e);
+                }
+            }
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Default directory for watch output: the current directory.
+pub fn default_dir() -> PathBuf {
+    Path::new(".").to_path_buf()
+}
