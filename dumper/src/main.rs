@@ -42,6 +42,10 @@ enum Cmd {
     List,
     /// Take one snapshot of a process: a text top-N report on stdout, or a
     /// file with -o.
+    ///
+    /// Exit status: 0 on success, 1 on error, 2 when the snapshot was
+    /// written but is partial (the walk was not clean; the reason is in
+    /// the output and on stderr).
     Snapshot(SnapshotArgs),
     /// Write a snapshot for every snapshot request of the target(s) (signal
     /// or API), optionally every --interval, and a final one when a target
@@ -212,6 +216,10 @@ struct DemoArgs {
     agent: AgentArgs,
 }
 
+/// Exit status of `snapshot` when the snapshot was written but is partial
+/// (the walk was not clean: target killed mid-update, or a damaged region).
+const EXIT_PARTIAL: i32 = 2;
+
 fn main() {
     let cli = Cli::parse();
     let code = match dispatch(cli) {
@@ -346,6 +354,10 @@ fn snapshot_cmd(a: SnapshotArgs) -> Result<i32> {
         }
         None => std::io::stdout().lock().write_all(&bytes)?,
     }
+    if let Some(reason) = &snap.partial {
+        eprintln!("heapdump: the snapshot is PARTIAL: {reason}");
+        return Ok(EXIT_PARTIAL);
+    }
     Ok(0)
 }
 
@@ -372,12 +384,21 @@ fn watch_cmd(a: WatchArgs) -> Result<i32> {
         },
         poll: a.poll,
     };
-    eprintln!(
-        "heapdump: watching {:?}, writing to {}",
-        a.pids,
-        opts.dir.display()
+    let dir = opts.dir.clone();
+    let watcher = watch::Watcher::open(&a.pids, opts)?;
+    // This line tells scripts (and the tests) that requests from now on
+    // are answered.
+    println!(
+        "watching {} (snapshots into {})",
+        a.pids
+            .iter()
+            .map(u32::to_string)
+            .collect::<Vec<_>>()
+            .join(" "),
+        dir.display()
     );
-    watch::watch(&a.pids, &opts, &AtomicBool::new(false), print_written)?;
+    std::io::stdout().flush()?;
+    watcher.run(&AtomicBool::new(false), print_written)?;
     Ok(0)
 }
 

@@ -10,7 +10,7 @@
 //! final snapshot.
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
@@ -274,66 +274,123 @@ fn shoot(
     })
 }
 
-/// Opens the targets, then watches until every target has exited or a
-/// stop was requested (SIGINT/SIGTERM, or `stop` set). Calls `on_written`
-/// for each snapshot written.
+/// Watched targets, opened and ready to answer requests.
+pub struct Watcher {
+    opts: WatchOptions,
+    watched: Vec<Watched>,
+    symbolizer: Symbolizer,
+    build_ids: BuildIds,
+}
+
+impl std::fmt::Debug for Watcher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Watcher")
+            .field("pids", &self.pids())
+            .finish()
+    }
+}
+
+impl Watcher {
+    /// Opens every target and records its current request count: requests
+    /// made from now on are answered.
+    pub fn open(pids: &[u32], opts: WatchOptions) -> Result<Self, WatchError> {
+        output::create_private_dir(&opts.dir).map_err(|source| WatchError::Write {
+            path: opts.dir.clone(),
+            source,
+        })?;
+        let mut build_ids = BuildIds::default();
+        let mut watched = Vec::new();
+        for &pid in pids {
+            let target = open_target(pid)?;
+            let exit = ExitWatch::new(pid);
+            let maps = read_maps(pid, &mut build_ids).unwrap_or_default();
+            let last_request = read_request(&target.allocations.view()).count;
+            watched.push(Watched {
+                target,
+                exit,
+                maps,
+                last_request,
+                seq: 0,
+                last_snapshot: Instant::now(),
+                done: false,
+            });
+        }
+        Ok(Watcher {
+            opts,
+            watched,
+            symbolizer: Symbolizer::new(),
+            build_ids,
+        })
+    }
+
+    /// The pids watched.
+    pub fn pids(&self) -> Vec<u32> {
+        self.watched.iter().map(|w| w.target.pid).collect()
+    }
+
+    /// Watches until every target has exited or a stop was requested
+    /// (SIGINT/SIGTERM with [`install_stop_handlers`], or `stop` set), then
+    /// returns. Calls `on_written` for each snapshot written.
+    pub fn run(
+        mut self,
+        stop: &AtomicBool,
+        mut on_written: impl FnMut(&Written),
+    ) -> Result<(), WatchError> {
+        let opts = self.opts.clone();
+        loop {
+            let stopping = stop.load(Ordering::Relaxed) || stop_requested();
+            for w in self.watched.iter_mut().filter(|w| !w.done) {
+                let exited = w.exit.exited();
+                let req = read_request(&w.target.allocations.view());
+                if req.count > w.last_request {
+                    w.last_request = req.count;
+                    let name = req.name.unwrap_or_default();
+                    let written = shoot(
+                        w,
+                        Reason::Request(name),
+                        &opts,
+                        &mut self.symbolizer,
+                        &mut self.build_ids,
+                    )?;
+                    on_written(&written);
+                } else if let Some(iv) = opts.interval {
+                    if w.last_snapshot.elapsed() >= iv && !exited {
+                        let written = shoot(
+                            w,
+                            Reason::Interval,
+                            &opts,
+                            &mut self.symbolizer,
+                            &mut self.build_ids,
+                        )?;
+                        on_written(&written);
+                    }
+                }
+                if exited || stopping {
+                    let reason = if exited { Reason::Exit } else { Reason::Stop };
+                    // After exit, /proc/PID/maps is gone: keep the last maps.
+                    w.done = exited;
+                    let written =
+                        shoot(w, reason, &opts, &mut self.symbolizer, &mut self.build_ids)?;
+                    w.done = true;
+                    on_written(&written);
+                }
+            }
+            if self.watched.iter().all(|w| w.done) {
+                return Ok(());
+            }
+            std::thread::sleep(opts.poll);
+        }
+    }
+}
+
+/// Opens the targets and watches them (see [`Watcher`]).
 pub fn watch(
     pids: &[u32],
     opts: &WatchOptions,
     stop: &AtomicBool,
-    mut on_written: impl FnMut(&Written),
+    on_written: impl FnMut(&Written),
 ) -> Result<(), WatchError> {
-    output::create_private_dir(&opts.dir).map_err(|source| WatchError::Write {
-        path: opts.dir.clone(),
-        source,
-    })?;
-    let mut build_ids = BuildIds::default();
-    let mut symbolizer = Symbolizer::new();
-    let mut watched = Vec::new();
-    for &pid in pids {
-        let target = open_target(pid)?;
-        let exit = ExitWatch::new(pid);
-        let maps = read_maps(pid, &mut build_ids).unwrap_or_default();
-        let last_request = read_request(&target.allocations.view()).count;
-        watched.push(Watched {
-            target,
-            exit,
-            maps,
-            last_request,
-            seq: 0,
-            last_snapshot: Instant::now(),
-            done: false,
-        });
-    }
-    loop {
-        let stopping = stop.load(Ordering::Relaxed) || stop_requested();
-        for w in watched.iter_mut().filter(|w| !w.done) {
-            let exited = w.exit.exited();
-            let req = read_request(&w.target.allocations.view());
-            if req.count > w.last_request {
-                w.last_request = req.count;
-                let name = req.name.unwrap_or_default();
-                let written = shoot(w, Reason::Request(name), opts, &mut symbolizer, &mut build_ids)?;
-                on_written(&written);
-            } else if let Some(iv) = opts.interval {
-                if w.last_snapshot.elapsed() >= iv && !exited {
-                    let written = shoot(w, Reason::Interval, opts, &mut symbolizer, &mut build_ids)?;
-                    on_written(&written);
-                }
-            }
-            if exited || stopping {
-                let reason = if exited { Reason::Exit } else { Reason::Stop };
-                w.done = exited;
-                let written = shoot(w, reason, opts, &mut symbolizer, &mut build_ids)?;
-                w.done = true;
-                on_written(&written);
-            }
-        }
-        if watched.iter().all(|w| w.done) {
-            return Ok(());
-        }
-        std::thread::sleep(opts.poll);
-    }
+    Watcher::open(pids, opts.clone())?.run(stop, on_written)
 }
 
 /// Waits (bounded) until `pid` has its own heapdump regions: used right
@@ -355,7 +412,3 @@ pub fn wait_instrumented(pid: u32, timeout: Duration) -> Result<(), DiscoveryErr
     }
 }
 
-/// Default directory for watch output: the current directory.
-pub fn default_dir() -> PathBuf {
-    Path::new(".").to_path_buf()
-}

@@ -1,0 +1,162 @@
+//! `heapdump watch`, `serve` and `run` with real processes.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::process::{Command, Stdio};
+
+use common::*;
+use heapdump::fake_target::PLAN;
+
+struct Running {
+    child: std::process::Child,
+    lines: Lines,
+}
+
+impl Running {
+    fn start(args: &[&str]) -> Running {
+        let mut child = Command::new(bin())
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("start heapdump");
+        let lines = Lines::new(child.stdout.take().unwrap());
+        Running { child, lines }
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[test]
+fn watch_answers_requests_and_dumps_at_sigkill() {
+    let mut target = FakeTarget::start(&[]);
+    let dir = TempDir::new("watch");
+    let pid = target.pid().to_string();
+    let out_dir = dir.str("snaps");
+    let mut w = Running::start(&[
+        "watch", &pid, "--dir", &out_dir, "-f", "json", "-f", "pprof", "--poll", "5ms",
+    ]);
+    assert!(w.lines.next().starts_with("watching "));
+
+    // An API-style request with a name: one snapshot, in two formats.
+    target.cmd("request before-load");
+    let a = w.lines.next();
+    let b = w.lines.next();
+    assert!(a.contains(&format!("heapdump-{pid}-0001-req-before-load-")), "{a}");
+    assert!(a.ends_with(".json"), "{a}");
+    assert!(b.ends_with(".pb.gz"), "{b}");
+    let j = read_json(std::path::Path::new(a.strip_prefix("wrote ").unwrap()));
+    assert_eq!(j["request"]["name"], "before-load");
+    assert_eq!(j["request"]["count"], 1);
+
+    // A signal-style request (no name).
+    target.cmd("signal");
+    let a = w.lines.next();
+    w.lines.next();
+    assert!(a.contains(&format!("heapdump-{pid}-0002-signal-")), "{a}");
+
+    // More heap, then SIGKILL: the final snapshot has the live set at death.
+    target.cmd("alloc");
+    target.cmd("alloc");
+    target.kill9();
+    let a = w.lines.next();
+    w.lines.next();
+    assert!(a.contains(&format!("heapdump-{pid}-0003-exit-")), "{a}");
+    let j = read_json(std::path::Path::new(a.strip_prefix("wrote ").unwrap()));
+    let live_blocks: u64 = PLAN.iter().map(|p| p.live).sum::<u64>() + 2;
+    assert_eq!(j["totals"]["live_blocks"], live_blocks);
+    assert!(j["partial"].is_null());
+    let alpha = j["sites"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["frames"][0]["function"] == "heapdump::fake_target::site_alpha")
+        .expect("symbolized after death from the recorded mappings");
+    assert_eq!(alpha["live_blocks"], PLAN[0].live + 2);
+
+    // Watch ends by itself once its only target is gone.
+    assert_eq!(w.lines.next_or_eof(), None);
+    let status = w.child.wait().unwrap();
+    assert!(status.success());
+}
+
+fn http_get(addr: &str, path: &str) -> (String, Vec<u8>) {
+    let mut s = TcpStream::connect(addr).expect("connect");
+    s.set_read_timeout(Some(HANG_GUARD)).unwrap();
+    write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").unwrap();
+    let mut resp = Vec::new();
+    s.read_to_end(&mut resp).unwrap();
+    let split = resp
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .expect("header end");
+    let head = String::from_utf8_lossy(&resp[..split]).into_owned();
+    (head, resp[split + 4..].to_vec())
+}
+
+#[test]
+fn serve_gives_go_compatible_heap_profiles() {
+    let target = FakeTarget::start(&[]);
+    let other = FakeTarget::start(&[]);
+    let (p1, p2) = (target.pid().to_string(), other.pid().to_string());
+    let srv = Running::start(&["serve", "--listen", "127.0.0.1:0", &p1, &p2]);
+    let line = srv.lines.next();
+    let url = line.strip_prefix("listening on ").expect("listening line");
+    let addr = url
+        .strip_prefix("http://")
+        .unwrap()
+        .split('/')
+        .next()
+        .unwrap()
+        .to_string();
+
+    // Two targets: pid is required.
+    let (head, body) = http_get(&addr, "/debug/pprof/heap");
+    assert!(head.starts_with("HTTP/1.1 400") || head.starts_with("HTTP/1.0 400"), "{head}");
+    assert!(String::from_utf8_lossy(&body).contains("?pid="));
+
+    let (head, body) = http_get(&addr, &format!("/debug/pprof/heap?pid={p1}"));
+    assert!(head.contains(" 200 "), "{head}");
+    assert!(
+        head.to_ascii_lowercase()
+            .contains("content-type: application/octet-stream"),
+        "{head}"
+    );
+    let p = heapdump::pprof::decode(&body).expect("pprof body");
+    let inuse: i64 = p.sample.iter().map(|s| s.value[3]).sum();
+    let want: u64 = PLAN.iter().map(|p| p.live * p.size).sum();
+    assert_eq!(inuse, want as i64);
+
+    if go_available() {
+        let top = go_pprof(&["-top", "-unit=B", &format!("http://{addr}/debug/pprof/heap?pid={p2}")]);
+        assert!(top.contains(&format!("{want}B total")), "{top}");
+        assert!(top.contains("site_delta"), "{top}");
+    }
+}
+
+#[test]
+fn run_passes_exit_status_through() {
+    // Any existing file works as a stand-in preload library here: the
+    // dynamic loader warns about a non-ELF preload and runs the program.
+    let dir = TempDir::new("run");
+    let fake_lib = dir.path("libheapdump_preload.so");
+    std::fs::write(&fake_lib, b"not a library").unwrap();
+    let lib = fake_lib.display().to_string();
+    let out = heapdump(&["run", "--preload", &lib, "--", "sh", "-c", "exit 7"]);
+    assert_eq!(out.status.code(), Some(7), "{}", stderr(&out));
+    let out = heapdump(&["run", "--preload", &lib, "--", "sh", "-c", "kill -9 $$"]);
+    assert_eq!(out.status.code(), Some(128 + 9));
+    let out = heapdump(&["run", "--preload", &lib, "--", "sh", "-c", "echo $LD_PRELOAD"]);
+    assert!(stdout(&out).contains(&lib));
+
+    let out = heapdump(&["run", "--preload", "/nonexistent/lib.so", "--", "true"]);
+    assert!(!out.status.success());
+    assert!(stderr(&out).contains("does not exist"));
+}
