@@ -86,7 +86,13 @@ pub fn demo(dir: &Path, env: &AgentEnv) -> Result<DemoReport, DemoError> {
             source,
         })?;
         let mut files = Vec::new();
-        for f in [Format::Pprof, Format::Json, Format::Svg, Format::Dhat, Format::Text] {
+        for f in [
+            Format::Pprof,
+            Format::Json,
+            Format::Svg,
+            Format::Dhat,
+            Format::Text,
+        ] {
             let path = dir.join(format!("heapdump-demo.{}", f.extension()));
             output::write_private(&path, &output::render(&snap, f, RenderOptions::default()))
                 .map_err(|source| DemoError::Write {
@@ -123,7 +129,9 @@ pub fn demo_cache_blobs(n: usize, size: usize) -> Vec<Vec<u8>> {
 /// A recognizable allocation site: per-thread session logs.
 #[inline(never)]
 pub fn demo_session_log(thread: usize, n: usize) -> Vec<String> {
-    (0..n).map(|i| format!("thread {thread} event {i}")).collect()
+    (0..n)
+        .map(|i| format!("thread {thread} event {i}"))
+        .collect()
 }
 
 /// The bundled workload: allocates at a few recognizable sites on several
@@ -140,7 +148,10 @@ pub fn workload() {
                     .expect("spawn")
             })
             .collect();
-        handles.into_iter().map(|h| h.join().expect("join")).collect()
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("join"))
+            .collect()
     });
     println!("ready");
     let _ = std::io::stdout().flush();

@@ -150,7 +150,9 @@ pub fn diff(a: Snapshot, b: Snapshot) -> Diff {
     }
     let mut sites: Vec<SiteDelta> = by_key
         .into_values()
-        .filter(|d| d.live_bytes != 0 || d.live_blocks != 0 || d.alloc_bytes != 0 || d.alloc_blocks != 0)
+        .filter(|d| {
+            d.live_bytes != 0 || d.live_blocks != 0 || d.alloc_bytes != 0 || d.alloc_blocks != 0
+        })
         .collect();
     sites.sort_by(|x, y| {
         y.live_bytes
@@ -186,7 +188,12 @@ pub fn render_text(d: &Diff, top: usize, depth: usize) -> String {
         human_delta(delta(tb.alloc_bytes, ta.alloc_bytes)),
         delta(tb.alloc_blocks, ta.alloc_blocks)
     );
-    let growing: Vec<_> = d.sites.iter().filter(|s| s.live_bytes != 0).take(top).collect();
+    let growing: Vec<_> = d
+        .sites
+        .iter()
+        .filter(|s| s.live_bytes != 0)
+        .take(top)
+        .collect();
     let _ = writeln!(o, "top {} sites by live growth:", growing.len());
     for (i, s) in growing.iter().enumerate() {
         let _ = writeln!(
@@ -227,11 +234,10 @@ pub fn render_pprof(d: &Diff) -> Vec<u8> {
         "heapdump diff: B (pid {}) minus A (pid {})",
         d.b.pid, d.a.pid
     )];
-    let time = d
-        .b
-        .taken_at
-        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
-        .map_or(0, |t| t.as_nanos() as i64);
+    let time =
+        d.b.taken_at
+            .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+            .map_or(0, |t| t.as_nanos() as i64);
     pprof::encode_gzip(&pprof::build(
         &samples,
         &d.b.mappings,

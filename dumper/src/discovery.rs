@@ -44,7 +44,9 @@ impl Target {
 #[derive(Debug, thiserror::Error)]
 pub enum DiscoveryError {
     /// No process with this pid.
-    #[error("no such process: {pid} (it is not running; `heapdump list` shows instrumented processes)")]
+    #[error(
+        "no such process: {pid} (it is not running; `heapdump list` shows instrumented processes)"
+    )]
     NoSuchProcess {
         /// The pid asked for.
         pid: u32,

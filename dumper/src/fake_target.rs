@@ -243,7 +243,10 @@ impl Fake<'_> {
 fn corrupt(region: &RegionWriter, how: Corruption) {
     let view = region.view();
     match how {
-        Corruption::Magic => view.atomic_u64(0).expect("magic").store(0, Ordering::Relaxed),
+        Corruption::Magic => view
+            .atomic_u64(0)
+            .expect("magic")
+            .store(0, Ordering::Relaxed),
         Corruption::Version => {
             let w = view.atomic_u64(8).expect("version word");
             let old = w.load(Ordering::Relaxed);

@@ -354,7 +354,10 @@ pub fn from_json(j: &JsonSnapshot) -> Snapshot {
         request: j.request.as_ref().map(|r| Request {
             count: r.count,
             name: r.name.clone(),
-            time: r.time.as_deref().and_then(|t| humantime::parse_rfc3339(t).ok()),
+            time: r
+                .time
+                .as_deref()
+                .and_then(|t| humantime::parse_rfc3339(t).ok()),
         }),
         symbolized: j.symbolized,
         timing: Default::default(),

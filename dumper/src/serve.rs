@@ -55,16 +55,18 @@ type Reply = Response<Cursor<Vec<u8>>>;
 fn text(status: u16, body: String) -> Reply {
     Response::from_data(body.into_bytes())
         .with_status_code(status)
-        .with_header(Header::from_bytes("Content-Type", "text/plain; charset=utf-8").expect("header"))
+        .with_header(
+            Header::from_bytes("Content-Type", "text/plain; charset=utf-8").expect("header"),
+        )
 }
 
 fn query_params(url: &str) -> HashMap<String, String> {
     url.split_once('?')
         .map(|(_, q)| {
             q.split('&')
-                .filter_map(|kv| {
+                .map(|kv| {
                     let (k, v) = kv.split_once('=').unwrap_or((kv, ""));
-                    Some((k.to_string(), v.to_string()))
+                    (k.to_string(), v.to_string())
                 })
                 .collect()
         })
@@ -88,7 +90,10 @@ impl State {
             if !self.opts.pids.is_empty() && !self.opts.pids.contains(&pid) {
                 return Err(text(
                     404,
-                    format!("pid {pid} is not served here; served pids: {:?}\n", self.opts.pids),
+                    format!(
+                        "pid {pid} is not served here; served pids: {:?}\n",
+                        self.opts.pids
+                    ),
                 ));
             }
             return Ok(pid);
@@ -104,9 +109,8 @@ impl State {
     }
 
     fn snapshot(&mut self, pid: u32) -> Result<snapshot::Snapshot, Reply> {
-        if !self.targets.contains_key(&pid) {
-            let t = open_target(pid).map_err(|e| text(404, format!("{e}\n")))?;
-            self.targets.insert(pid, t);
+        if let std::collections::hash_map::Entry::Vacant(e) = self.targets.entry(pid) {
+            e.insert(open_target(pid).map_err(|e| text(404, format!("{e}\n")))?);
         }
         let maps = read_maps(pid, &mut self.build_ids).unwrap_or_default();
         let target = &self.targets[&pid];
@@ -146,7 +150,9 @@ impl State {
                         Header::from_bytes("Content-Type", "application/json").expect("header"),
                     );
                 }
-                let per_thread = params.get("per_thread").is_some_and(|v| v == "1" || v == "true");
+                let per_thread = params
+                    .get("per_thread")
+                    .is_some_and(|v| v == "1" || v == "true");
                 let name = format!("attachment; filename=\"heap-{pid}.pb.gz\"");
                 Response::from_data(crate::pprof::render(&snap, per_thread))
                     .with_header(
@@ -163,11 +169,17 @@ impl State {
                      GET /debug/pprof/heap.json?pid=N   heapdump JSON\n\ntargets:\n",
                 );
                 for pid in self.candidates() {
-                    body.push_str(&format!("  {pid} {}\n", crate::discovery::process_name(pid)));
+                    body.push_str(&format!(
+                        "  {pid} {}\n",
+                        crate::discovery::process_name(pid)
+                    ));
                 }
                 text(200, body)
             }
-            _ => text(404, format!("no such endpoint {path}; try /debug/pprof/heap\n")),
+            _ => text(
+                404,
+                format!("no such endpoint {path}; try /debug/pprof/heap\n"),
+            ),
         }
     }
 }

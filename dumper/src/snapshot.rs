@@ -7,9 +7,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use heapdump_table::{
-    AllocationsReader, DroppedReason, ResourceKey, ResourcesReader, TableError,
-};
+use heapdump_table::{AllocationsReader, DroppedReason, ResourceKey, ResourcesReader, TableError};
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::discovery::Target;
@@ -269,13 +267,20 @@ pub fn take(
         s.alloc_bytes = s.alloc_bytes.max(s.live_bytes);
     }
     sites.sort_by(|a, b| {
-        (b.live_bytes, b.alloc_bytes, &a.addresses).cmp(&(a.live_bytes, a.alloc_bytes, &b.addresses))
+        (b.live_bytes, b.alloc_bytes, &a.addresses).cmp(&(
+            a.live_bytes,
+            a.alloc_bytes,
+            &b.addresses,
+        ))
     });
 
     // Symbolize each distinct address once.
     let t1 = Instant::now();
     let symbolized = opts.symbolizer.is_some();
-    let mut unique: Vec<u64> = sites.iter().flat_map(|s| s.addresses.iter().copied()).collect();
+    let mut unique: Vec<u64> = sites
+        .iter()
+        .flat_map(|s| s.addresses.iter().copied())
+        .collect();
     unique.sort_unstable();
     unique.dedup();
     let mut table: HashMap<u64, Vec<Frame>> = HashMap::with_capacity(unique.len());

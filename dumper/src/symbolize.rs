@@ -46,11 +46,7 @@ impl Frame {
     pub fn display_name(&self) -> String {
         match (&self.function, &self.module) {
             (Some(f), _) => f.clone(),
-            (None, Some(m)) => format!(
-                "{}@{:#x}",
-                m.rsplit('/').next().unwrap_or(m),
-                self.address
-            ),
+            (None, Some(m)) => format!("{}@{:#x}", m.rsplit('/').next().unwrap_or(m), self.address),
             (None, None) => format!("{:#x}", self.address),
         }
     }
@@ -181,9 +177,7 @@ impl Symbolizer {
                 .unwrap_or((None, None));
             if let Some(sym) = loader.find_symbol(probe) {
                 out = vec![Frame {
-                    function: Some(
-                        addr2line::demangle_auto(sym.into(), None).into_owned(),
-                    ),
+                    function: Some(addr2line::demangle_auto(sym.into(), None).into_owned()),
                     file,
                     line,
                     ..base.clone()

@@ -49,7 +49,11 @@ pub fn render(s: &Snapshot, opts: TextOptions) -> String {
         .taken_at
         .map(crate::json_format::rfc3339)
         .unwrap_or_default();
-    let _ = writeln!(o, "heapdump snapshot of pid {} ({}) at {when}", s.pid, s.process);
+    let _ = writeln!(
+        o,
+        "heapdump snapshot of pid {} ({}) at {when}",
+        s.pid, s.process
+    );
     let t = &s.totals;
     let _ = writeln!(
         o,
@@ -86,7 +90,12 @@ pub fn render(s: &Snapshot, opts: TextOptions) -> String {
             );
         }
     }
-    let shown: Vec<_> = s.sites.iter().filter(|x| x.live_blocks > 0).take(opts.top).collect();
+    let shown: Vec<_> = s
+        .sites
+        .iter()
+        .filter(|x| x.live_blocks > 0)
+        .take(opts.top)
+        .collect();
     let total_sites = s.sites.iter().filter(|x| x.live_blocks > 0).count();
     let _ = writeln!(
         o,
@@ -122,7 +131,11 @@ pub fn render(s: &Snapshot, opts: TextOptions) -> String {
             }
         }
         if site.frames.len() > opts.depth {
-            let _ = writeln!(o, "       ... {} more frames", site.frames.len() - opts.depth);
+            let _ = writeln!(
+                o,
+                "       ... {} more frames",
+                site.frames.len() - opts.depth
+            );
         }
         if site.frames.is_empty() {
             let _ = writeln!(o, "       <no stack>");

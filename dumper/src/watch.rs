@@ -59,7 +59,13 @@ impl Reason {
             Reason::Request(n) => {
                 let s: String = n
                     .chars()
-                    .map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' { c } else { '_' })
+                    .map(|c| {
+                        if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
+                            c
+                        } else {
+                            '_'
+                        }
+                    })
                     .take(40)
                     .collect();
                 format!("req-{s}")
@@ -411,4 +417,3 @@ pub fn wait_instrumented(pid: u32, timeout: Duration) -> Result<(), DiscoveryErr
         std::thread::sleep(Duration::from_millis(10));
     }
 }
-

@@ -44,7 +44,10 @@ fn json_matches_ground_truth_exactly() {
     let dir = TempDir::new("truth");
     let j = snapshot_json(target.pid(), &dir, "snap.json", &[]);
 
-    let mode = std::fs::metadata(dir.path("snap.json")).unwrap().permissions().mode();
+    let mode = std::fs::metadata(dir.path("snap.json"))
+        .unwrap()
+        .permissions()
+        .mode();
     assert_eq!(mode & 0o777, 0o600, "snapshot files are private");
 
     assert_eq!(j["pid"], target.pid());
@@ -71,7 +74,12 @@ fn json_matches_ground_truth_exactly() {
             .unwrap_or_else(|| panic!("site {} missing", p.function));
         assert_eq!(s["live_bytes"], p.live * p.size, "{}", p.function);
         assert_eq!(s["live_blocks"], p.live, "{}", p.function);
-        assert_eq!(s["alloc_bytes"], (p.live + p.freed) * p.size, "{}", p.function);
+        assert_eq!(
+            s["alloc_bytes"],
+            (p.live + p.freed) * p.size,
+            "{}",
+            p.function
+        );
         assert_eq!(s["alloc_blocks"], p.live + p.freed, "{}", p.function);
         let frames = s["frames"].as_array().unwrap();
         assert_eq!(frames.len(), 3);
@@ -225,7 +233,12 @@ fn pprof_reads_back_with_go_heap_layout() {
         );
         assert!(top.contains("site_delta"), "{top}");
         let raw = go_pprof(&["-raw", &path]);
-        assert!(raw.contains("alloc_objects/count alloc_space/bytes inuse_objects/count inuse_space/bytes"), "{raw}");
+        assert!(
+            raw.contains(
+                "alloc_objects/count alloc_space/bytes inuse_objects/count inuse_space/bytes"
+            ),
+            "{raw}"
+        );
         let alloc = go_pprof(&["-top", "-unit=B", "-sample_index=alloc_space", &path]);
         assert!(alloc.contains(&format!("{ab}B total")), "{alloc}");
     }
@@ -242,7 +255,10 @@ fn other_formats_render() {
     let t = stdout(&text);
     assert!(t.contains("top 4 of 4 allocation sites"), "{t}");
     let first_site = t.find("site_delta").unwrap();
-    assert!(first_site < t.find("site_beta").unwrap(), "sorted by live bytes");
+    assert!(
+        first_site < t.find("site_beta").unwrap(),
+        "sorted by live bytes"
+    );
 
     let d = dir.str("heap.dhat.json");
     assert!(heapdump(&["snapshot", &pid, "-o", &d]).status.success());
@@ -252,8 +268,14 @@ fn other_formats_render() {
     let pps = dh["pps"].as_array().unwrap();
     assert_eq!(pps.len(), PLAN.len());
     let (lb, _, ab, _) = expected_totals();
-    assert_eq!(pps.iter().map(|p| p["eb"].as_u64().unwrap()).sum::<u64>(), lb);
-    assert_eq!(pps.iter().map(|p| p["tb"].as_u64().unwrap()).sum::<u64>(), ab);
+    assert_eq!(
+        pps.iter().map(|p| p["eb"].as_u64().unwrap()).sum::<u64>(),
+        lb
+    );
+    assert_eq!(
+        pps.iter().map(|p| p["tb"].as_u64().unwrap()).sum::<u64>(),
+        ab
+    );
     let ftbl = dh["ftbl"].as_array().unwrap();
     for p in pps {
         for f in p["fs"].as_array().unwrap() {
@@ -269,7 +291,9 @@ fn other_formats_render() {
         .map(|l| l.rsplit_once(' ').unwrap().1.parse::<u64>().unwrap())
         .sum();
     assert_eq!(total, lb);
-    assert!(f.lines().all(|l| l.starts_with("heapdump::fake_target::fake_root;")));
+    assert!(f
+        .lines()
+        .all(|l| l.starts_with("heapdump::fake_target::fake_root;")));
 
     let svg = dir.str("flame.svg");
     assert!(heapdump(&["snapshot", &pid, "-o", &svg]).status.success());
@@ -286,12 +310,20 @@ fn twenty_snapshots_of_a_churning_target_are_clean() {
     let target = FakeTarget::start(&["--churn"]);
     let dir = TempDir::new("churn");
     for i in 0..20 {
-        let j = snapshot_json(target.pid(), &dir, &format!("s{i}.json"), &["--no-symbolize"]);
+        let j = snapshot_json(
+            target.pid(),
+            &dir,
+            &format!("s{i}.json"),
+            &["--no-symbolize"],
+        );
         assert!(j["partial"].is_null(), "snapshot {i}: {}", j["partial"]);
         let sites = j["sites"].as_array().unwrap();
         let mut live = 0;
         for s in sites {
-            let (b, k) = (s["live_bytes"].as_u64().unwrap(), s["live_blocks"].as_u64().unwrap());
+            let (b, k) = (
+                s["live_bytes"].as_u64().unwrap(),
+                s["live_blocks"].as_u64().unwrap(),
+            );
             live += b;
             if k == 0 {
                 continue;
@@ -409,7 +441,12 @@ fn corrupted_nodes_give_a_partial_snapshot() {
     let dir = TempDir::new("nodes");
     let path = dir.str("s.json");
     let out = heapdump(&["snapshot", &t.pid().to_string(), "-o", &path]);
-    assert_eq!(out.status.code(), Some(2), "partial exit status: {}", stderr(&out));
+    assert_eq!(
+        out.status.code(),
+        Some(2),
+        "partial exit status: {}",
+        stderr(&out)
+    );
     assert!(stderr(&out).contains("PARTIAL"), "{}", stderr(&out));
     let j = read_json(&dir.path("s.json"));
     let reason = j["partial"].as_str().expect("partial reason");

@@ -49,7 +49,10 @@ fn watch_answers_requests_and_dumps_at_sigkill() {
     target.cmd("request before-load");
     let a = w.lines.next();
     let b = w.lines.next();
-    assert!(a.contains(&format!("heapdump-{pid}-0001-req-before-load-")), "{a}");
+    assert!(
+        a.contains(&format!("heapdump-{pid}-0001-req-before-load-")),
+        "{a}"
+    );
     assert!(a.ends_with(".json"), "{a}");
     assert!(b.ends_with(".pb.gz"), "{b}");
     let j = read_json(std::path::Path::new(a.strip_prefix("wrote ").unwrap()));
@@ -119,7 +122,10 @@ fn serve_gives_go_compatible_heap_profiles() {
 
     // Two targets: pid is required.
     let (head, body) = http_get(&addr, "/debug/pprof/heap");
-    assert!(head.starts_with("HTTP/1.1 400") || head.starts_with("HTTP/1.0 400"), "{head}");
+    assert!(
+        head.starts_with("HTTP/1.1 400") || head.starts_with("HTTP/1.0 400"),
+        "{head}"
+    );
     assert!(String::from_utf8_lossy(&body).contains("?pid="));
 
     let (head, body) = http_get(&addr, &format!("/debug/pprof/heap?pid={p1}"));
@@ -135,7 +141,11 @@ fn serve_gives_go_compatible_heap_profiles() {
     assert_eq!(inuse, want as i64);
 
     if go_available() {
-        let top = go_pprof(&["-top", "-unit=B", &format!("http://{addr}/debug/pprof/heap?pid={p2}")]);
+        let top = go_pprof(&[
+            "-top",
+            "-unit=B",
+            &format!("http://{addr}/debug/pprof/heap?pid={p2}"),
+        ]);
         assert!(top.contains(&format!("{want}B total")), "{top}");
         assert!(top.contains("site_delta"), "{top}");
     }
@@ -153,7 +163,15 @@ fn run_passes_exit_status_through() {
     assert_eq!(out.status.code(), Some(7), "{}", stderr(&out));
     let out = heapdump(&["run", "--preload", &lib, "--", "sh", "-c", "kill -9 $$"]);
     assert_eq!(out.status.code(), Some(128 + 9));
-    let out = heapdump(&["run", "--preload", &lib, "--", "sh", "-c", "echo $LD_PRELOAD"]);
+    let out = heapdump(&[
+        "run",
+        "--preload",
+        &lib,
+        "--",
+        "sh",
+        "-c",
+        "echo $LD_PRELOAD",
+    ]);
     assert!(stdout(&out).contains(&lib));
 
     let out = heapdump(&["run", "--preload", "/nonexistent/lib.so", "--", "true"]);
