@@ -31,7 +31,7 @@ use heapdump_table::{
 
 use crate::config::{Config, Warnings};
 use crate::stack_capture;
-use crate::thread_state::{trace_hash, CacheEntry, ThreadState, CACHE_SIZE, THREAD};
+use crate::thread_state::{trace_hash, CacheEntry, ThreadState, CACHE_SIZE, CACHE_WAYS, THREAD};
 
 const UNINIT: u8 = 0;
 const INITIALIZING: u8 = 1;
@@ -323,8 +323,14 @@ fn prepare_thread(w: &Writers, t: &ThreadState) {
 
 #[inline]
 fn stack_key(w: &Writers, t: &ThreadState, fp: usize) -> Option<ResourceKey> {
-    let mut frames = [0u64; MAX_FRAMES];
+    // Not zero-initialised: `walk` writes the first `n` entries and only
+    // those are read (saves a 512-byte memset per event).
+    let mut frames = std::mem::MaybeUninit::<[u64; MAX_FRAMES]>::uninit();
     let max = w.config.max_frames.min(MAX_FRAMES);
+    // SAFETY: a `[u64; N]` slice over uninitialised memory is only written
+    // by `walk` (u64 has no invalid bit patterns and no drop); the slice we
+    // read back is the prefix `walk` reported as written.
+    let frames = unsafe { &mut *frames.as_mut_ptr() };
     let n = stack_capture::walk(
         fp,
         stack_capture::stack_pointer(),
@@ -333,16 +339,26 @@ fn stack_key(w: &Writers, t: &ThreadState, fp: usize) -> Option<ResourceKey> {
     );
     let frames = &frames[..n];
     let h = trace_hash(frames);
-    let slot = &t.cache[(h >> 56) as usize % CACHE_SIZE];
-    let e = slot.get();
-    if e.hash == h {
-        return Some(ResourceKey(e.key));
+    // 2-way set: look in both ways; on a miss replace the older (way 1),
+    // moving way 0 down, so a hot trace stays in way 0.
+    let set = (h as usize >> 20) % (CACHE_SIZE / CACHE_WAYS) * CACHE_WAYS;
+    let (way0, way1) = (&t.cache[set], &t.cache[set + 1]);
+    let e0 = way0.get();
+    if e0.hash == h {
+        return Some(ResourceKey(e0.key));
+    }
+    let e1 = way1.get();
+    if e1.hash == h {
+        way1.set(e0);
+        way0.set(e1);
+        return Some(ResourceKey(e1.key));
     }
     let mut buf = [0u8; MAX_ENCODED_LEN];
     let len = encode_into(frames, &mut buf)?;
     match w.resources.intern_stack_trace(&buf[..len]) {
         Ok((key, _)) => {
-            slot.set(CacheEntry {
+            way1.set(e0);
+            way0.set(CacheEntry {
                 hash: h,
                 key: key.0,
             });

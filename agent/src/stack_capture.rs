@@ -71,20 +71,26 @@ pub fn current_thread_stack() -> Option<(usize, usize)> {
 #[inline]
 pub fn walk(fp: usize, sp: usize, stack: (usize, usize), out: &mut [u64]) -> usize {
     let (lo, hi) = stack;
-    if sp < lo || sp >= hi {
+    if sp < lo || sp >= hi || hi < 16 {
         // On a signal alternate stack or an unknown stack: reading above sp
         // could leave mapped memory, so record no frames.
         return 0;
     }
+    let limit = hi - 16;
     let mut fp = fp;
+    if fp < sp {
+        return 0;
+    }
     let mut n = 0;
+    // Loop invariant: sp <= fp (frame pointers only increase).
     while n < out.len() {
-        if fp < sp || !fp.is_multiple_of(8) || fp.saturating_add(16) > hi {
+        if !fp.is_multiple_of(8) || fp > limit {
             break;
         }
-        // SAFETY: fp..fp+16 lies inside [sp, hi), the live part of this
-        // thread's own stack (checked above), which is mapped and readable.
-        // Volatile: the compiler must not assume anything about these words.
+        // SAFETY: sp <= fp and fp + 16 <= hi, so fp..fp+16 lies inside
+        // [sp, hi), the live part of this thread's own stack, which is
+        // mapped and readable. Volatile: the compiler must not assume
+        // anything about these words.
         let (next, ret) = unsafe {
             (
                 std::ptr::read_volatile(fp as *const usize),

@@ -14,8 +14,11 @@
 
 use std::cell::Cell;
 
-/// Entries in the per-thread stack cache (direct-mapped).
-pub const CACHE_SIZE: usize = 256;
+/// Entries in the per-thread stack cache: 2-way set associative, 16 KiB
+/// per thread. A hit skips encoding, hashing with CRC and the shared table.
+pub const CACHE_SIZE: usize = 1024;
+/// Ways per set.
+pub const CACHE_WAYS: usize = 2;
 
 /// One cache entry: the hash of a captured trace and its resource key.
 #[derive(Clone, Copy, Debug, Default)]

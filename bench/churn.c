@@ -1,0 +1,89 @@
+/* Churn workload: the benchmark of heapdump's agent and of the profilers it
+ * is compared with. Each event frees the oldest block of a ring and
+ * allocates a new one (a malloc+free pair) from one of 16 call sites,
+ * reached through a recursion of depth 8..32, with sizes 16..4096.
+ *
+ *   churn [THREADS] [EVENTS] [RING]   (defaults: 1, 2000000, 100000)
+ *
+ * Events and ring are split between threads. Prints one line:
+ *   churn threads=T events=E ring=R ns_per_pair=X
+ * The time covers only the churn loop (not set-up or exit). */
+#define _GNU_SOURCE
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <time.h>
+
+typedef void *(*leaf_fn)(size_t);
+#define LEAF(n) __attribute__((noinline)) void *leaf##n(size_t s) { void *p = malloc(s); __asm__ volatile("" ::"r"(p) : "memory"); return p; }
+LEAF(0) LEAF(1) LEAF(2) LEAF(3) LEAF(4) LEAF(5) LEAF(6) LEAF(7)
+LEAF(8) LEAF(9) LEAF(10) LEAF(11) LEAF(12) LEAF(13) LEAF(14) LEAF(15)
+static leaf_fn leaves[16] = {leaf0, leaf1, leaf2, leaf3, leaf4, leaf5, leaf6, leaf7,
+                             leaf8, leaf9, leaf10, leaf11, leaf12, leaf13, leaf14, leaf15};
+
+__attribute__((noinline)) void *descend(int depth, unsigned site, size_t size) {
+    void *p;
+    if (depth <= 0)
+        p = leaves[site % 16](size);
+    else
+        p = descend(depth - 1, site, size);
+    __asm__ volatile("" ::"r"(p) : "memory"); /* no tail call: keep the frames */
+    return p;
+}
+
+struct job { long events; long ring; unsigned seed; };
+
+static uint64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + ts.tv_nsec;
+}
+
+static pthread_barrier_t start;
+static uint64_t t0, t1;
+
+static void *run(void *arg) {
+    struct job *j = arg;
+    void **ring = calloc(j->ring, sizeof(void *));
+    unsigned x = j->seed;
+    /* fill the ring first (not timed) */
+    for (long i = 0; i < j->ring; i++) {
+        x = x * 1103515245u + 12345u;
+        ring[i] = descend(8 + (x >> 8) % 25, x >> 16, 16 + (x >> 4) % 4081);
+    }
+    pthread_barrier_wait(&start);
+    for (long i = 0; i < j->events; i++) {
+        x = x * 1103515245u + 12345u;
+        long slot = i % j->ring;
+        free(ring[slot]);
+        ring[slot] = descend(8 + (x >> 8) % 25, x >> 16, 16 + (x >> 4) % 4081);
+    }
+    pthread_barrier_wait(&start);
+    for (long i = 0; i < j->ring; i++) free(ring[i]);
+    free(ring);
+    return NULL;
+}
+
+int main(int argc, char **argv) {
+    int threads = argc > 1 ? atoi(argv[1]) : 1;
+    long events = argc > 2 ? atol(argv[2]) : 2000000;
+    long ring = argc > 3 ? atol(argv[3]) : 100000;
+    if (threads < 1 || threads > 64) return 2;
+    pthread_barrier_init(&start, NULL, threads + 1);
+    pthread_t t[64];
+    struct job jobs[64];
+    for (int i = 0; i < threads; i++) {
+        jobs[i] = (struct job){events / threads, ring / threads, 12345u + 777u * i};
+        pthread_create(&t[i], NULL, run, &jobs[i]);
+    }
+    pthread_barrier_wait(&start);
+    t0 = now_ns();
+    pthread_barrier_wait(&start);
+    t1 = now_ns();
+    for (int i = 0; i < threads; i++) pthread_join(t[i], NULL);
+    /* per pair, in wall time of the whole process (threads run together) */
+    printf("churn threads=%d events=%ld ring=%ld ns_per_pair=%.1f\n", threads, events, ring,
+           (double)(t1 - t0) / (double)events * threads);
+    return 0;
+}

@@ -1,0 +1,76 @@
+//! The Rust twin of `bench/churn.c`: each event frees the oldest block of
+//! a ring and allocates a new one from one of 16 call sites reached through
+//! a recursion of depth 8..32, sizes 16..4096. Shared by `churn_bare`
+//! (system allocator) and `churn_agent` (heapdump's `Agent`).
+
+use std::hint::black_box;
+use std::sync::{Arc, Barrier};
+use std::time::Instant;
+
+macro_rules! leaves {
+    ($($name:ident),*) => {
+        $(#[inline(never)] fn $name(size: usize) -> Vec<u8> { black_box(Vec::with_capacity(size)) })*
+        const LEAVES: [fn(usize) -> Vec<u8>; 16] = [$($name),*];
+    };
+}
+leaves!(l0, l1, l2, l3, l4, l5, l6, l7, l8, l9, l10, l11, l12, l13, l14, l15);
+
+#[inline(never)]
+fn descend(depth: u32, site: u32, size: usize) -> Vec<u8> {
+    let v = if depth == 0 {
+        LEAVES[(site % 16) as usize](size)
+    } else {
+        descend(depth - 1, site, size)
+    };
+    black_box(v)
+}
+
+fn next(x: &mut u32) -> u32 {
+    *x = x.wrapping_mul(1_103_515_245).wrapping_add(12345);
+    *x
+}
+
+fn event(x: &mut u32) -> Vec<u8> {
+    let r = next(x);
+    descend(8 + (r >> 8) % 25, r >> 16, 16 + ((r >> 4) % 4081) as usize)
+}
+
+/// Runs the churn with `args` = [threads, events, ring]; prints the result.
+pub fn main() {
+    let args: Vec<u64> = std::env::args()
+        .skip(1)
+        .filter_map(|a| a.parse().ok())
+        .collect();
+    let threads = *args.first().unwrap_or(&1) as usize;
+    let events = *args.get(1).unwrap_or(&2_000_000);
+    let ring = *args.get(2).unwrap_or(&100_000);
+    let barrier = Arc::new(Barrier::new(threads + 1));
+    let hs: Vec<_> = (0..threads)
+        .map(|t| {
+            let b = barrier.clone();
+            let (ev, rl) = (events / threads as u64, ring / threads as u64);
+            std::thread::spawn(move || {
+                let mut x = 12345u32 + 777 * t as u32;
+                let mut ring: Vec<Vec<u8>> = (0..rl).map(|_| event(&mut x)).collect();
+                b.wait();
+                for i in 0..ev {
+                    let slot = (i % rl) as usize;
+                    ring[slot] = Vec::new();
+                    ring[slot] = event(&mut x);
+                }
+                b.wait();
+            })
+        })
+        .collect();
+    barrier.wait();
+    let t0 = Instant::now();
+    barrier.wait();
+    let dt = t0.elapsed();
+    for h in hs {
+        h.join().unwrap();
+    }
+    println!(
+        "churn threads={threads} events={events} ring={ring} ns_per_pair={:.1}",
+        dt.as_nanos() as f64 / events as f64 * threads as f64
+    );
+}
