@@ -102,6 +102,8 @@ pub struct FakeOptions {
     pub unsealed: bool,
     /// Keep two threads allocating and freeing until exit.
     pub churn: bool,
+    /// Extra live blocks (for benchmarks), spread over a hundred stacks.
+    pub blocks: u64,
 }
 
 macro_rules! site_fn {
@@ -224,6 +226,40 @@ impl Fake<'_> {
         }
     }
 
+    /// `n` live blocks over 96 stacks whose leaf addresses differ (inside
+    /// the site functions), sizes 16..4096.
+    fn bulk(&self, n: u64, thread: ResourceKey) {
+        let sites = [
+            "site_alpha",
+            "site_beta",
+            "site_gamma",
+            "site_delta",
+            "churn_a",
+            "churn_b",
+        ];
+        let mut keys = Vec::new();
+        for (i, site) in sites.iter().enumerate() {
+            for k in 0..16u64 {
+                let frames = [
+                    fn_addr(site) + 1 + k,
+                    fn_addr(if i % 2 == 0 {
+                        "fake_thread_main"
+                    } else {
+                        "fake_thread_worker"
+                    }) + 1,
+                    fn_addr("fake_root") + 1,
+                ];
+                let mut bytes = Vec::new();
+                stack_compression::encode(&frames, &mut bytes);
+                keys.push(self.res.intern_stack_trace(&bytes).expect("intern").0);
+            }
+        }
+        for i in 0..n {
+            let size = 16 + (i * 7919) % 4080;
+            self.alloc(keys[(i % keys.len() as u64) as usize], thread, size);
+        }
+    }
+
     fn churn(&self, idx: usize, stop: &AtomicBool) {
         let thread = self.thread(&format!("fake-churn-{idx}"));
         let name = ["churn_a", "churn_b"][idx % 2];
@@ -323,8 +359,8 @@ pub fn run(opts: FakeOptions) -> Result<(), Box<dyn std::error::Error>> {
     }
     let res_region = ResourcesWriter::create_region(16 << 20, 1024)?;
     let alloc_region = AllocationsWriter::create_region(AllocationsConfig {
-        capacity: 1 << 16,
-        shards: 16,
+        capacity: (opts.blocks + (opts.blocks / 4)).max(1 << 16),
+        shards: if opts.blocks > 100_000 { 256 } else { 16 },
     })?;
     let next_addr = AtomicU64::new(0x7e00_0000_0000);
     let fake = Fake {
@@ -345,6 +381,9 @@ pub fn run(opts: FakeOptions) -> Result<(), Box<dyn std::error::Error>> {
                 .expect("spawn worker");
         }
     });
+    if opts.blocks > 0 {
+        fake.bulk(opts.blocks, main_thread);
+    }
     if let Some(how) = opts.corrupt {
         corrupt(&alloc_region, how);
     }

@@ -73,6 +73,9 @@ enum Cmd {
         /// Keep two threads allocating and freeing.
         #[arg(long)]
         churn: bool,
+        /// Extra live blocks (benchmarks).
+        #[arg(long, default_value_t = 0)]
+        blocks: u64,
     },
     /// The demo's workload.
     #[command(name = "__demo-workload", hide = true)]
@@ -108,6 +111,10 @@ struct SnapshotArgs {
     /// Frames shown per site in the text report.
     #[arg(long, default_value_t = 6)]
     depth: usize,
+    /// Print timings on stderr: table walk, symbolization, total, and the
+    /// dumper's peak memory.
+    #[arg(long)]
+    timings: bool,
     #[command(flatten)]
     sym: SymArgs,
 }
@@ -248,11 +255,13 @@ fn dispatch(cli: Cli) -> Result<i32> {
             corrupt,
             unsealed,
             churn,
+            blocks,
         } => {
             fake_target::run(FakeOptions {
                 corrupt,
                 unsealed,
                 churn,
+                blocks,
             })
             .map_err(|e| anyhow::anyhow!("fake target: {e}"))?;
             Ok(0)
@@ -312,6 +321,7 @@ fn snapshot_cmd(a: SnapshotArgs) -> Result<i32> {
             )
         })?,
     };
+    let start = std::time::Instant::now();
     let target = discovery::open_target(a.pid)?;
     let maps = read_maps(a.pid, &mut BuildIds::default())
         .with_context(|| format!("reading /proc/{}/maps", a.pid))?;
@@ -354,11 +364,39 @@ fn snapshot_cmd(a: SnapshotArgs) -> Result<i32> {
         }
         None => std::io::stdout().lock().write_all(&bytes)?,
     }
+    if a.timings {
+        let t = &snap.timing;
+        let walk = t.walk.as_secs_f64();
+        eprintln!(
+            "timings: walk {:.1} ms ({} live blocks, {:.1} M blocks/s over {} nodes), \
+             symbolize {:.1} ms ({} sites), total {:.1} ms, dumper peak RSS {}",
+            walk * 1e3,
+            snap.totals.live_blocks,
+            if walk > 0.0 {
+                snap.totals.live_blocks as f64 / walk / 1e6
+            } else {
+                0.0
+            },
+            t.nodes,
+            t.symbolize.as_secs_f64() * 1e3,
+            snap.sites.len(),
+            start.elapsed().as_secs_f64() * 1e3,
+            peak_rss().map_or("?".to_string(), human_bytes),
+        );
+    }
     if let Some(reason) = &snap.partial {
         eprintln!("heapdump: the snapshot is PARTIAL: {reason}");
         return Ok(EXIT_PARTIAL);
     }
     Ok(0)
+}
+
+/// The dumper's peak resident memory (`VmHWM`), in bytes.
+fn peak_rss() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
 }
 
 fn print_written(w: &watch::Written) {
