@@ -10,8 +10,9 @@
 //! Protocol: prints `ready` on stdout once its table is written, then reads
 //! commands from stdin, answering each with `ok`: `request NAME` (API-style
 //! snapshot request), `signal` (signal-style request, no name), `alloc`
-//! (one more live block at `site_alpha` on the main thread), `exit`. It
-//! exits at end of input.
+//! (one more live block at `site_alpha` on the main thread), `exit`; and
+//! `fork`, answered with `forked PID`: a child that keeps the parent's
+//! region descriptors and never creates its own. It exits at end of input.
 
 use std::io::{BufRead, Write};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -330,6 +331,24 @@ fn serve_commands(fake: &Fake<'_>, main_thread: ResourceKey) {
                 fake.alloc(stack, main_thread, PLAN[0].size);
             }
             ("exit", _) => break,
+            ("fork", _) => {
+                // SAFETY: the child only makes async-signal-safe system
+                // calls (prctl, pause) and never returns into Rust code
+                // that could touch locks held by other threads at fork.
+                let pid = unsafe { libc::fork() };
+                if pid == 0 {
+                    // SAFETY: as above; the child dies with its parent.
+                    unsafe {
+                        libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                        loop {
+                            libc::pause();
+                        }
+                    }
+                }
+                let _ = writeln!(out, "forked {pid}");
+                let _ = out.flush();
+                continue;
+            }
             _ => {
                 let _ = writeln!(out, "unknown command");
                 continue;

@@ -453,3 +453,28 @@ fn corrupted_nodes_give_a_partial_snapshot() {
     assert!(reason.contains("being modified"), "{reason}");
     assert!(reason.contains("stack key"), "{reason}");
 }
+
+#[test]
+fn forked_child_with_inherited_regions_only() {
+    let target = FakeTarget::start(&[]);
+    let mut t = target;
+    {
+        let stdin = t.stdin.as_mut().unwrap();
+        use std::io::Write;
+        writeln!(stdin, "fork").unwrap();
+        stdin.flush().unwrap();
+    }
+    let line = t.lines.next();
+    let child: u32 = line
+        .strip_prefix("forked ")
+        .expect("forked line")
+        .parse()
+        .unwrap();
+    fails_with(
+        &["snapshot", &child.to_string()],
+        &format!("inherited from parent pid {}", t.pid()),
+    );
+    let _ = std::process::Command::new("kill")
+        .args(["-9", &child.to_string()])
+        .status();
+}

@@ -178,3 +178,47 @@ fn run_passes_exit_status_through() {
     assert!(!out.status.success());
     assert!(stderr(&out).contains("does not exist"));
 }
+
+#[test]
+fn watch_interval_and_stop_by_sigterm() {
+    let target = FakeTarget::start(&[]);
+    let dir = TempDir::new("interval");
+    let pid = target.pid().to_string();
+    let out_dir = dir.str("snaps");
+    let mut w = Running::start(&[
+        "watch",
+        &pid,
+        "--dir",
+        &out_dir,
+        "-f",
+        "json",
+        "--interval",
+        "20ms",
+        "--poll",
+        "5ms",
+    ]);
+    assert!(w.lines.next().starts_with("watching "));
+    let a = w.lines.next();
+    let b = w.lines.next();
+    assert!(a.contains(&format!("heapdump-{pid}-0001-interval-")), "{a}");
+    assert!(b.contains(&format!("heapdump-{pid}-0002-interval-")), "{b}");
+    let status = Command::new("kill")
+        .args(["-TERM", &w.child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    // Interval snapshots may still land before the stop is seen.
+    let last = loop {
+        match w.lines.next_or_eof() {
+            Some(l) if l.contains("-stop-") => break l,
+            Some(l) => assert!(l.contains("-interval-"), "{l}"),
+            None => panic!("watch ended without a stop snapshot"),
+        }
+    };
+    let j = read_json(std::path::Path::new(last.strip_prefix("wrote ").unwrap()));
+    assert_eq!(j["pid"], target.pid());
+    assert!(w.child.wait().unwrap().success());
+    let mode = std::fs::metadata(&out_dir).unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    assert_eq!(mode.permissions().mode() & 0o777, 0o700);
+}
