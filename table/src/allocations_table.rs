@@ -292,17 +292,16 @@ impl<'a> AllocationsWriter<'a> {
 
     #[inline]
     fn u32_at(&self, off: u64) -> &AtomicU32 {
-        // SAFETY: every writer offset is computed from the layout validated
-        // in `new` (shard < shards, window < 2, slot < cap <= slots_max,
-        // node < capacity, fixed field offsets), which `Layout::check`
-        // proved lies inside the region, and is 4-aligned by construction.
-        unsafe { self.view.atomic_u32_unchecked(off) }
+        self.view
+            .atomic_u32(off)
+            .expect("offset inside the validated layout")
     }
 
     #[inline]
     fn u64_at(&self, off: u64) -> &AtomicU64 {
-        // SAFETY: as in `u32_at`, 8-aligned by construction.
-        unsafe { self.view.atomic_u64_unchecked(off) }
+        self.view
+            .atomic_u64(off)
+            .expect("offset inside the validated layout")
     }
 
     #[inline]
@@ -389,13 +388,7 @@ impl<'a> AllocationsWriter<'a> {
 
     #[inline]
     fn node_word(&self, node: u32, w: u64) -> &AtomicU64 {
-        // Node numbers are read back from the region (index slots, free
-        // lists). Only this process writes them, but clamping keeps even a
-        // region scribbled over by a wild write in the program in bounds
-        // (one conditional move).
-        debug_assert!(u64::from(node) < self.layout.capacity);
-        let node = u64::from(node).min(self.layout.capacity - 1);
-        self.u64_at(self.layout.nodes_off + node * NODE_SIZE + w * 8)
+        self.u64_at(self.layout.nodes_off + u64::from(node) * NODE_SIZE + w * 8)
     }
 
     #[inline]
@@ -440,7 +433,7 @@ impl<'a> AllocationsWriter<'a> {
                 return None;
             }
             if s != TOMBSTONE && s >> NODE_BITS == tag {
-                let node = (s & NODE_MASK).wrapping_sub(1);
+                let node = (s & NODE_MASK) - 1;
                 if self.node_addr(node) == addr {
                     return Some((i, node));
                 }
@@ -496,7 +489,7 @@ impl<'a> AllocationsWriter<'a> {
             if s == EMPTY || s == TOMBSTONE {
                 continue;
             }
-            let node = (s & NODE_MASK).wrapping_sub(1);
+            let node = (s & NODE_MASK) - 1;
             let mut j = hash(self.node_addr(node)) & mask;
             while self.slot(shard, new_win, j).load(Ordering::Relaxed) != EMPTY {
                 j = (j + 1) & mask;
@@ -524,7 +517,7 @@ impl<'a> AllocationsWriter<'a> {
         let free = self.shard_field(shard, S_FREE);
         let head = free.load(Ordering::Relaxed);
         if head != 0 {
-            let node = head.wrapping_sub(1);
+            let node = head - 1;
             let next = self.node_word(node, 3).load(Ordering::Relaxed) as u32;
             free.store(next, Ordering::Relaxed);
             return Some(node);

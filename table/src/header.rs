@@ -28,7 +28,7 @@ pub const FORMAT_MINOR: u16 = 0;
 pub const HEADER_SIZE: u64 = 4096;
 
 /// Which table a region holds.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[repr(u32)]
 pub enum RegionKind {
     /// Append-only stack traces and thread records.

@@ -10,6 +10,7 @@
 //! number of operations, and the reader stops when they are all done (after
 //! a minimum number of walks).
 
+use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Barrier;
@@ -108,11 +109,12 @@ fn writers_and_a_walking_reader() {
                             2..=7 => {
                                 let a = churn_addr(t, (x >> 8) % CHURN_ADDRS);
                                 let r = record(a, gen);
-                                if model.contains_key(&a) {
-                                    assert!(writer.insert(&r).is_err());
-                                } else {
-                                    writer.insert(&r).unwrap();
-                                    model.insert(a, r);
+                                match model.entry(a) {
+                                    Entry::Occupied(_) => assert!(writer.insert(&r).is_err()),
+                                    Entry::Vacant(v) => {
+                                        writer.insert(&r).unwrap();
+                                        v.insert(r);
+                                    }
                                 }
                             }
                             // Remove a churn block.
@@ -131,11 +133,14 @@ fn writers_and_a_walking_reader() {
                                 };
                                 let r = record(b, gen);
                                 let old = model.remove(&a).map(|r| r.size);
-                                if model.contains_key(&b) {
-                                    assert!(writer.replace(a, &r).is_err());
-                                } else {
-                                    assert_eq!(writer.replace(a, &r).unwrap(), old);
-                                    model.insert(b, r);
+                                match model.entry(b) {
+                                    Entry::Occupied(_) => {
+                                        assert!(writer.replace(a, &r).is_err())
+                                    }
+                                    Entry::Vacant(v) => {
+                                        assert_eq!(writer.replace(a, &r).unwrap(), old);
+                                        v.insert(r);
+                                    }
                                 }
                             }
                         }

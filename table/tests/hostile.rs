@@ -267,7 +267,7 @@ fn expect_err<T>(r: Result<T, TableError>) -> TableError {
 #[test]
 fn bad_headers_are_refused_with_clear_errors() {
     let base = &resources().image;
-    // SAFETY (all from_view calls below): each image outlives its reader.
+    // SAFETY: each image outlives its reader (here and below).
     let read = |img: &Image| unsafe { ResourcesReader::from_view(img.view()) };
 
     let mut img = base.clone();
@@ -370,6 +370,8 @@ fn bad_headers_are_refused_with_clear_errors() {
     }
 }
 
+type Mutation = Box<dyn Fn(&mut Image)>;
+
 #[test]
 fn cyclic_and_out_of_range_lists_end() {
     let res = resources();
@@ -377,7 +379,7 @@ fn cyclic_and_out_of_range_lists_end() {
     let data_off = res.image.get_u64(H_LAYOUT + 16) as usize;
     let k0 = res.stack_keys[0].0 as usize;
     let k1 = res.stack_keys[1].0 as usize;
-    let cases: Vec<Box<dyn Fn(&mut Image)>> = vec![
+    let cases: Vec<Mutation> = vec![
         // A record linking to itself.
         Box::new(move |img| img.set_u64(k0 + 8, k0 as u64)),
         // Two records linking to each other.
