@@ -132,6 +132,10 @@ pub struct Options<'a> {
     pub request: Option<Request>,
 }
 
+/// Walks made before a snapshot with records that never read consistently
+/// is reported partial.
+pub const WALK_ATTEMPTS: u32 = 3;
+
 /// Converts a monotonic timestamp of the target into wall time.
 pub fn wall_time(target: &Target, monotonic_ns: u64) -> Option<SystemTime> {
     let h = target.allocations.header();
@@ -156,16 +160,26 @@ pub fn take(
     let taken_at = SystemTime::now();
     let t0 = Instant::now();
 
-    // Aggregate during the walk: per (stack key, thread key).
-    let mut per_key: HashMap<(ResourceKey, ResourceKey), (u64, u64)> = HashMap::new();
-    let (mut live_bytes, mut live_blocks) = (0u64, 0u64);
-    let stats = allocs.walk(|r| {
-        let e = per_key.entry((r.stack, r.thread)).or_default();
-        e.0 = e.0.saturating_add(r.size);
-        e.1 += 1;
-        live_bytes = live_bytes.saturating_add(r.size);
-        live_blocks += 1;
-    });
+    // Aggregate during the walk: per (stack key, thread key). A walk that
+    // met records being modified throughout (a writer preempted mid-update
+    // on a loaded machine) is retried a few times before it is reported
+    // partial; a target killed mid-update stays partial.
+    let mut attempt = 0;
+    let (per_key, live_bytes, live_blocks, stats) = loop {
+        let mut per_key: HashMap<(ResourceKey, ResourceKey), (u64, u64)> = HashMap::new();
+        let (mut live_bytes, mut live_blocks) = (0u64, 0u64);
+        let stats = allocs.walk(|r| {
+            let e = per_key.entry((r.stack, r.thread)).or_default();
+            e.0 = e.0.saturating_add(r.size);
+            e.1 += 1;
+            live_bytes = live_bytes.saturating_add(r.size);
+            live_blocks += 1;
+        });
+        attempt += 1;
+        if stats.unstable == 0 || attempt >= WALK_ATTEMPTS {
+            break (per_key, live_bytes, live_blocks, stats);
+        }
+    };
     let walk_time = t0.elapsed();
     let counters = allocs.counters();
     let catalog = resources.stacks();
