@@ -443,6 +443,36 @@ impl<'a> AllocationsWriter<'a> {
         None
     }
 
+    /// Probes for `addr`: `Err` if it is present, else the first empty or
+    /// tombstone slot on its probe path (`None` only if there is none).
+    #[inline]
+    fn probe_for_insert(
+        &self,
+        shard: u64,
+        window: u32,
+        cap: u64,
+        h: u64,
+        addr: u64,
+    ) -> Result<Option<u64>, ()> {
+        let mask = cap - 1;
+        let tag = Self::tag(h);
+        let mut i = h & mask;
+        let mut first_tomb = None;
+        for _ in 0..cap {
+            let s = self.slot(shard, window, i).load(Ordering::Relaxed);
+            if s == EMPTY {
+                return Ok(Some(first_tomb.unwrap_or(i)));
+            }
+            if s == TOMBSTONE {
+                first_tomb.get_or_insert(i);
+            } else if s >> NODE_BITS == tag && self.node_addr((s & NODE_MASK) - 1) == addr {
+                return Err(());
+            }
+            i = (i + 1) & mask;
+        }
+        Ok(first_tomb)
+    }
+
     /// First empty or tombstone slot for `h` (the caller ensured one exists).
     fn free_slot(&self, shard: u64, window: u32, cap: u64, h: u64) -> Option<u64> {
         let mask = cap - 1;
@@ -599,9 +629,11 @@ impl<'a> AllocationsWriter<'a> {
     ) -> Result<(), InsertError> {
         let mut cap = 1u64 << self.cap_log2(shard);
         let mut win = self.shard_field(shard, S_WINDOW).load(Ordering::Relaxed);
-        if self.find(shard, win, cap, h, w1).is_some() {
-            return Err(InsertError::Duplicate);
-        }
+        // One probe finds a duplicate or the slot to use.
+        let mut free = match self.probe_for_insert(shard, win, cap, h, w1) {
+            Err(()) => return Err(InsertError::Duplicate),
+            Ok(free) => free,
+        };
         let len = u64::from(self.shard_field(shard, S_LEN).load(Ordering::Relaxed));
         let tombs = u64::from(self.shard_field(shard, S_TOMBS).load(Ordering::Relaxed));
         if (len + tombs + 1) * 4 > cap * 3 {
@@ -614,8 +646,9 @@ impl<'a> AllocationsWriter<'a> {
             }
             cap = 1u64 << self.cap_log2(shard);
             win = self.shard_field(shard, S_WINDOW).load(Ordering::Relaxed);
+            free = self.free_slot(shard, win, cap, h);
         }
-        let Some(i) = self.free_slot(shard, win, cap, h) else {
+        let Some(i) = free else {
             return Err(InsertError::Full);
         };
         let Some(node) = self.take_node(shard) else {
@@ -631,17 +664,51 @@ impl<'a> AllocationsWriter<'a> {
         Ok(())
     }
 
+    /// Empties slot `i` of a linear-probing window. If the next slot is
+    /// empty, no probe sequence runs through `i`, so it becomes empty
+    /// rather than a tombstone, and so do the tombstones just before it.
+    /// This keeps tombstones (and the rehashes that clear them, which read
+    /// every live node) rare. Caller holds the lock.
+    fn clear_slot(&self, shard: u64, win: u32, cap: u64, i: u64) {
+        let mask = cap - 1;
+        if self
+            .slot(shard, win, (i + 1) & mask)
+            .load(Ordering::Relaxed)
+            != EMPTY
+        {
+            self.slot(shard, win, i).store(TOMBSTONE, Ordering::Relaxed);
+            self.bump_locked(shard, S_TOMBS, u32::wrapping_add);
+            return;
+        }
+        self.slot(shard, win, i).store(EMPTY, Ordering::Relaxed);
+        let tombs = self.shard_field(shard, S_TOMBS);
+        let mut j = i;
+        // Bounded: at most `cap` steps, and the window always has an empty
+        // slot that is not a tombstone.
+        for _ in 0..cap {
+            j = j.wrapping_sub(1) & mask;
+            let s = self.slot(shard, win, j);
+            if s.load(Ordering::Relaxed) != TOMBSTONE {
+                break;
+            }
+            s.store(EMPTY, Ordering::Relaxed);
+            tombs.store(
+                tombs.load(Ordering::Relaxed).wrapping_sub(1),
+                Ordering::Relaxed,
+            );
+        }
+    }
+
     fn remove_locked(&self, shard: u64, h: u64, addr: u64) -> Option<u64> {
         let cap = 1u64 << self.cap_log2(shard);
         let win = self.shard_field(shard, S_WINDOW).load(Ordering::Relaxed);
         let (i, node) = self.find(shard, win, cap, h, addr)?;
         let size = self.node_word(node, 2).load(Ordering::Relaxed) & SIZE_MASK;
-        self.slot(shard, win, i).store(TOMBSTONE, Ordering::Relaxed);
+        self.clear_slot(shard, win, cap, i);
         let free = self.shard_field(shard, S_FREE);
         self.write_node(node, 0, 0, 0, u64::from(free.load(Ordering::Relaxed)));
         free.store(node + 1, Ordering::Relaxed);
         let len = self.bump_locked(shard, S_LEN, u32::wrapping_sub);
-        self.bump_locked(shard, S_TOMBS, u32::wrapping_add);
         if cap > 1 << MIN_CAP_LOG2 && u64::from(len) * 8 < cap {
             // Shrink so index memory follows the live count.
             self.rehash(shard, u64::from(len));
