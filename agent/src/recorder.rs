@@ -42,6 +42,8 @@ static STATE: AtomicU8 = AtomicU8::new(UNINIT);
 static GENERATION: AtomicU64 = AtomicU64::new(1);
 static NOT_READY: AtomicU64 = AtomicU64::new(0);
 static ONCE_HOOKS: AtomicBool = AtomicBool::new(false);
+/// pthread key whose destructor settles a thread's node cache at exit.
+static EXIT_KEY: AtomicU64 = AtomicU64::new(u64::MAX);
 
 /// A static slot written once per generation before READY is published.
 struct Slot<T>(UnsafeCell<MaybeUninit<T>>);
@@ -192,6 +194,10 @@ fn init() -> Option<&'static Writers> {
         // because this thread is busy.
         unsafe {
             libc::pthread_atfork(None, None, Some(after_fork_child));
+            let mut key: libc::pthread_key_t = 0;
+            if libc::pthread_key_create(&mut key, Some(thread_exit)) == 0 {
+                EXIT_KEY.store(u64::from(key), Ordering::Relaxed);
+            }
         }
     }
     GENERATION.fetch_add(1, Ordering::Relaxed);
@@ -216,6 +222,19 @@ extern "C" fn after_fork_child() {
     // A parent thread was initialising: its half-built state is not ours.
     GENERATION.fetch_add(1, Ordering::Relaxed);
     STATE.store(UNINIT, Ordering::Release);
+}
+
+/// pthread key destructor: returns the exiting thread's cached nodes and
+/// pending live bytes to the table.
+extern "C" fn thread_exit(_value: *mut libc::c_void) {
+    with_thread(|t| {
+        if let Some(w) = writers() {
+            if t.generation.get() == GENERATION.load(Ordering::Relaxed) {
+                // SAFETY: `with_thread` set this thread's busy flag.
+                w.allocations.flush_cache(unsafe { t.nodes() });
+            }
+        }
+    });
 }
 
 /// Runs `f` with this thread's state marked busy; returns `None` (and
@@ -282,6 +301,14 @@ fn register_thread(w: &Writers, t: &ThreadState) {
         libc::prctl(libc::PR_GET_NAME, name.as_mut_ptr());
     }
     let len = name.iter().position(|b| *b == 0).unwrap_or(16);
+    let key = EXIT_KEY.load(Ordering::Relaxed);
+    if key != u64::MAX {
+        // SAFETY: a key we created; a non-null value makes its destructor
+        // run at thread exit. Keys below 32 need no allocation here.
+        unsafe {
+            libc::pthread_setspecific(key as libc::pthread_key_t, 1 as *const libc::c_void);
+        }
+    }
     match w.resources.insert_thread_info(tid, &name[..len]) {
         Ok(k) => t.thread_key.set(k.0),
         Err(_) => w.counters.on_dropped(DroppedReason::ResourcesFull),
@@ -392,7 +419,9 @@ pub fn on_alloc(addr: usize, size: usize, fp: usize) {
             thread: ResourceKey(t.thread_key.get()),
             timestamp_us: now_us,
         };
-        match w.allocations.insert(&rec) {
+        // SAFETY: `with_thread` set this thread's busy flag.
+        let nodes = unsafe { t.nodes() };
+        match w.allocations.insert_cached(&rec, nodes) {
             Ok(()) => {}
             // A free we never saw (memory released behind the allocator's
             // back): the stale record is replaced by the new block.
@@ -412,7 +441,17 @@ pub fn on_free(addr: usize) -> Option<u64> {
     if addr == 0 {
         return None;
     }
-    with_thread(|_| writers().and_then(|w| w.allocations.remove(addr as u64))).flatten()
+    with_thread(|t| {
+        let w = writers()?;
+        if t.generation.get() != GENERATION.load(Ordering::Relaxed) {
+            // First event of this thread in these regions: start clean.
+            t.reset(GENERATION.load(Ordering::Relaxed));
+        }
+        // SAFETY: `with_thread` set this thread's busy flag.
+        w.allocations
+            .remove_cached(addr as u64, unsafe { t.nodes() })
+    })
+    .flatten()
 }
 
 /// Snapshot of the agent's process-wide counters.

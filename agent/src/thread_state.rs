@@ -12,7 +12,9 @@
 //! - Cached keys belong to one generation of regions (a new generation
 //!   starts in a forked child); a stale generation clears the cache.
 
-use std::cell::Cell;
+use std::cell::{Cell, UnsafeCell};
+
+use heapdump_table::allocations_table::NodeCache;
 
 /// Entries in the per-thread stack cache: 2-way set associative, 16 KiB
 /// per thread. A hit skips encoding, hashing with CRC and the shared table.
@@ -50,6 +52,9 @@ pub struct ThreadState {
     pub stack_known: Cell<bool>,
     /// Interned traces seen by this thread.
     pub cache: [Cell<CacheEntry>; CACHE_SIZE],
+    /// Free table nodes and pending live bytes of this thread. Only
+    /// touched through [`ThreadState::nodes`] while `busy` is set.
+    nodes: UnsafeCell<NodeCache>,
 }
 
 // A `const` item (not a static) on purpose: it is the array initialiser,
@@ -70,6 +75,7 @@ thread_local! {
             stack: Cell::new((0, 0)),
             stack_known: Cell::new(false),
             cache: [EMPTY_ENTRY; CACHE_SIZE],
+            nodes: UnsafeCell::new(NodeCache::new()),
         }
     };
 }
@@ -83,6 +89,21 @@ impl ThreadState {
         self.thread_key.set(0);
         self.allocs.set(0);
         self.generation.set(generation);
+        // SAFETY: called with `busy` set (see `nodes`).
+        unsafe { self.nodes() }.clear();
+    }
+
+    /// The thread's node cache.
+    ///
+    /// # Safety
+    /// Only while this thread's `busy` flag is set by the caller: `busy`
+    /// keeps every other use on this thread (re-entrant allocation, signal
+    /// handlers) out, and no other thread can reach this thread's state,
+    /// so the returned reference is unique for as long as it is used.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn nodes(&self) -> &mut NodeCache {
+        // SAFETY: uniqueness per the contract above.
+        unsafe { &mut *self.nodes.get() }
     }
 }
 
