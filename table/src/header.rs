@@ -92,11 +92,12 @@ pub const STATIC_HEADER_LEN: usize = core::mem::size_of::<StaticHeader>();
 pub mod offsets {
     /// Live bytes (allocations region).
     pub const LIVE_BYTES: u64 = 256;
-    /// Live blocks.
+    /// Live blocks (in an allocations region, added to the per-shard
+    /// counts; see [`super::read_counters`]).
     pub const LIVE_BLOCKS: u64 = 264;
-    /// Allocations ever recorded.
+    /// Allocations ever recorded (plus the per-shard counts).
     pub const TOTAL_ALLOCS: u64 = 272;
-    /// Bytes ever allocated.
+    /// Bytes ever allocated (plus the per-shard counts).
     pub const TOTAL_BYTES: u64 = 280;
     /// Highest live-bytes value seen.
     pub const PEAK_LIVE_BYTES: u64 = 288;
@@ -320,6 +321,10 @@ impl HeaderCounters {
     }
 
     /// Records an allocation of `size` bytes in the process-wide counters.
+    ///
+    /// The allocations table already counts what it records
+    /// ([`crate::AllocationsWriter::insert`], `remove`, `replace`); use this
+    /// only for events recorded elsewhere, or they are counted twice.
     #[inline]
     pub fn on_alloc(&self, size: u64) {
         self.word(offsets::TOTAL_ALLOCS)

@@ -241,7 +241,10 @@ impl<'a> ResourcesWriter<'a> {
 
     /// Returns the key of the stack trace with these compressed bytes,
     /// storing it first if it is new (`true` when this call stored it).
-    /// Lock-free; never allocates.
+    /// Lock-free; never allocates. A full region returns
+    /// [`TableError::Full`] and counts nothing: the caller records the
+    /// event as dropped ([`crate::DroppedReason::ResourcesFull`]) where its
+    /// dumper looks for drops (the allocations region's header).
     pub fn intern_stack_trace(&self, bytes: &[u8]) -> Result<(ResourceKey, bool), TableError> {
         if bytes.len() > MAX_ENCODED_LEN {
             return Err(TableError::TooLarge(
