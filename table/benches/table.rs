@@ -4,7 +4,7 @@
 //!   is already stored / new.
 //! - `insert_remove/*`: one insert plus one remove of the same block on one
 //!   thread, with about 1 M other blocks live in the table, and with an
-//!   almost empty table.
+//!   almost empty table; and per thread with two threads at once.
 //! - `walk/1M`: a reader walk over 1 M live blocks (criterion reports
 //!   elements per second = blocks per second).
 //! - bytes per live block at 1 M live blocks: printed (criterion does not
@@ -182,6 +182,39 @@ fn bench_insert_remove(c: &mut Criterion) {
             })
         });
     }
+    // Two threads at once on the 1M-live table, each on its own blocks:
+    // time per pair per thread (shared counters and shard locks contend).
+    let l = loaded(LIVE);
+    let allocs = AllocationsWriter::new(&l.alloc_region).unwrap();
+    let extra: Vec<Vec<(u64, u64)>> = (0..2)
+        .map(|t| malloc_like_blocks(4096, 0x7f3a_4000_0000 + (t << 32), 11 + t))
+        .collect();
+    g.bench_function("1M_live_2_threads", |b| {
+        b.iter_custom(|iters| {
+            let barrier = std::sync::Barrier::new(2);
+            let times: Vec<Duration> = std::thread::scope(|s| {
+                let hs: Vec<_> = extra
+                    .iter()
+                    .map(|blocks| {
+                        let barrier = &barrier;
+                        s.spawn(move || {
+                            barrier.wait();
+                            let t0 = Instant::now();
+                            for k in 0..iters as usize {
+                                let (addr, size) = blocks[k % blocks.len()];
+                                let r = record(addr, size, ResourceKey(8192), ResourceKey(8192));
+                                allocs.insert(&r).unwrap();
+                                black_box(allocs.remove(addr));
+                            }
+                            t0.elapsed()
+                        })
+                    })
+                    .collect();
+                hs.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            times.into_iter().max().unwrap()
+        })
+    });
     g.finish();
 }
 

@@ -836,6 +836,44 @@ mod tests {
     }
 
     #[test]
+    fn reader_folds_twins() {
+        // A race in an older writer (or another implementation) may store
+        // one trace twice; build such a twin by hand in another bucket.
+        let r = region(1 << 16, 64);
+        let w = ResourcesWriter::new(&r).unwrap();
+        let t = trace(9, 5);
+        let (k1, _) = w.intern_stack_trace(&t).unwrap();
+        let (other, _) = w.intern_stack_trace(&trace(10, 5)).unwrap();
+        let size = STACK_HEADER + round8(t.len() as u64);
+        let k2 = w.reserve(size).unwrap();
+        for word in [0, 16] {
+            let v = w.view.load_u64(k1.0 + word).unwrap();
+            w.word(k2 + word).store(v, Ordering::Relaxed);
+        }
+        w.write_payload(k2 + STACK_HEADER, &t);
+        let crc = CRC32C.checksum(&t);
+        let bucket = HEADER_SIZE + 8 * ((u64::from(crc) + 1) & 63);
+        let head = w.word(bucket).load(Ordering::Relaxed);
+        w.word(k2 + 8).store(head, Ordering::Relaxed);
+        w.word(bucket).store(k2, Ordering::Release);
+        w.record_allocation(k1, 100);
+        w.record_allocation(ResourceKey(k2), 20);
+        w.record_allocation(ResourceKey(k2), 3);
+        let rr = r.open_reader().unwrap();
+        let reader = ResourcesReader::new(&rr).unwrap();
+        let cat = reader.stacks();
+        assert_eq!(cat.partial, None);
+        assert_eq!(cat.stacks.len(), 2);
+        let i = cat.by_key[&k1];
+        assert_eq!(cat.by_key[&ResourceKey(k2)], i);
+        assert_ne!(cat.by_key[&other], i);
+        assert_eq!(
+            (cat.stacks[i].alloc_count, cat.stacks[i].alloc_bytes),
+            (3, 123)
+        );
+    }
+
+    #[test]
     fn concurrent_interning_agrees_on_keys() {
         let r = region(8 << 20, 64);
         let w = ResourcesWriter::new(&r).unwrap();
