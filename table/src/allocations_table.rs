@@ -84,6 +84,72 @@ const S_FREE: u64 = 20;
 // racily by readers and summed over shards).
 const S_TOTAL_ALLOCS: u64 = 24;
 const S_TOTAL_BYTES: u64 = 32;
+// Live bytes of the shard (u64, under the shard lock): summed by readers,
+// so the allocation path touches no process-wide live counter.
+const S_LIVE_BYTES: u64 = 40;
+
+/// Free nodes a [`NodeCache`] holds.
+pub const NODE_CACHE: usize = 32;
+/// A [`NodeCache`] folds live-byte changes into the header's running total
+/// (which drives the peak) once they add up to this much.
+pub const LIVE_BATCH: i64 = 64 << 10;
+
+/// Per-writer-thread state for [`AllocationsWriter::insert_cached`] and
+/// [`AllocationsWriter::remove_cached`]: a few free nodes, so the node a
+/// thread just freed (hot in its cache) is the one its next insert writes,
+/// and a pending live-bytes delta, so threads do not all hit one counter.
+///
+/// The header's running live total (and so the peak) lags the truth by at
+/// most [`LIVE_BATCH`] bytes per thread; [`AllocationsWriter::flush_cache`]
+/// settles it (call it when the thread exits). Live bytes as reported by
+/// readers are exact (per-shard sums).
+#[derive(Debug)]
+pub struct NodeCache {
+    nodes: [u32; NODE_CACHE],
+    len: usize,
+    pending_live: i64,
+}
+
+impl NodeCache {
+    /// An empty cache (usable in a `const` thread-local initialiser).
+    pub const fn new() -> Self {
+        NodeCache {
+            nodes: [0; NODE_CACHE],
+            len: 0,
+            pending_live: 0,
+        }
+    }
+
+    /// Forgets everything (the regions it referred to are gone, e.g. in a
+    /// forked child).
+    pub fn clear(&mut self) {
+        self.len = 0;
+        self.pending_live = 0;
+    }
+
+    fn pop(&mut self) -> Option<u32> {
+        if self.len == 0 {
+            return None;
+        }
+        self.len -= 1;
+        Some(self.nodes[self.len])
+    }
+
+    fn push(&mut self, node: u32) -> bool {
+        if self.len == NODE_CACHE {
+            return false;
+        }
+        self.nodes[self.len] = node;
+        self.len += 1;
+        true
+    }
+}
+
+impl Default for NodeCache {
+    fn default() -> Self {
+        Self::new()
+    }
+}
 
 /// One live block, as stored and as reported.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -302,16 +368,17 @@ impl<'a> AllocationsWriter<'a> {
 
     #[inline]
     fn u32_at(&self, off: u64) -> &AtomicU32 {
-        self.view
-            .atomic_u32(off)
-            .expect("offset inside the validated layout")
+        // SAFETY: every writer offset is computed from the layout validated
+        // in `new` (shard < shards, window < 2, slot < cap <= slots_max,
+        // node < capacity, fixed field offsets), which `Layout::check`
+        // proved lies inside the region, and is 4-aligned by construction.
+        unsafe { self.view.atomic_u32_unchecked(off) }
     }
 
     #[inline]
     fn u64_at(&self, off: u64) -> &AtomicU64 {
-        self.view
-            .atomic_u64(off)
-            .expect("offset inside the validated layout")
+        // SAFETY: as in `u32_at`, 8-aligned by construction.
+        unsafe { self.view.atomic_u64_unchecked(off) }
     }
 
     #[inline]
@@ -398,7 +465,13 @@ impl<'a> AllocationsWriter<'a> {
 
     #[inline]
     fn node_word(&self, node: u32, w: u64) -> &AtomicU64 {
-        self.u64_at(self.layout.nodes_off + u64::from(node) * NODE_SIZE + w * 8)
+        // Node numbers are read back from the region (index slots, free
+        // lists). Only this process writes them, but clamping keeps even a
+        // region scribbled over by a wild write in the program in bounds
+        // (one conditional move).
+        debug_assert!(u64::from(node) < self.layout.capacity);
+        let node = u64::from(node).min(self.layout.capacity - 1);
+        self.u64_at(self.layout.nodes_off + node * NODE_SIZE + w * 8)
     }
 
     #[inline]
@@ -443,7 +516,7 @@ impl<'a> AllocationsWriter<'a> {
                 return None;
             }
             if s != TOMBSTONE && s >> NODE_BITS == tag {
-                let node = (s & NODE_MASK) - 1;
+                let node = (s & NODE_MASK).wrapping_sub(1);
                 if self.node_addr(node) == addr {
                     return Some((i, node));
                 }
@@ -529,7 +602,7 @@ impl<'a> AllocationsWriter<'a> {
             if s == EMPTY || s == TOMBSTONE {
                 continue;
             }
-            let node = (s & NODE_MASK) - 1;
+            let node = (s & NODE_MASK).wrapping_sub(1);
             let mut j = hash(self.node_addr(node)) & mask;
             while self.slot(shard, new_win, j).load(Ordering::Relaxed) != EMPTY {
                 j = (j + 1) & mask;
@@ -557,7 +630,7 @@ impl<'a> AllocationsWriter<'a> {
         let free = self.shard_field(shard, S_FREE);
         let head = free.load(Ordering::Relaxed);
         if head != 0 {
-            let node = head - 1;
+            let node = head.wrapping_sub(1);
             let next = self.node_word(node, 3).load(Ordering::Relaxed) as u32;
             free.store(next, Ordering::Relaxed);
             return Some(node);
@@ -604,6 +677,25 @@ impl<'a> AllocationsWriter<'a> {
     /// Records a new live block. Refuses an address already recorded. A
     /// full table counts the event as dropped. Never allocates.
     pub fn insert(&self, rec: &AllocationRecord) -> Result<(), InsertError> {
+        self.insert_impl(rec, None)
+    }
+
+    /// [`Self::insert`] taking its node from (and settling live bytes in)
+    /// the calling thread's `cache`.
+    pub fn insert_cached(
+        &self,
+        rec: &AllocationRecord,
+        cache: &mut NodeCache,
+    ) -> Result<(), InsertError> {
+        self.insert_impl(rec, Some(cache))
+    }
+
+    #[inline]
+    fn insert_impl(
+        &self,
+        rec: &AllocationRecord,
+        mut cache: Option<&mut NodeCache>,
+    ) -> Result<(), InsertError> {
         let Some((t32, w1, w2, w3)) = Self::encode(rec) else {
             return Err(InsertError::Unrepresentable);
         };
@@ -612,22 +704,82 @@ impl<'a> AllocationsWriter<'a> {
         // The stored (and later returned) size is clamped to 48 bits; count
         // the same value so live bytes return to zero.
         let size = rec.size.min(SIZE_MASK);
+        let pre = cache.as_mut().and_then(|c| c.pop());
         let r = {
             let _g = self.lock(shard);
-            let r = self.insert_locked(shard, h, t32, w1, w2, w3);
+            let r = self.insert_locked(shard, h, t32, w1, w2, w3, pre);
             if r.is_ok() {
                 self.count_alloc_locked(shard, size);
+                self.add_live_locked(shard, size, 0);
             }
             r
         };
         match r {
-            Ok(()) => self.counters.live_bytes_changed(size, 0),
-            Err(InsertError::Full) => self.counters.on_dropped(DroppedReason::AllocationsFull),
-            Err(_) => {}
+            Ok(()) => self.live_changed(cache, size as i64),
+            Err(e) => {
+                if let (Some(node), Some(c)) = (pre, cache) {
+                    // Not consumed on failure: keep it.
+                    c.push(node);
+                }
+                if e == InsertError::Full {
+                    self.counters.on_dropped(DroppedReason::AllocationsFull);
+                }
+            }
         }
         r
     }
 
+    /// Adjusts the shard's live bytes. Caller holds the shard lock.
+    #[inline]
+    fn add_live_locked(&self, shard: u64, add: u64, sub: u64) {
+        let f = self.u64_at(self.layout.shards_off + shard * SHARD_SIZE + S_LIVE_BYTES);
+        f.store(
+            f.load(Ordering::Relaxed)
+                .wrapping_add(add)
+                .wrapping_sub(sub),
+            Ordering::Relaxed,
+        );
+    }
+
+    /// Folds a live-bytes change into the header's running total: at once
+    /// without a cache, in batches of [`LIVE_BATCH`] with one.
+    #[inline]
+    fn live_changed(&self, cache: Option<&mut NodeCache>, delta: i64) {
+        match cache {
+            None => {
+                if delta >= 0 {
+                    self.counters.live_bytes_changed(delta as u64, 0)
+                } else {
+                    self.counters.live_bytes_changed(0, delta.unsigned_abs())
+                }
+            }
+            Some(c) => {
+                c.pending_live = c.pending_live.wrapping_add(delta);
+                if c.pending_live >= LIVE_BATCH || c.pending_live <= -LIVE_BATCH {
+                    let p = std::mem::take(&mut c.pending_live);
+                    self.live_changed(None, p);
+                }
+            }
+        }
+    }
+
+    /// Returns the cache's nodes to the shared free lists and settles its
+    /// pending live bytes. Call when the owning thread exits.
+    pub fn flush_cache(&self, cache: &mut NodeCache) {
+        while let Some(node) = cache.pop() {
+            let shard = u64::from(node) & (self.layout.shards - 1);
+            let _g = self.lock(shard);
+            let free = self.shard_field(shard, S_FREE);
+            self.write_node(node, 0, 0, 0, u64::from(free.load(Ordering::Relaxed)));
+            free.store(node + 1, Ordering::Relaxed);
+        }
+        let p = std::mem::take(&mut cache.pending_live);
+        if p != 0 {
+            self.live_changed(None, p);
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)] // the encoded record's words
     fn insert_locked(
         &self,
         shard: u64,
@@ -636,6 +788,7 @@ impl<'a> AllocationsWriter<'a> {
         w1: u64,
         w2: u64,
         w3: u64,
+        pre: Option<u32>,
     ) -> Result<(), InsertError> {
         let mut cap = 1u64 << self.cap_log2(shard);
         let mut win = self.shard_field(shard, S_WINDOW).load(Ordering::Relaxed);
@@ -661,8 +814,12 @@ impl<'a> AllocationsWriter<'a> {
         let Some(i) = free else {
             return Err(InsertError::Full);
         };
-        let Some(node) = self.take_node(shard) else {
-            return Err(InsertError::Full);
+        let node = match pre {
+            Some(n) => n,
+            None => match self.take_node(shard) {
+                Some(n) => n,
+                None => return Err(InsertError::Full),
+            },
         };
         self.write_node(node, t32, w1, w2, w3);
         let slot = self.slot(shard, win, i);
@@ -709,36 +866,65 @@ impl<'a> AllocationsWriter<'a> {
         }
     }
 
-    fn remove_locked(&self, shard: u64, h: u64, addr: u64) -> Option<u64> {
+    /// Removes `addr`; returns its size and, when `keep_node`, the freed
+    /// node (marked free but not put on the shard's free list).
+    fn remove_locked(
+        &self,
+        shard: u64,
+        h: u64,
+        addr: u64,
+        keep_node: bool,
+    ) -> Option<(u64, Option<u32>)> {
         let cap = 1u64 << self.cap_log2(shard);
         let win = self.shard_field(shard, S_WINDOW).load(Ordering::Relaxed);
         let (i, node) = self.find(shard, win, cap, h, addr)?;
         let size = self.node_word(node, 2).load(Ordering::Relaxed) & SIZE_MASK;
         self.clear_slot(shard, win, cap, i);
-        let free = self.shard_field(shard, S_FREE);
-        self.write_node(node, 0, 0, 0, u64::from(free.load(Ordering::Relaxed)));
-        free.store(node + 1, Ordering::Relaxed);
+        let kept = if keep_node {
+            self.write_node(node, 0, 0, 0, 0);
+            Some(node)
+        } else {
+            let free = self.shard_field(shard, S_FREE);
+            self.write_node(node, 0, 0, 0, u64::from(free.load(Ordering::Relaxed)));
+            free.store(node + 1, Ordering::Relaxed);
+            None
+        };
+        self.add_live_locked(shard, 0, size);
         let len = self.bump_locked(shard, S_LEN, u32::wrapping_sub);
         if cap > 1 << MIN_CAP_LOG2 && u64::from(len) * 8 < cap {
             // Shrink so index memory follows the live count.
             self.rehash(shard, u64::from(len));
         }
-        Some(size)
+        Some((size, kept))
     }
 
     /// Removes the block at `addr`, returning its size, or `None` if the
     /// table does not hold it. Never allocates.
     pub fn remove(&self, addr: u64) -> Option<u64> {
+        self.remove_impl(addr, None)
+    }
+
+    /// [`Self::remove`] keeping the freed node in the calling thread's
+    /// `cache` (for its next insert) and settling live bytes there.
+    pub fn remove_cached(&self, addr: u64, cache: &mut NodeCache) -> Option<u64> {
+        self.remove_impl(addr, Some(cache))
+    }
+
+    #[inline]
+    fn remove_impl(&self, addr: u64, mut cache: Option<&mut NodeCache>) -> Option<u64> {
         let h = hash(addr);
         let shard = self.shard_of(h);
+        let keep = cache.as_ref().is_some_and(|c| c.len < NODE_CACHE);
         let r = {
             let _g = self.lock(shard);
-            self.remove_locked(shard, h, addr)
+            self.remove_locked(shard, h, addr, keep)
         };
-        if let Some(size) = r {
-            self.counters.live_bytes_changed(0, size);
+        let (size, kept) = r?;
+        if let (Some(node), Some(c)) = (kept, cache.as_mut()) {
+            c.push(node);
         }
-        r
+        self.live_changed(cache, -(size as i64));
+        Some(size)
     }
 
     /// Replaces the block at `old` by `rec` (a `realloc`): in place when the
@@ -764,6 +950,7 @@ impl<'a> AllocationsWriter<'a> {
                     let s = self.node_word(node, 2).load(Ordering::Relaxed) & SIZE_MASK;
                     self.write_node(node, t32, w1, w2, w3);
                     self.count_alloc_locked(shard, rec.size.min(SIZE_MASK));
+                    self.add_live_locked(shard, rec.size.min(SIZE_MASK), s);
                     Some(s)
                 }
                 None => None,
@@ -789,13 +976,21 @@ pub(crate) fn add_shard_counters(view: &SharedView, c: &mut Counters) {
     let Ok(l) = Layout::from_header(&h.layout, h.region_size) else {
         return;
     };
-    let (mut blocks, mut allocs, mut bytes) = (0u64, 0u64, 0u64);
+    let (mut blocks, mut allocs, mut bytes, mut live) = (0u64, 0u64, 0u64, 0u64);
     for s in 0..l.shards {
         let base = l.shards_off + s * SHARD_SIZE;
         blocks = blocks.wrapping_add(u64::from(view.load_u32(base + S_LEN).unwrap_or(0)));
         allocs = allocs.wrapping_add(view.load_u64(base + S_TOTAL_ALLOCS).unwrap_or(0));
         bytes = bytes.wrapping_add(view.load_u64(base + S_TOTAL_BYTES).unwrap_or(0));
+        live = live.wrapping_add(view.load_u64(base + S_LIVE_BYTES).unwrap_or(0));
     }
+    // Exact live bytes are the shard sums; the header word is the writers'
+    // running total that drives the peak (it may lag by a batch per thread).
+    c.live_bytes = live;
+    // The running total lags by at most a batch per thread, so the peak
+    // word may trail the exact live bytes just read: the peak is at least
+    // what is live now.
+    c.peak_live_bytes = c.peak_live_bytes.max(live);
     c.live_blocks = c.live_blocks.wrapping_add(blocks);
     c.total_allocs = c.total_allocs.wrapping_add(allocs);
     c.total_bytes = c.total_bytes.wrapping_add(bytes);

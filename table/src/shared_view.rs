@@ -75,6 +75,30 @@ impl SharedView {
         Some(unsafe { &*(self.base.add(off) as *const AtomicU32) })
     }
 
+    /// The atomic at `offset` without a range check, for a writer whose
+    /// offsets come from its own validated layout.
+    ///
+    /// # Safety
+    /// `offset + 8 <= len` and `offset % 8 == 0`.
+    #[inline(always)]
+    pub(crate) unsafe fn atomic_u64_unchecked(&self, offset: u64) -> &AtomicU64 {
+        debug_assert!(offset + 8 <= self.len as u64 && offset % 8 == 0);
+        // SAFETY: in bounds and aligned per the caller's contract; the
+        // mapping outlives `self`.
+        unsafe { &*(self.base.add(offset as usize) as *const AtomicU64) }
+    }
+
+    /// 32-bit form of [`Self::atomic_u64_unchecked`].
+    ///
+    /// # Safety
+    /// `offset + 4 <= len` and `offset % 4 == 0`.
+    #[inline(always)]
+    pub(crate) unsafe fn atomic_u32_unchecked(&self, offset: u64) -> &AtomicU32 {
+        debug_assert!(offset + 4 <= self.len as u64 && offset % 4 == 0);
+        // SAFETY: as above.
+        unsafe { &*(self.base.add(offset as usize) as *const AtomicU32) }
+    }
+
     /// Relaxed load of the u64 at `offset`; `None` when out of range.
     #[inline]
     pub fn load_u64(&self, offset: u64) -> Option<u64> {
