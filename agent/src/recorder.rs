@@ -334,10 +334,8 @@ fn prepare_thread(w: &Writers, t: &ThreadState) {
     }
     if !t.stack_known.get() {
         t.stack_known.set(true);
-        t.internal.set(true);
-        t.stack
-            .set(stack_capture::current_thread_stack().unwrap_or((0, 0)));
-        t.internal.set(false);
+        t.stack_hi
+            .set(stack_capture::thread_stack_top(stack_capture::stack_pointer()).unwrap_or(0));
     }
     let n = t.allocs.get();
     t.allocs.set(n + 1);
@@ -358,12 +356,13 @@ fn stack_key(w: &Writers, t: &ThreadState, fp: usize) -> Option<ResourceKey> {
     // by `walk` (u64 has no invalid bit patterns and no drop); the slice we
     // read back is the prefix `walk` reported as written.
     let frames = unsafe { &mut *frames.as_mut_ptr() };
-    let n = stack_capture::walk(
-        fp,
-        stack_capture::stack_pointer(),
-        t.stack.get(),
-        &mut frames[..max],
-    );
+    let sp = stack_capture::stack_pointer();
+    let hi = t.stack_hi.get();
+    let n = if stack_capture::walkable(sp, hi) {
+        stack_capture::walk(fp, sp, hi, &mut frames[..max])
+    } else {
+        0
+    };
     let frames = &frames[..n];
     let h = trace_hash(frames);
     // 2-way set: look in both ways; on a miss replace the older (way 1),

@@ -1,17 +1,34 @@
 //! Frame-pointer stack capture, bounded by the current thread's stack.
 //!
 //! Invariants:
-//! - Only addresses inside `[sp, stack_hi)` of the *current* thread are
-//!   read, and only when `sp` itself lies inside the thread's known stack
-//!   `[stack_lo, stack_hi)` (not on a signal alternate stack). That range
-//!   is mapped for as long as the thread runs, so a broken or hostile
-//!   frame chain can end the walk early but never fault.
+//! - Only addresses inside `[sp, hi)` are read, where `hi` is the top of
+//!   the current thread's stack, and only when the caller has established
+//!   that `sp` is on that stack (not on a signal alternate stack), so the
+//!   whole range is mapped for as long as the thread runs: a broken or
+//!   hostile frame chain can end the walk early but never fault.
 //! - Each next frame pointer must be strictly above the previous one and
-//!   8-aligned, so the walk ends in at most `(stack_hi - sp) / 16` steps,
-//!   and it stops at `max` frames anyway.
+//!   8-aligned, so the walk ends in at most `(hi - sp) / 16` steps, and it
+//!   stops at `max` frames anyway.
 //! - The walk starts at the frame pointer of the agent's hook, so the first
 //!   address reported is the return address into the hook's caller: the
 //!   agent's own frames are never part of the trace.
+//! - Finding `hi` never allocates and never takes a lock: glibc's
+//!   `pthread_getattr_np` does both (it calls `realloc` and `fopen` while
+//!   holding the thread's lock), so calling it from inside `malloc` can
+//!   deadlock; it is not used.
+
+/// Stacks deeper than this are checked with `sigaltstack(2)` before being
+/// walked (a deep `sp` may be a signal alternate stack).
+pub const FAST_WINDOW: usize = 256 << 10;
+
+/// Largest distance between `sp` and a stack top that is believed.
+const MAX_STACK: usize = 1 << 30;
+
+extern "C" {
+    /// Set by the dynamic linker: the stack pointer at process entry, just
+    /// below the main thread's arguments and environment.
+    static __libc_stack_end: *const libc::c_void;
+}
 
 /// Reads the current frame pointer register.
 #[inline(always)]
@@ -41,46 +58,61 @@ pub fn stack_pointer() -> usize {
     sp
 }
 
-/// Bounds of the calling thread's stack, from `pthread_getattr_np`.
-/// May allocate (glibc reads `/proc/self/maps` for the main thread): call
-/// it with the agent's re-entrancy guard held.
-pub fn current_thread_stack() -> Option<(usize, usize)> {
-    // SAFETY: `attr` is initialised by pthread_getattr_np before use and
-    // destroyed after; the out-pointers are valid locals.
-    unsafe {
-        let mut attr: libc::pthread_attr_t = std::mem::zeroed();
-        if libc::pthread_getattr_np(libc::pthread_self(), &mut attr) != 0 {
-            return None;
-        }
-        let mut addr: *mut libc::c_void = std::ptr::null_mut();
-        let mut size: libc::size_t = 0;
-        let rc = libc::pthread_attr_getstack(&attr, &mut addr, &mut size);
-        libc::pthread_attr_destroy(&mut attr);
-        if rc != 0 || addr.is_null() || size == 0 {
-            return None;
-        }
-        let lo = addr as usize;
-        Some((lo, lo.checked_add(size)?))
+/// Top of the calling thread's stack, seen from stack pointer `sp`, or
+/// `None` if it cannot be told safely. Never allocates or locks.
+///
+/// glibc places a thread's descriptor (what `pthread_self` returns) at the
+/// top of the thread's stack block, above its static TLS, for every thread
+/// it creates (also with a user-supplied stack), so `[sp, pthread_self())`
+/// is stack. The initial thread's descriptor lives elsewhere; its stack
+/// ends at `__libc_stack_end`.
+pub fn thread_stack_top(sp: usize) -> Option<usize> {
+    // SAFETY: pthread_self has no preconditions.
+    let tcb = unsafe { libc::pthread_self() } as usize;
+    if tcb > sp && tcb - sp < MAX_STACK {
+        return Some(tcb);
     }
+    // SAFETY: reading a pointer-sized static the dynamic linker set before
+    // any code of ours ran.
+    let end = unsafe { __libc_stack_end } as usize;
+    if end > sp && end - sp < MAX_STACK {
+        return Some(end);
+    }
+    None
+}
+
+/// True when the thread runs on its signal alternate stack right now (one
+/// system call; used only for deep stack pointers).
+pub fn on_alternate_stack() -> bool {
+    // SAFETY: sigaltstack with a null new stack only reads the current one
+    // into `ss`, a valid out-pointer.
+    unsafe {
+        let mut ss: libc::stack_t = std::mem::zeroed();
+        if libc::sigaltstack(std::ptr::null(), &mut ss) != 0 {
+            return true; // cannot tell: do not walk
+        }
+        ss.ss_flags & libc::SS_ONSTACK != 0
+    }
+}
+
+/// Whether a walk from `sp` up to `hi` stays on mapped stack.
+#[inline]
+pub fn walkable(sp: usize, hi: usize) -> bool {
+    hi > sp && (hi - sp <= FAST_WINDOW || (hi - sp < MAX_STACK && !on_alternate_stack()))
 }
 
 /// Walks the frame chain from `fp`, writing return addresses into `out`;
 /// returns how many were written.
 ///
-/// `stack` is the thread's `[lo, hi)`; `sp` the current stack pointer.
+/// The caller guarantees `[sp, hi)` is this thread's live, mapped stack
+/// (see [`walkable`]); `sp` is the current stack pointer.
 #[inline]
-pub fn walk(fp: usize, sp: usize, stack: (usize, usize), out: &mut [u64]) -> usize {
-    let (lo, hi) = stack;
-    if sp < lo || sp >= hi || hi < 16 {
-        // On a signal alternate stack or an unknown stack: reading above sp
-        // could leave mapped memory, so record no frames.
+pub fn walk(fp: usize, sp: usize, hi: usize, out: &mut [u64]) -> usize {
+    if hi < sp + 16 || fp < sp {
         return 0;
     }
     let limit = hi - 16;
     let mut fp = fp;
-    if fp < sp {
-        return 0;
-    }
     let mut n = 0;
     // Loop invariant: sp <= fp (frame pointers only increase).
     while n < out.len() {
@@ -88,9 +120,9 @@ pub fn walk(fp: usize, sp: usize, stack: (usize, usize), out: &mut [u64]) -> usi
             break;
         }
         // SAFETY: sp <= fp and fp + 16 <= hi, so fp..fp+16 lies inside
-        // [sp, hi), the live part of this thread's own stack, which is
-        // mapped and readable. Volatile: the compiler must not assume
-        // anything about these words.
+        // [sp, hi), the live part of this thread's own stack, which the
+        // caller guarantees is mapped and readable. Volatile: the compiler
+        // must not assume anything about these words.
         let (next, ret) = unsafe {
             (
                 std::ptr::read_volatile(fp as *const usize),
@@ -117,12 +149,28 @@ mod tests {
     #[inline(never)]
     fn depth(n: u32, out: &mut [u64]) -> usize {
         if n == 0 {
-            let stack = current_thread_stack().expect("stack bounds");
-            walk(frame_pointer(), stack_pointer(), stack, out)
+            let sp = stack_pointer();
+            let hi = thread_stack_top(sp).expect("stack top");
+            assert!(walkable(sp, hi));
+            walk(frame_pointer(), sp, hi, out)
         } else {
             let r = depth(n - 1, out);
             std::hint::black_box(r)
         }
+    }
+
+    #[test]
+    fn stack_top_found_on_main_and_spawned_threads() {
+        let main_top = thread_stack_top(stack_pointer());
+        assert!(main_top.is_some());
+        std::thread::spawn(|| {
+            let sp = stack_pointer();
+            let hi = thread_stack_top(sp).unwrap();
+            assert!(hi > sp && hi - sp < 16 << 20);
+            assert!(!on_alternate_stack());
+        })
+        .join()
+        .unwrap();
     }
 
     #[test]
@@ -139,13 +187,13 @@ mod tests {
 
     #[test]
     fn broken_chain_stops_without_faulting() {
-        let stack = current_thread_stack().unwrap();
         let sp = stack_pointer();
+        let hi = thread_stack_top(sp).unwrap();
         let mut out = [0u64; 8];
-        assert_eq!(walk(0, sp, stack, &mut out), 0);
-        assert_eq!(walk(usize::MAX - 4, sp, stack, &mut out), 0);
-        assert_eq!(walk(sp + 3, sp, stack, &mut out), 0);
-        // sp outside the stack: nothing is read.
-        assert_eq!(walk(sp, 8, stack, &mut out), 0);
+        assert_eq!(walk(0, sp, hi, &mut out), 0);
+        assert_eq!(walk(usize::MAX - 4, sp, hi, &mut out), 0);
+        assert_eq!(walk(sp + 3, sp, hi, &mut out), 0);
+        // An empty range: nothing is read.
+        assert_eq!(walk(sp, sp, sp, &mut out), 0);
     }
 }

@@ -46,9 +46,9 @@ pub struct ThreadState {
     pub allocs: Cell<u64>,
     /// Name bytes last registered (Linux names are up to 15 bytes).
     pub name: Cell<[u8; 16]>,
-    /// Stack bounds `[lo, hi)`, or `(0, 0)` if unknown / not yet read.
-    pub stack: Cell<(usize, usize)>,
-    /// Stack bounds have been looked up.
+    /// Top of this thread's stack (0 = unknown: no frames are captured).
+    pub stack_hi: Cell<usize>,
+    /// The stack top has been looked up.
     pub stack_known: Cell<bool>,
     /// Interned traces seen by this thread.
     pub cache: [Cell<CacheEntry>; CACHE_SIZE],
@@ -72,7 +72,7 @@ thread_local! {
             thread_key: Cell::new(0),
             allocs: Cell::new(0),
             name: Cell::new([0; 16]),
-            stack: Cell::new((0, 0)),
+            stack_hi: Cell::new(0),
             stack_known: Cell::new(false),
             cache: [EMPTY_ENTRY; CACHE_SIZE],
             nodes: UnsafeCell::new(NodeCache::new()),

@@ -107,3 +107,25 @@ fn rust_program_with_agent_exact_live_set_after_threads_exit() {
 fn rust_program_with_agent_exact_live_set_with_threads_alive() {
     check_rust_pattern(true);
 }
+
+#[test]
+fn rust_program_without_agent_under_preload() {
+    let exe = env!("CARGO_BIN_EXE_rust_plain");
+    let mut cmd = Command::new(exe);
+    cmd.env("LD_PRELOAD", preload_lib());
+    let target = Target::spawn(cmd);
+    let pid = target.pid();
+    let d = dump(pid);
+    assert_eq!(d.partial, None);
+    let syms = Symbols::of_process(exe.as_ref(), pid);
+    let mut per_thread = std::collections::BTreeMap::new();
+    for b in &d.blocks {
+        if syms.site(&b.frames, "rust_plain::plain_site").is_some() && b.size == 700 {
+            *per_thread.entry(b.thread.name.clone()).or_insert(0) += 1;
+        }
+    }
+    let want: std::collections::BTreeMap<String, i32> =
+        (0..3).map(|i| (format!("plain-{i}"), 40)).collect();
+    assert_eq!(per_thread, want);
+    assert!(target.finish().success());
+}
