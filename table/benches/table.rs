@@ -4,7 +4,8 @@
 //!   is already stored / new.
 //! - `insert_remove/*`: one insert plus one remove of the same block on one
 //!   thread, with about 1 M other blocks live in the table, and with an
-//!   almost empty table; and per thread with two threads at once.
+//!   almost empty table; and per thread with two threads at once. Each
+//!   also through a per-thread `NodeCache` (`*_cached`, as the agent does).
 //! - `walk/1M`: a reader walk over 1 M live blocks (criterion reports
 //!   elements per second = blocks per second).
 //! - bytes per live block at 1 M live blocks: printed (criterion does not
@@ -14,6 +15,7 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use heapdump_table::allocations_table::NodeCache;
 use heapdump_table::resources_table::DEFAULT_BUCKETS;
 use heapdump_table::stack_compression::encode;
 use heapdump_table::{
@@ -181,6 +183,18 @@ fn bench_insert_remove(c: &mut Criterion) {
                 black_box(allocs.remove(black_box(addr)))
             })
         });
+        // The same through a per-thread NodeCache (what the agent uses).
+        let mut cache = NodeCache::new();
+        g.bench_function(format!("{name}_cached"), |b| {
+            b.iter(|| {
+                i = (i + 1) % extra.len();
+                let (addr, size) = extra[i];
+                let r = record(addr, size, ResourceKey(8192), ResourceKey(8192));
+                allocs.insert_cached(&r, &mut cache).unwrap();
+                black_box(allocs.remove_cached(black_box(addr), &mut cache))
+            })
+        });
+        allocs.flush_cache(&mut cache);
     }
     // Two threads at once on the 1M-live table, each on its own blocks:
     // time per pair per thread (shared counters and shard locks contend).
@@ -189,32 +203,48 @@ fn bench_insert_remove(c: &mut Criterion) {
     let extra: Vec<Vec<(u64, u64)>> = (0..2)
         .map(|t| malloc_like_blocks(4096, 0x7f3a_4000_0000 + (t << 32), 11 + t))
         .collect();
-    g.bench_function("1M_live_2_threads", |b| {
-        b.iter_custom(|iters| {
-            let barrier = std::sync::Barrier::new(2);
-            let times: Vec<Duration> = std::thread::scope(|s| {
-                let hs: Vec<_> = extra
-                    .iter()
-                    .map(|blocks| {
-                        let barrier = &barrier;
-                        s.spawn(move || {
-                            barrier.wait();
-                            let t0 = Instant::now();
-                            for k in 0..iters as usize {
-                                let (addr, size) = blocks[k % blocks.len()];
-                                let r = record(addr, size, ResourceKey(8192), ResourceKey(8192));
-                                allocs.insert(&r).unwrap();
-                                black_box(allocs.remove(addr));
-                            }
-                            t0.elapsed()
+    for cached in [false, true] {
+        let name = if cached {
+            "1M_live_2_threads_cached"
+        } else {
+            "1M_live_2_threads"
+        };
+        g.bench_function(name, |b| {
+            b.iter_custom(|iters| {
+                let barrier = std::sync::Barrier::new(2);
+                let times: Vec<Duration> = std::thread::scope(|s| {
+                    let hs: Vec<_> = extra
+                        .iter()
+                        .map(|blocks| {
+                            let barrier = &barrier;
+                            s.spawn(move || {
+                                let mut cache = NodeCache::new();
+                                barrier.wait();
+                                let t0 = Instant::now();
+                                for k in 0..iters as usize {
+                                    let (addr, size) = blocks[k % blocks.len()];
+                                    let r =
+                                        record(addr, size, ResourceKey(8192), ResourceKey(8192));
+                                    if cached {
+                                        allocs.insert_cached(&r, &mut cache).unwrap();
+                                        black_box(allocs.remove_cached(addr, &mut cache));
+                                    } else {
+                                        allocs.insert(&r).unwrap();
+                                        black_box(allocs.remove(addr));
+                                    }
+                                }
+                                let t = t0.elapsed();
+                                allocs.flush_cache(&mut cache);
+                                t
+                            })
                         })
-                    })
-                    .collect();
-                hs.into_iter().map(|h| h.join().unwrap()).collect()
-            });
-            times.into_iter().max().unwrap()
-        })
-    });
+                        .collect();
+                    hs.into_iter().map(|h| h.join().unwrap()).collect()
+                });
+                times.into_iter().max().unwrap()
+            })
+        });
+    }
     g.finish();
 }
 

@@ -15,6 +15,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Barrier;
 
+use heapdump_table::allocations_table::NodeCache;
 use heapdump_table::{
     AllocationRecord, AllocationsConfig, AllocationsReader, AllocationsWriter, ResourceKey,
 };
@@ -87,6 +88,9 @@ fn writers_and_a_walking_reader() {
                         writer.insert(&r).unwrap();
                         model.insert(r.address, r);
                     }
+                    // One writer goes through a per-thread node cache.
+                    let cached = t == 1;
+                    let mut cache = NodeCache::new();
                     barrier.wait();
                     let mut x = mix(t + 1);
                     for _ in 0..OPS {
@@ -109,10 +113,15 @@ fn writers_and_a_walking_reader() {
                             2..=7 => {
                                 let a = churn_addr(t, (x >> 8) % CHURN_ADDRS);
                                 let r = record(a, gen);
+                                let res = if cached {
+                                    writer.insert_cached(&r, &mut cache)
+                                } else {
+                                    writer.insert(&r)
+                                };
                                 match model.entry(a) {
-                                    Entry::Occupied(_) => assert!(writer.insert(&r).is_err()),
+                                    Entry::Occupied(_) => assert!(res.is_err()),
                                     Entry::Vacant(v) => {
-                                        writer.insert(&r).unwrap();
+                                        res.unwrap();
                                         v.insert(r);
                                     }
                                 }
@@ -121,7 +130,12 @@ fn writers_and_a_walking_reader() {
                             8..=12 => {
                                 let a = churn_addr(t, (x >> 8) % CHURN_ADDRS);
                                 let want = model.remove(&a).map(|r| r.size);
-                                assert_eq!(writer.remove(a), want);
+                                let got = if cached {
+                                    writer.remove_cached(a, &mut cache)
+                                } else {
+                                    writer.remove(a)
+                                };
+                                assert_eq!(got, want);
                             }
                             // Replace a churn block, moving or in place.
                             _ => {
@@ -145,6 +159,7 @@ fn writers_and_a_walking_reader() {
                             }
                         }
                     }
+                    writer.flush_cache(&mut cache);
                     writers_done.fetch_add(1, Ordering::Release);
                     model
                 })
