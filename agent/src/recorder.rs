@@ -306,7 +306,10 @@ fn register_thread(w: &Writers, t: &ThreadState) {
         // SAFETY: a key we created; a non-null value makes its destructor
         // run at thread exit. Keys below 32 need no allocation here.
         unsafe {
-            libc::pthread_setspecific(key as libc::pthread_key_t, 1 as *const libc::c_void);
+            libc::pthread_setspecific(
+                key as libc::pthread_key_t,
+                std::ptr::dangling::<libc::c_void>(),
+            );
         }
     }
     match w.resources.insert_thread_info(tid, &name[..len]) {
