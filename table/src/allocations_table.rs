@@ -570,17 +570,26 @@ impl<'a> AllocationsWriter<'a> {
         None
     }
 
+    /// The shard's index capacity (log2). Clamped to the window size: the
+    /// writer's offsets are unchecked, so a shard word scribbled over by a
+    /// wild write in the program must not send a probe outside its window.
     fn cap_log2(&self, shard: u64) -> u32 {
         self.shard_field(shard, S_CAP_LOG2)
             .load(Ordering::Relaxed)
-            .max(MIN_CAP_LOG2)
+            .clamp(MIN_CAP_LOG2, self.layout.slots_max.trailing_zeros())
+    }
+
+    /// The shard's current index window (0 or 1, whatever the word holds).
+    #[inline]
+    fn window(&self, shard: u64) -> u32 {
+        self.shard_field(shard, S_WINDOW).load(Ordering::Relaxed) & 1
     }
 
     /// Rehashes `shard` into its other window with room for `need` entries.
     /// Caller holds the lock. Returns false if `need` cannot fit.
     fn rehash(&self, shard: u64, need: u64) -> bool {
         let old_cap = 1u64 << self.cap_log2(shard);
-        let old_win = self.shard_field(shard, S_WINDOW).load(Ordering::Relaxed);
+        let old_win = self.window(shard);
         let mut new_cap = (need * 3)
             .div_ceil(2)
             .next_power_of_two()
@@ -791,7 +800,7 @@ impl<'a> AllocationsWriter<'a> {
         pre: Option<u32>,
     ) -> Result<(), InsertError> {
         let mut cap = 1u64 << self.cap_log2(shard);
-        let mut win = self.shard_field(shard, S_WINDOW).load(Ordering::Relaxed);
+        let mut win = self.window(shard);
         // One probe finds a duplicate or the slot to use.
         let mut free = match self.probe_for_insert(shard, win, cap, h, w1) {
             Err(()) => return Err(InsertError::Duplicate),
@@ -808,7 +817,7 @@ impl<'a> AllocationsWriter<'a> {
                 }
             }
             cap = 1u64 << self.cap_log2(shard);
-            win = self.shard_field(shard, S_WINDOW).load(Ordering::Relaxed);
+            win = self.window(shard);
             free = self.free_slot(shard, win, cap, h);
         }
         let Some(i) = free else {
@@ -876,7 +885,7 @@ impl<'a> AllocationsWriter<'a> {
         keep_node: bool,
     ) -> Option<(u64, Option<u32>)> {
         let cap = 1u64 << self.cap_log2(shard);
-        let win = self.shard_field(shard, S_WINDOW).load(Ordering::Relaxed);
+        let win = self.window(shard);
         let (i, node) = self.find(shard, win, cap, h, addr)?;
         let size = self.node_word(node, 2).load(Ordering::Relaxed) & SIZE_MASK;
         self.clear_slot(shard, win, cap, i);
@@ -944,7 +953,7 @@ impl<'a> AllocationsWriter<'a> {
         let old_size = {
             let _g = self.lock(shard);
             let cap = 1u64 << self.cap_log2(shard);
-            let win = self.shard_field(shard, S_WINDOW).load(Ordering::Relaxed);
+            let win = self.window(shard);
             match self.find(shard, win, cap, h, old) {
                 Some((_, node)) => {
                     let s = self.node_word(node, 2).load(Ordering::Relaxed) & SIZE_MASK;
