@@ -409,6 +409,9 @@ pub fn on_alloc(addr: usize, size: usize, fp: usize) {
     }
     with_thread(|t| {
         let Some(w) = ready_writers() else { return };
+        // Start fetching the index slot now; the stack walk below hides
+        // the miss.
+        w.allocations.prefetch(addr as u64);
         prepare_thread(w, t);
         let Some(stack) = stack_key(w, t, fp) else {
             return;
@@ -445,6 +448,10 @@ pub fn on_free(addr: usize) -> Option<u64> {
     }
     with_thread(|t| {
         let w = writers()?;
+        w.allocations.prefetch(addr as u64);
+        // The allocator reads the block's header right after us: let that
+        // miss overlap with the table's.
+        heapdump_table::allocations_table::prefetch_line((addr as *const u8).wrapping_sub(16));
         if t.generation.get() != GENERATION.load(Ordering::Relaxed) {
             // First event of this thread in these regions: start clean.
             t.reset(GENERATION.load(Ordering::Relaxed));

@@ -319,6 +319,20 @@ fn hash(addr: u64) -> u64 {
     z ^ (z >> 31)
 }
 
+/// Asks the CPU to start loading the cache line at `p` (a hint: it never
+/// faults, whatever `p` is).
+#[inline(always)]
+pub fn prefetch_line(p: *const u8) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: PREFETCHT0 is a hint that cannot fault or change memory, for
+    // any address; SSE is part of the x86_64 baseline.
+    unsafe {
+        core::arch::x86_64::_mm_prefetch(p as *const i8, core::arch::x86_64::_MM_HINT_T0);
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
+}
+
 /// Writer handle for this process's allocations table.
 #[derive(Clone, Copy, Debug)]
 pub struct AllocationsWriter<'a> {
@@ -577,6 +591,20 @@ impl<'a> AllocationsWriter<'a> {
         self.shard_field(shard, S_CAP_LOG2)
             .load(Ordering::Relaxed)
             .clamp(MIN_CAP_LOG2, self.layout.slots_max.trailing_zeros())
+    }
+
+    /// Hints the CPU to fetch the index slot where `addr` would start its
+    /// probe, so a following [`Self::insert`] or [`Self::remove`] finds it
+    /// in cache. Reads two shard words without the lock (a racing rehash
+    /// only makes the hint useless, never unsafe: the slot offset stays
+    /// inside the shard's windows) and never writes.
+    #[inline]
+    pub fn prefetch(&self, addr: u64) {
+        let h = hash(addr);
+        let shard = self.shard_of(h);
+        let cap = 1u64 << self.cap_log2(shard);
+        let slot = self.slot(shard, self.window(shard), h & (cap - 1));
+        prefetch_line(slot as *const AtomicU32 as *const u8);
     }
 
     /// The shard's current index window (0 or 1, whatever the word holds).
