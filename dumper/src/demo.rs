@@ -79,6 +79,7 @@ pub fn demo(dir: &Path, env: &AgentEnv) -> Result<DemoReport, DemoError> {
                 symbolizer: Some(&mut sym),
                 progress: true,
                 request: None,
+                keep_allocator_frames: false,
             },
         )?;
         output::create_private_dir(dir).map_err(|source| DemoError::Write {

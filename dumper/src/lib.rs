@@ -27,6 +27,7 @@ pub mod flamegraph;
 pub mod json_format;
 pub mod maps;
 pub mod output;
+pub mod plumbing;
 pub mod pprof;
 pub mod run;
 pub mod serve;

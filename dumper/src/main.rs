@@ -91,6 +91,13 @@ struct SymArgs {
     /// pprof: split live values per allocating thread with a `thread` label.
     #[arg(long)]
     per_thread: bool,
+    /// Keep the allocator plumbing frames (alloc::raw_vec::..., __rust_alloc,
+    /// std::allocator<T>::allocate, operator new, ...) at the leaf end of
+    /// each stack. By default they are dropped and the sites that become
+    /// identical are merged, so each stack starts at the code that asked
+    /// for memory.
+    #[arg(long)]
+    keep_allocator_frames: bool,
 }
 
 #[derive(Args, Debug)]
@@ -152,6 +159,10 @@ struct ServeArgs {
     /// Do not symbolize.
     #[arg(long)]
     no_symbolize: bool,
+    /// Keep the allocator plumbing frames at the leaf end of each stack
+    /// (see `snapshot --help`).
+    #[arg(long)]
+    keep_allocator_frames: bool,
 }
 
 #[derive(Args, Debug)]
@@ -209,6 +220,10 @@ struct RunArgs {
     /// Formats written with --watch (repeatable).
     #[arg(short, long, value_enum, default_values_t = [Format::Pprof])]
     format: Vec<Format>,
+    /// With --watch: keep the allocator plumbing frames at the leaf end of
+    /// each stack (see `snapshot --help`).
+    #[arg(long)]
+    keep_allocator_frames: bool,
     /// The program and its arguments (after `--`).
     #[arg(last = true, required = true, value_name = "CMD")]
     command: Vec<String>,
@@ -333,6 +348,7 @@ fn snapshot_cmd(a: SnapshotArgs) -> Result<i32> {
             symbolizer: (!a.sym.no_symbolize).then_some(&mut sym),
             progress: std::io::stderr().is_terminal(),
             request: None,
+            keep_allocator_frames: a.sym.keep_allocator_frames,
         },
     )
     .with_context(|| format!("taking a snapshot of pid {}", a.pid))?;
@@ -421,6 +437,7 @@ fn watch_cmd(a: WatchArgs) -> Result<i32> {
             per_thread: a.sym.per_thread,
         },
         poll: a.poll,
+        keep_allocator_frames: a.sym.keep_allocator_frames,
     };
     let dir = opts.dir.clone();
     let watcher = watch::Watcher::open(&a.pids, opts)?;
@@ -449,6 +466,7 @@ fn serve_cmd(a: ServeArgs) -> Result<i32> {
         heapdump::serve::ServeOptions {
             pids: a.pids,
             symbolize: !a.no_symbolize,
+            keep_allocator_frames: a.keep_allocator_frames,
         },
     );
     Ok(0)
@@ -495,6 +513,7 @@ fn run_cmd(a: RunArgs) -> Result<i32> {
                 symbolize: true,
                 render: RenderOptions::default(),
                 poll: Duration::from_millis(15),
+                keep_allocator_frames: a.keep_allocator_frames,
             };
             Some(std::thread::spawn(move || -> Result<()> {
                 watch::wait_instrumented(pid, Duration::from_secs(30))?;

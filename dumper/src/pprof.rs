@@ -227,7 +227,10 @@ struct Builder {
     functions: Vec<Function>,
     function_ids: HashMap<(i64, i64), u64>,
     locations: Vec<Location>,
-    location_ids: HashMap<u64, u64>,
+    /// Keyed by address and number of lines: a stack whose leading
+    /// allocator frames were dropped may keep only the outer inlined
+    /// frames of an address.
+    location_ids: HashMap<(u64, usize), u64>,
     mappings: Vec<PbMapping>,
 }
 
@@ -262,7 +265,7 @@ impl Builder {
     /// Location for the frames of one return address (innermost first).
     fn location(&mut self, frames: &[Frame], maps: &[Mapping]) -> u64 {
         let addr = frames[0].address;
-        if let Some(&id) = self.location_ids.get(&addr) {
+        if let Some(&id) = self.location_ids.get(&(addr, frames.len())) {
             return id;
         }
         let pc = addr.wrapping_sub(1);
@@ -289,7 +292,7 @@ impl Builder {
             line: lines,
             is_folded: false,
         });
-        self.location_ids.insert(addr, id);
+        self.location_ids.insert((addr, frames.len()), id);
         id
     }
 }

@@ -28,6 +28,8 @@ pub struct ServeOptions {
     pub pids: Vec<u32>,
     /// Symbolize frames.
     pub symbolize: bool,
+    /// Keep allocator plumbing frames at the leaf end of stacks.
+    pub keep_allocator_frames: bool,
 }
 
 /// Errors starting the server.
@@ -121,6 +123,7 @@ impl State {
                 symbolizer: self.opts.symbolize.then_some(&mut self.symbolizer),
                 progress: false,
                 request: None,
+                keep_allocator_frames: self.opts.keep_allocator_frames,
             },
         );
         // A target that exited is forgotten once served (its pid may be

@@ -12,6 +12,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::discovery::Target;
 use crate::maps::Mapping;
+use crate::plumbing;
 use crate::symbolize::{self, Frame, Symbolizer};
 
 /// Process-wide totals.
@@ -130,6 +131,60 @@ pub struct Options<'a> {
     pub progress: bool,
     /// The request being answered.
     pub request: Option<Request>,
+    /// Keep allocator plumbing frames (`alloc::raw_vec::...`,
+    /// `__rust_alloc`, `std::allocator<T>::allocate`, ...) at the leaf end
+    /// of each stack instead of dropping them (see [`crate::plumbing`]).
+    pub keep_allocator_frames: bool,
+}
+
+/// Drops the leading allocator plumbing frames of every site and merges
+/// the sites that become identical (same frames), summing their counts.
+/// `addresses` keep the return addresses of the frames that remain. The
+/// order (live bytes, then allocated bytes, descending) is restored.
+fn strip_plumbing(sites: Vec<Site>) -> Vec<Site> {
+    let mut out: Vec<Site> = Vec::with_capacity(sites.len());
+    let mut index: HashMap<Vec<Frame>, usize> = HashMap::with_capacity(sites.len());
+    let mut merged = false;
+    for mut s in sites {
+        if plumbing::strip_leading(&mut s.frames) > 0 {
+            s.addresses = s.frames.iter().map(|f| f.address).collect();
+            s.addresses.dedup();
+        }
+        match index.get(&s.frames) {
+            Some(&i) => {
+                merged = true;
+                let t = &mut out[i];
+                t.live_bytes = t.live_bytes.saturating_add(s.live_bytes);
+                t.live_blocks = t.live_blocks.saturating_add(s.live_blocks);
+                t.alloc_bytes = t.alloc_bytes.saturating_add(s.alloc_bytes);
+                t.alloc_blocks = t.alloc_blocks.saturating_add(s.alloc_blocks);
+                t.by_thread.extend(s.by_thread);
+            }
+            None => {
+                index.insert(s.frames.clone(), out.len());
+                out.push(s);
+            }
+        }
+    }
+    if merged {
+        for s in &mut out {
+            let mut per: BTreeMap<usize, (u64, u64)> = BTreeMap::new();
+            for &(ti, b, n) in &s.by_thread {
+                let e = per.entry(ti).or_default();
+                e.0 = e.0.saturating_add(b);
+                e.1 = e.1.saturating_add(n);
+            }
+            s.by_thread = per.into_iter().map(|(ti, (b, n))| (ti, b, n)).collect();
+        }
+        out.sort_by(|a, b| {
+            (b.live_bytes, b.alloc_bytes, &a.addresses).cmp(&(
+                a.live_bytes,
+                a.alloc_bytes,
+                &b.addresses,
+            ))
+        });
+    }
+    out
 }
 
 /// Walks made before a snapshot with records that never read consistently
@@ -331,6 +386,9 @@ pub fn take(
             .flat_map(|a| table.get(a).cloned().unwrap_or_default())
             .collect();
     }
+    if symbolized && !opts.keep_allocator_frames {
+        sites = strip_plumbing(sites);
+    }
 
     let mut dropped = BTreeMap::new();
     for r in DroppedReason::ALL {
@@ -370,4 +428,67 @@ pub fn take(
             nodes: stats.nodes,
         },
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn site(frames: &[(u64, &str)], live: u64, by_thread: Vec<(usize, u64, u64)>) -> Site {
+        let frames: Vec<Frame> = frames
+            .iter()
+            .map(|(a, f)| Frame {
+                address: *a,
+                function: Some(f.to_string()),
+                ..Frame::default()
+            })
+            .collect();
+        let mut addresses: Vec<u64> = frames.iter().map(|f| f.address).collect();
+        addresses.dedup();
+        Site {
+            addresses,
+            frames,
+            live_bytes: live,
+            live_blocks: 1,
+            alloc_bytes: live,
+            alloc_blocks: 1,
+            by_thread,
+        }
+    }
+
+    #[test]
+    fn plumbing_is_stripped_and_identical_sites_merge() {
+        // Two stacks that differ only in the allocator path (alloc vs
+        // realloc) become one site; a third stays apart.
+        let a = site(
+            &[
+                (1, "__rust_alloc"),
+                (2, "alloc::alloc::alloc"),
+                (10, "app::f"),
+                (20, "main"),
+            ],
+            100,
+            vec![(0, 100, 1)],
+        );
+        let b = site(
+            &[(3, "__rust_realloc"), (10, "app::f"), (20, "main")],
+            50,
+            vec![(0, 30, 1), (1, 20, 1)],
+        );
+        let c = site(
+            &[(4, "__rust_alloc"), (11, "app::g"), (20, "main")],
+            120,
+            vec![(1, 120, 1)],
+        );
+        let out = strip_plumbing(vec![a, b, c]);
+        assert_eq!(out.len(), 2);
+        assert_eq!(out[0].live_bytes, 150);
+        assert_eq!(out[0].live_blocks, 2);
+        assert_eq!(out[0].alloc_bytes, 150);
+        assert_eq!(out[0].addresses, vec![10, 20]);
+        assert_eq!(out[0].frames[0].function.as_deref(), Some("app::f"));
+        assert_eq!(out[0].by_thread, vec![(0, 130, 2), (1, 20, 1)]);
+        assert_eq!(out[1].live_bytes, 120);
+        assert_eq!(out[1].addresses, vec![11, 20]);
+    }
 }

@@ -24,7 +24,7 @@ use crate::maps::{self, Mapping};
 
 /// One symbolized frame. Inlined functions give several frames for one
 /// address, innermost first; all but the last of them have `inlined` set.
-#[derive(Clone, Debug, PartialEq, Eq, Default)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Default)]
 pub struct Frame {
     /// The return address as captured in the target.
     pub address: u64,

@@ -37,6 +37,8 @@ pub struct WatchOptions {
     pub render: RenderOptions,
     /// How often requests and exit are polled.
     pub poll: Duration,
+    /// Keep allocator plumbing frames at the leaf end of stacks.
+    pub keep_allocator_frames: bool,
 }
 
 /// Why a snapshot was taken.
@@ -254,6 +256,7 @@ fn shoot(
             symbolizer: opts.symbolize.then_some(symbolizer),
             progress: false,
             request,
+            keep_allocator_frames: opts.keep_allocator_frames,
         },
     )
     .map_err(|source| WatchError::Snapshot { pid, source })?;
