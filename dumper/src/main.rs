@@ -144,6 +144,12 @@ struct WatchArgs {
     /// How often requests and exits are checked.
     #[arg(long, default_value = "15ms", value_parser = humantime::parse_duration)]
     poll: Duration,
+    /// Also answer a request the target made before the watch began (one
+    /// snapshot, named after the latest such request, taken now). By
+    /// default only requests made after `watching ...` is printed are
+    /// answered, since the heap at an earlier request is gone.
+    #[arg(long)]
+    answer_pending: bool,
     #[command(flatten)]
     sym: SymArgs,
 }
@@ -214,7 +220,9 @@ impl AgentArgs {
 struct RunArgs {
     #[command(flatten)]
     agent: AgentArgs,
-    /// Also watch the program, writing snapshots into DIR (as `watch`).
+    /// Also watch the program, writing snapshots into DIR (as `watch
+    /// --answer-pending`: a request the program makes before the watch
+    /// attaches is answered too).
     #[arg(long, value_name = "DIR")]
     watch: Option<PathBuf>,
     /// Formats written with --watch (repeatable).
@@ -438,6 +446,7 @@ fn watch_cmd(a: WatchArgs) -> Result<i32> {
         },
         poll: a.poll,
         keep_allocator_frames: a.sym.keep_allocator_frames,
+        answer_pending: a.answer_pending,
     };
     let dir = opts.dir.clone();
     let watcher = watch::Watcher::open(&a.pids, opts)?;
@@ -514,6 +523,9 @@ fn run_cmd(a: RunArgs) -> Result<i32> {
                 render: RenderOptions::default(),
                 poll: Duration::from_millis(15),
                 keep_allocator_frames: a.keep_allocator_frames,
+                // The program was started by us: every request it made
+                // before the watch attached is ours to answer.
+                answer_pending: true,
             };
             Some(std::thread::spawn(move || -> Result<()> {
                 watch::wait_instrumented(pid, Duration::from_secs(30))?;

@@ -75,15 +75,33 @@ pub fn read_build_id(path: &Path) -> Option<String> {
     Some(id.iter().map(|b| format!("{b:02x}")).collect())
 }
 
-/// Where to read a file the target maps: through `/proc/PID/root` when that
-/// works (containers), else the path itself.
-fn local_path(pid: u32, path: &str) -> Option<PathBuf> {
+/// Whether `pid` sees the same root directory as this process (no
+/// container, no chroot).
+fn same_root(pid: u32) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    match (
+        std::fs::metadata(format!("/proc/{pid}/root/")),
+        std::fs::metadata("/"),
+    ) {
+        (Ok(a), Ok(b)) => a.dev() == b.dev() && a.ino() == b.ino(),
+        _ => false,
+    }
+}
+
+/// Where to read a file the target maps: the path itself when the target
+/// shares our root (so it still works after the target exited: `watch`'s
+/// final snapshot), else through `/proc/PID/root` (containers), else the
+/// path itself if it exists.
+fn local_path(pid: u32, path: &str, same_root: bool) -> Option<PathBuf> {
     let path = path.strip_suffix(" (deleted)").unwrap_or(path);
+    let plain = PathBuf::from(path);
+    if same_root && plain.exists() {
+        return Some(plain);
+    }
     let via_root = PathBuf::from(format!("/proc/{pid}/root{path}"));
     if via_root.exists() {
         return Some(via_root);
     }
-    let plain = PathBuf::from(path);
     plain.exists().then_some(plain)
 }
 
@@ -132,8 +150,9 @@ pub fn parse_maps(text: &str) -> Vec<Mapping> {
 pub fn read_maps(pid: u32, build_ids: &mut BuildIds) -> io::Result<Vec<Mapping>> {
     let text = std::fs::read_to_string(format!("/proc/{pid}/maps"))?;
     let mut maps = parse_maps(&text);
+    let same_root = same_root(pid);
     for m in &mut maps {
-        m.local_path = local_path(pid, &m.path);
+        m.local_path = local_path(pid, &m.path, same_root);
         m.build_id = m.local_path.as_deref().and_then(|p| build_ids.get(p));
     }
     Ok(maps)

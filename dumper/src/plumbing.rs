@@ -23,7 +23,7 @@
 //! | `alloc::alloc::`, `alloc::raw_vec::` | Rust's allocation entry points and `Vec`/`String`'s raw buffer |
 //! | `core::alloc::`, `std::alloc::` | `Allocator`/`GlobalAlloc` glue, `System` |
 //! | `std::sys::alloc::`, `std::sys::pal::unix::alloc::`, `std::sys::unix::alloc::` | `System`'s implementation (names of several Rust versions) |
-//! | `__rust_alloc`, `__rust_alloc_zeroed`, `__rust_realloc`, `__rg_alloc`, `__rg_alloc_zeroed`, `__rg_realloc`, `__rdl_alloc`, `__rdl_alloc_zeroed`, `__rdl_realloc` | the global allocator shims |
+//! | `__rust_alloc`, `__rust_alloc_zeroed`, `__rust_realloc`, `__rg_alloc`, `__rg_alloc_zeroed`, `__rg_realloc`, `__rdl_alloc`, `__rdl_alloc_zeroed`, `__rdl_realloc`, and anything under `__rustc::` (where recent compilers put them: `__rustc::__rust_alloc`) | the global allocator shims |
 //! | `heapdump_agent::` | heapdump's own agent |
 //! | `<... as core::alloc::global::GlobalAlloc>::`, `<impl core::alloc::global::GlobalAlloc for ...>` | any global allocator implementation |
 //! | `std::__new_allocator<`, `__gnu_cxx::new_allocator<`, `std::allocator<`, `std::allocator_traits<`, `std::_Vector_base<` | libstdc++ allocators and `vector`'s buffer |
@@ -42,6 +42,7 @@ pub const PREFIXES: &[&str] = &[
     "std::sys::pal::unix::alloc::",
     "std::sys::unix::alloc::",
     "heapdump_agent::",
+    "__rustc::",
     "std::__new_allocator<",
     "__gnu_cxx::new_allocator<",
     "std::allocator<",
@@ -156,6 +157,10 @@ mod tests {
             "<alloc::raw_vec::RawVecInner<_>>::reserve::do_reserve_and_handle::<alloc::alloc::Global>",
             "alloc::raw_vec::finish_grow",
             "__rust_alloc",
+            "__rustc::__rust_alloc",
+            "__rustc::__rust_realloc",
+            "__rustc::__rust_alloc_zeroed",
+            "__rustc::__rdl_alloc",
             "__rust_realloc",
             "__rust_alloc_zeroed",
             "__rg_alloc",
@@ -209,6 +214,7 @@ mod tests {
             "new_allocator_stats",
             "rust_allocate",
             "__rust_alloc_wrapper_of_mine",
+            "__rustc_like::alloc",
             "site_malloc",
             "main",
         ] {

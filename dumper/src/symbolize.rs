@@ -123,6 +123,19 @@ impl Symbolizer {
         Self::default()
     }
 
+    /// Opens (and caches) the file of every mapping now, so that addresses
+    /// can still be symbolized after the target exited even where its
+    /// files were only reachable through `/proc/PID/root` (a container).
+    pub fn open_modules(&mut self, maps: &[Mapping]) {
+        for m in maps {
+            if let Some(path) = &m.local_path {
+                self.modules
+                    .entry(path.clone())
+                    .or_insert_with(|| Module::open(path));
+            }
+        }
+    }
+
     /// Frames for the return address `address` (innermost inlined first).
     /// Always returns at least one frame.
     pub fn symbolize(&mut self, address: u64, maps: &[Mapping]) -> Vec<Frame> {

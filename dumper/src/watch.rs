@@ -8,6 +8,17 @@
 //! `kill(pid, 0)` and `/proc/PID/stat` where pidfds are not available. The
 //! last mappings read while the target was alive are used to symbolize the
 //! final snapshot.
+//!
+//! Requests made before the dumper attached: `watch` records the target's
+//! request counter when it opens it and answers only the requests made
+//! after that, because the heap at an earlier request is gone and a
+//! snapshot named after it would be misleading (another watcher may also
+//! have answered it already). With `answer_pending` (`watch
+//! --answer-pending`, and always for `run --watch`, which starts the
+//! program itself) a request made before attaching is answered at once by
+//! one snapshot, named after the latest such request. Several requests
+//! made between two polls are likewise answered by one snapshot (named
+//! after the latest; its `request.count` says how many were made).
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::PathBuf;
@@ -39,6 +50,8 @@ pub struct WatchOptions {
     pub poll: Duration,
     /// Keep allocator plumbing frames at the leaf end of stacks.
     pub keep_allocator_frames: bool,
+    /// Answer, with one snapshot, requests made before the watch began.
+    pub answer_pending: bool,
 }
 
 /// Why a snapshot was taken.
@@ -235,6 +248,9 @@ fn shoot(
         if let Ok(m) = read_maps(pid, build_ids) {
             if !m.is_empty() {
                 w.maps = m;
+                if opts.symbolize {
+                    symbolizer.open_modules(&w.maps);
+                }
             }
         }
     }
@@ -301,7 +317,8 @@ impl std::fmt::Debug for Watcher {
 
 impl Watcher {
     /// Opens every target and records its current request count: requests
-    /// made from now on are answered.
+    /// made from now on are answered (and, with `answer_pending`, the
+    /// latest one made before, at the first poll).
     pub fn open(pids: &[u32], opts: WatchOptions) -> Result<Self, WatchError> {
         output::create_private_dir(&opts.dir).map_err(|source| WatchError::Write {
             path: opts.dir.clone(),
@@ -313,7 +330,11 @@ impl Watcher {
             let target = open_target(pid)?;
             let exit = ExitWatch::new(pid);
             let maps = read_maps(pid, &mut build_ids).unwrap_or_default();
-            let last_request = read_request(&target.allocations.view()).count;
+            let last_request = if opts.answer_pending {
+                0
+            } else {
+                read_request(&target.allocations.view()).count
+            };
             watched.push(Watched {
                 target,
                 exit,
@@ -324,10 +345,18 @@ impl Watcher {
                 done: false,
             });
         }
+        // Open the target's files while it is alive: its final snapshot
+        // is symbolized after it exited.
+        let mut symbolizer = Symbolizer::new();
+        if opts.symbolize {
+            for w in &watched {
+                symbolizer.open_modules(&w.maps);
+            }
+        }
         Ok(Watcher {
             opts,
             watched,
-            symbolizer: Symbolizer::new(),
+            symbolizer,
             build_ids,
         })
     }

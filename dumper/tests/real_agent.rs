@@ -1,0 +1,526 @@
+//! The dumper against the real agent: C programs under the preload library
+//! and Rust programs with the `Agent` global allocator (from the
+//! `heapdump-tests` crate), checked against ground truth read
+//! independently with `heapdump-table`'s readers (`heapdump_tests::dump`).
+//!
+//! Needs the whole workspace built first (`cargo build --workspace`: the
+//! preload library and the test programs sit next to `heapdump`).
+//! Synchronisation is by printed lines only; timeouts are hang guards.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, Command, Stdio};
+
+use common::*;
+use heapdump_tests::{compile_c, dump, preload_lib, profile_dir, Dump, Target};
+use serde_json::Value;
+
+/// A binary of the workspace (built by `cargo build --workspace`).
+fn workspace_bin(name: &str) -> PathBuf {
+    let p = profile_dir().join(name);
+    assert!(
+        p.exists(),
+        "{} is missing: run `cargo build --workspace` before `cargo test`",
+        p.display()
+    );
+    p
+}
+
+/// The C pattern's live sites (tests/c/pattern.c): leaf function ->
+/// (blocks, bytes).
+fn c_pattern_sites() -> BTreeMap<String, (u64, u64)> {
+    [
+        ("site_malloc", 100, 100 * 1000),
+        ("site_calloc", 50, 50 * 24),
+        ("site_realloc", 10, 10 * 4096),
+        ("site_free_half", 100, 100 * 32),
+        ("site_aligned", 20, 5 * (200 + 256 + 300 + 100)),
+        ("site_reallocarray", 7, 7 * 120),
+        ("site_thread1", 30, 30 * 512),
+        ("site_thread2", 20, 20 * 2048),
+    ]
+    .into_iter()
+    .map(|(n, b, s)| (n.to_string(), (b, s)))
+    .collect()
+}
+
+fn u(v: &Value) -> u64 {
+    v.as_u64().unwrap_or_else(|| panic!("not a u64: {v}"))
+}
+
+fn function(frame: &Value) -> &str {
+    frame["function"].as_str().unwrap_or("")
+}
+
+/// Live (blocks, bytes) per leaf-most frame function, over all sites.
+fn by_leaf(j: &Value) -> BTreeMap<String, (u64, u64)> {
+    let mut t: BTreeMap<String, (u64, u64)> = BTreeMap::new();
+    for s in j["sites"].as_array().expect("sites") {
+        let Some(leaf) = s["frames"].as_array().and_then(|f| f.first()) else {
+            continue;
+        };
+        let e = t.entry(function(leaf).to_string()).or_default();
+        e.0 += u(&s["live_blocks"]);
+        e.1 += u(&s["live_bytes"]);
+    }
+    t
+}
+
+/// Live (blocks, bytes) per thread name from the independent reader.
+fn truth_threads(d: &Dump) -> BTreeMap<String, (u64, u64)> {
+    let mut t: BTreeMap<String, (u64, u64)> = BTreeMap::new();
+    for b in &d.blocks {
+        let e = t.entry(b.thread.name.clone()).or_default();
+        e.0 += 1;
+        e.1 += b.size;
+    }
+    t
+}
+
+fn json_threads(j: &Value) -> BTreeMap<String, (u64, u64)> {
+    let mut t: BTreeMap<String, (u64, u64)> = BTreeMap::new();
+    for th in j["threads"].as_array().expect("threads") {
+        let (blocks, bytes) = (u(&th["live_blocks"]), u(&th["live_bytes"]));
+        if blocks == 0 {
+            continue;
+        }
+        let e = t
+            .entry(th["name"].as_str().unwrap_or("").to_string())
+            .or_default();
+        e.0 += blocks;
+        e.1 += bytes;
+    }
+    t
+}
+
+/// Checks a JSON snapshot of the C pattern against the expected sites and
+/// the ground truth `d` read while the target was quiescent.
+fn check_c_pattern_json(j: &Value, d: &Dump) {
+    assert!(j["partial"].is_null(), "partial: {}", j["partial"]);
+    let live_bytes: u64 = d.blocks.iter().map(|b| b.size).sum();
+    assert_eq!(u(&j["totals"]["live_blocks"]), d.blocks.len() as u64);
+    assert_eq!(u(&j["totals"]["live_bytes"]), live_bytes);
+    let leaves = by_leaf(j);
+    for (site, want) in c_pattern_sites() {
+        assert_eq!(leaves.get(&site), Some(&want), "{site}: {leaves:#?}");
+    }
+    // Freed blocks are not reported (the site stays, with its cumulative
+    // counts, and no live blocks).
+    assert_eq!(
+        leaves.get("site_freed_all").map_or(0, |v| v.0),
+        0,
+        "{leaves:#?}"
+    );
+    // Per thread: exactly the ground truth, and the workers hold exactly
+    // their sites' blocks.
+    let threads = json_threads(j);
+    assert_eq!(threads, truth_threads(d));
+    assert_eq!(threads["worker-1"], (30, 30 * 512));
+    assert_eq!(threads["worker-2"], (20, 20 * 2048));
+    let sum: u64 = j["sites"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| u(&s["live_bytes"]))
+        .sum();
+    assert_eq!(sum, live_bytes);
+}
+
+fn c_pattern(hold: bool) -> Target {
+    let mut cmd = Command::new(compile_c("pattern"));
+    cmd.env("LD_PRELOAD", preload_lib());
+    if hold {
+        cmd.arg("hold");
+    }
+    Target::spawn(cmd)
+}
+
+#[test]
+fn snapshot_json_of_c_program_under_preload_is_exact() {
+    let target = c_pattern(true);
+    let pid = target.pid();
+    let truth = dump(pid);
+    assert_eq!(truth.partial, None);
+    let dir = TempDir::new("real-c-json");
+    let json = dir.str("c.json");
+    let out = heapdump(&[
+        "snapshot",
+        &pid.to_string(),
+        "--format",
+        "json",
+        "-o",
+        &json,
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let j = read_json(Path::new(&json));
+    assert_eq!(u(&j["pid"]), u64::from(pid));
+    check_c_pattern_json(&j, &truth);
+
+    // pprof of the same quiescent process: go tool pprof reads the totals
+    // and the site names back.
+    let pb = dir.str("c.pb.gz");
+    let out = heapdump(&["snapshot", &pid.to_string(), "-o", &pb]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    if go_available() {
+        let live: u64 = truth.blocks.iter().map(|b| b.size).sum();
+        let top = go_pprof(&["-top", "-unit=B", "-sample_index=inuse_space", &pb]);
+        assert!(top.contains(&format!("{live}B total")), "{top}");
+        assert!(top.contains("site_malloc"), "{top}");
+    }
+    assert!(target.finish().success());
+}
+
+/// Frames of a JSON site up to (not including) the first in `crate_prefix`,
+/// and that frame's function.
+fn split_at_crate<'a>(site: &'a Value, crate_prefix: &str) -> Option<(Vec<&'a str>, &'a str)> {
+    let frames = site["frames"].as_array()?;
+    let i = frames
+        .iter()
+        .position(|f| function(f).starts_with(crate_prefix))?;
+    Some((
+        frames[..i].iter().map(function).collect(),
+        function(&frames[i]),
+    ))
+}
+
+#[test]
+fn snapshot_json_of_rust_program_with_agent_starts_at_the_site() {
+    let exe = workspace_bin("rust_pattern");
+    let mut target = Target::spawn(Command::new(&exe));
+    let pid = target.pid().to_string();
+    let dir = TempDir::new("real-rust-json");
+    let json = dir.str("r.json");
+    let out = heapdump(&["snapshot", &pid, "--format", "json", "-o", &json]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let j = read_json(Path::new(&json));
+    assert!(j["partial"].is_null(), "{}", j["partial"]);
+
+    // Group by the first frame of the program itself; before it there may
+    // only be Vec's own (non-plumbing) frames, never allocator plumbing.
+    let mut sites: BTreeMap<String, (u64, u64)> = BTreeMap::new();
+    for s in j["sites"].as_array().unwrap() {
+        let Some((before, site)) = split_at_crate(s, "rust_pattern::site_") else {
+            continue;
+        };
+        for f in &before {
+            assert!(!heapdump::plumbing::is_allocator_function(f), "{f}");
+            if u(&s["live_blocks"]) > 0 {
+                assert!(f.contains("alloc::vec::"), "unexpected leading frame {f}");
+            }
+        }
+        let site = site.trim_start_matches("rust_pattern::");
+        let site = site.trim_end_matches("::{{closure}}").to_string();
+        let e = sites.entry(site).or_default();
+        e.0 += u(&s["live_blocks"]);
+        e.1 += u(&s["live_bytes"]);
+    }
+    let want: BTreeMap<String, (u64, u64)> = [
+        ("site_vec", 100, 100 * 1000),
+        ("site_zeroed", 50, 50 * 24),
+        ("site_realloc", 10, 10 * 4096),
+        ("site_free_half", 100, 100 * 32),
+        ("site_thread1", 30, 30 * 512),
+        ("site_thread2", 20, 20 * 2048),
+        ("site_freed_all", 0, 0),
+    ]
+    .into_iter()
+    .map(|(n, b, s)| (n.to_string(), (b, s)))
+    .collect();
+    assert_eq!(sites, want);
+    let sites_stripped = j["sites"].as_array().unwrap().len();
+
+    // --keep-allocator-frames keeps the plumbing: same totals, more sites
+    // (the realloc and alloc paths differ), leaf frames in the allocator.
+    let json2 = dir.str("r-keep.json");
+    let out = heapdump(&[
+        "snapshot",
+        &pid,
+        "--format",
+        "json",
+        "--keep-allocator-frames",
+        "-o",
+        &json2,
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let k = read_json(Path::new(&json2));
+    assert_eq!(k["totals"]["live_bytes"], j["totals"]["live_bytes"]);
+    assert!(k["sites"].as_array().unwrap().len() >= sites_stripped);
+    let vec_site = k["sites"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| split_at_crate(s, "rust_pattern::site_vec").is_some())
+        .expect("site_vec");
+    assert!(
+        heapdump::plumbing::is_allocator_function(function(&vec_site["frames"][0])),
+        "{}",
+        vec_site["frames"][0]
+    );
+
+    target.send("go");
+    target.wait_line("stats");
+    assert!(target.finish().success());
+}
+
+#[test]
+fn run_passes_the_exit_status_and_instruments_the_program() {
+    let out = heapdump(&["run", "--", "sh", "-c", "ls -l /proc/$$/fd; exit 7"]);
+    assert_eq!(out.status.code(), Some(7), "{}", stderr(&out));
+    assert!(
+        stdout(&out).contains("memfd:heapdump.allocations"),
+        "{}",
+        stdout(&out)
+    );
+    let out = heapdump(&["run", "--", "sh", "-c", "kill -9 $$"]);
+    assert_eq!(out.status.code(), Some(128 + 9), "{}", stderr(&out));
+    let out = heapdump(&["run", "--", "/nonexistent/program"]);
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains("/nonexistent/program"),
+        "{}",
+        stderr(&out)
+    );
+}
+
+/// A `heapdump` child with stdin and stdout piped.
+struct Dumper {
+    child: Child,
+    stdin: Option<ChildStdin>,
+    lines: Lines,
+}
+
+impl Dumper {
+    fn start(args: &[&str]) -> Dumper {
+        let mut child = Command::new(bin())
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("start heapdump");
+        let stdin = child.stdin.take();
+        let lines = Lines::new(child.stdout.take().unwrap());
+        Dumper {
+            child,
+            stdin,
+            lines,
+        }
+    }
+
+    /// The next line starting with `prefix` (others are skipped).
+    fn line(&self, prefix: &str) -> String {
+        loop {
+            let l = self.lines.next();
+            if l.starts_with(prefix) {
+                return l;
+            }
+        }
+    }
+
+    /// The path of the next `wrote PATH` line.
+    fn wrote(&self) -> PathBuf {
+        PathBuf::from(self.line("wrote ").strip_prefix("wrote ").unwrap())
+    }
+}
+
+impl Drop for Dumper {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn signal(pid: u32, sig: libc::c_int) {
+    // SAFETY: kill(2) with a pid and a signal number; no memory involved.
+    assert_eq!(unsafe { libc::kill(pid as libc::pid_t, sig) }, 0);
+}
+
+fn file_name(p: &Path) -> String {
+    p.file_name().unwrap().to_string_lossy().into_owned()
+}
+
+#[test]
+fn run_watch_answers_an_api_request_made_before_attaching() {
+    // `rust_pattern request` asks for a snapshot named `from-api` first
+    // thing: `run --watch` answers it even if it attached later.
+    let dir = TempDir::new("run-watch");
+    let snaps = dir.str("snaps");
+    let exe = workspace_bin("rust_pattern");
+    let mut d = Dumper::start(&[
+        "run",
+        "--watch",
+        &snaps,
+        "-f",
+        "json",
+        "--",
+        exe.to_str().unwrap(),
+        "request",
+    ]);
+    let pid: u32 = d.line("ready ")["ready ".len()..].trim().parse().unwrap();
+    let api = d.wrote();
+    assert!(
+        file_name(&api).starts_with(&format!("heapdump-{pid}-0001-req-from-api-")),
+        "{api:?}"
+    );
+    let j = read_json(&api);
+    assert_eq!(j["request"]["name"], "from-api");
+    assert_eq!(j["request"]["count"], 1);
+    assert!(j["partial"].is_null());
+
+    // Closing stdin ends the program: final snapshot, exit status 0.
+    drop(d.stdin.take());
+    let exit = d.wrote();
+    assert!(
+        file_name(&exit).starts_with(&format!("heapdump-{pid}-0002-exit-")),
+        "{exit:?}"
+    );
+    assert!(d.child.wait().unwrap().success());
+}
+
+#[test]
+fn run_watch_answers_a_signal_of_a_c_program() {
+    let dir = TempDir::new("run-watch-c");
+    let snaps = dir.str("snaps");
+    let exe = compile_c("pattern");
+    let mut d = Dumper::start(&[
+        "run",
+        "--watch",
+        &snaps,
+        "-f",
+        "json",
+        "--",
+        exe.to_str().unwrap(),
+    ]);
+    let pid: u32 = d.line("ready ")["ready ".len()..].trim().parse().unwrap();
+    // Answered whether the watch attached before or after the signal.
+    signal(pid, libc::SIGUSR2);
+    let p = d.wrote();
+    assert!(
+        file_name(&p).starts_with(&format!("heapdump-{pid}-0001-signal-")),
+        "{p:?}"
+    );
+    let j = read_json(&p);
+    let leaves = by_leaf(&j);
+    assert_eq!(leaves["site_malloc"], (100, 100_000), "{leaves:#?}");
+    d.stdin.as_mut().unwrap().write_all(b"go\n").unwrap();
+    let exit = d.wrote();
+    assert!(file_name(&exit).contains("-0002-exit-"), "{exit:?}");
+    assert!(d.child.wait().unwrap().success());
+}
+
+#[test]
+fn watch_answers_api_requests_per_attach_policy_and_signals() {
+    let exe = workspace_bin("rust_pattern");
+    let target = Target::spawn({
+        let mut c = Command::new(&exe);
+        c.arg("request");
+        c
+    });
+    let pid = target.pid();
+    let dir = TempDir::new("watch-api");
+    let (plain_dir, pending_dir) = (dir.str("plain"), dir.str("pending"));
+    let pid_s = pid.to_string();
+    // Default: the request made before attaching is not answered.
+    let plain = Dumper::start(&["watch", &pid_s, "--dir", &plain_dir, "-f", "json"]);
+    plain.line("watching ");
+    // --answer-pending: it is, at once.
+    let pending = Dumper::start(&[
+        "watch",
+        &pid_s,
+        "--dir",
+        &pending_dir,
+        "-f",
+        "json",
+        "--answer-pending",
+    ]);
+    pending.line("watching ");
+    let p = pending.wrote();
+    assert!(
+        file_name(&p).starts_with(&format!("heapdump-{pid}-0001-req-from-api-")),
+        "{p:?}"
+    );
+    assert_eq!(read_json(&p)["request"]["name"], "from-api");
+
+    // A real signal request: both answer it; for the plain watcher it is
+    // the first snapshot.
+    signal(pid, libc::SIGUSR2);
+    let a = plain.wrote();
+    assert!(
+        file_name(&a).starts_with(&format!("heapdump-{pid}-0001-signal-")),
+        "{a:?}"
+    );
+    let ja = read_json(&a);
+    assert_eq!(ja["request"]["count"], 2);
+    assert_eq!(ja["request"]["name"], "");
+    let b = pending.wrote();
+    assert!(file_name(&b).contains("-0002-signal-"), "{b:?}");
+
+    // SIGKILL: both write the final snapshot.
+    let mut target = target;
+    target.child.kill().unwrap();
+    target.child.wait().unwrap();
+    let e = plain.wrote();
+    assert!(file_name(&e).contains("-0002-exit-"), "{e:?}");
+    let je = read_json(&e);
+    assert!(je["partial"].is_null());
+    assert_eq!(je["totals"]["live_bytes"], ja["totals"]["live_bytes"]);
+    assert!(pending.wrote().to_string_lossy().contains("-0003-exit-"));
+}
+
+#[test]
+fn watch_final_snapshot_after_sigkill_is_the_complete_live_set() {
+    let mut target = c_pattern(true);
+    let pid = target.pid();
+    let truth = dump(pid);
+    let dir = TempDir::new("watch-kill");
+    let snaps = dir.str("snaps");
+    let mut w = Dumper::start(&[
+        "watch",
+        &pid.to_string(),
+        "--dir",
+        &snaps,
+        "-f",
+        "json",
+        "-f",
+        "pprof",
+    ]);
+    w.line("watching ");
+    target.child.kill().unwrap();
+    target.child.wait().unwrap();
+    let json = w.wrote();
+    let pb = w.wrote();
+    assert!(file_name(&json).starts_with(&format!("heapdump-{pid}-0001-exit-")));
+    assert!(file_name(&pb).ends_with(".pb.gz"), "{pb:?}");
+    check_c_pattern_json(&read_json(&json), &truth);
+    // Every target gone: watch ends by itself.
+    assert!(w.child.wait().unwrap().success());
+    drop(target);
+}
+
+#[test]
+fn demo_writes_its_files() {
+    let dir = TempDir::new("demo");
+    let out = Command::new(bin())
+        .args(["demo", "--dir", "out"])
+        .current_dir(&dir.0)
+        .stdin(Stdio::null())
+        .output()
+        .expect("run demo");
+    let text = stdout(&out);
+    assert!(out.status.success(), "{}{}", text, stderr(&out));
+    assert!(text.contains("demo_cache_blobs"), "{text}");
+    assert!(!text.contains("alloc::alloc::alloc"), "{text}");
+    for ext in ["pb.gz", "json", "svg", "dhat.json", "txt"] {
+        let p = dir.path("out").join(format!("heapdump-demo.{ext}"));
+        let meta = std::fs::metadata(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+        assert!(meta.len() > 0, "{} is empty", p.display());
+        use std::os::unix::fs::PermissionsExt;
+        assert_eq!(meta.permissions().mode() & 0o777, 0o600, "{}", p.display());
+        assert!(text.contains(&format!("out/heapdump-demo.{ext}")), "{text}");
+    }
+    let j = read_json(&dir.path("out").join("heapdump-demo.json"));
+    assert!(j["partial"].is_null());
+    assert!(u(&j["totals"]["live_blocks"]) >= 50_000);
+}
