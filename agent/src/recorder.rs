@@ -31,7 +31,7 @@ use heapdump_table::{
 
 use crate::config::{Config, Warnings};
 use crate::stack_capture;
-use crate::thread_state::{trace_hash, CacheEntry, ThreadState, CACHE_SIZE, CACHE_WAYS, THREAD};
+use crate::thread_state::{CacheEntry, ThreadState, CACHE_SIZE, CACHE_WAYS, THREAD};
 
 const UNINIT: u8 = 0;
 const INITIALIZING: u8 = 1;
@@ -361,33 +361,35 @@ fn stack_key(w: &Writers, t: &ThreadState, fp: usize) -> Option<ResourceKey> {
     let frames = unsafe { &mut *frames.as_mut_ptr() };
     let sp = stack_capture::stack_pointer();
     let hi = t.stack_hi.get();
-    let n = if stack_capture::walkable(sp, hi) {
-        stack_capture::walk(fp, sp, hi, &mut frames[..max])
+    let (n, h) = if stack_capture::walkable(sp, hi) {
+        stack_capture::walk_hashed(fp, sp, hi, &mut frames[..max])
     } else {
-        0
+        stack_capture::walk_hashed(0, 1, 0, &mut [])
     };
     let frames = &frames[..n];
-    let h = trace_hash(frames);
-    // 2-way set: look in both ways; on a miss replace the older (way 1),
-    // moving way 0 down, so a hot trace stays in way 0.
-    let set = (h as usize >> 20) % (CACHE_SIZE / CACHE_WAYS) * CACHE_WAYS;
-    let (way0, way1) = (&t.cache[set], &t.cache[set + 1]);
-    let e0 = way0.get();
-    if e0.hash == h {
-        return Some(ResourceKey(e0.key));
-    }
-    let e1 = way1.get();
-    if e1.hash == h {
-        way1.set(e0);
-        way0.set(e1);
-        return Some(ResourceKey(e1.key));
+    // 4-way set in most-recently-used order: a hit moves its entry to
+    // the front, a miss replaces the last (least recently used) one.
+    let set = &t.cache[(h as usize >> 20) % (CACHE_SIZE / CACHE_WAYS) * CACHE_WAYS..][..CACHE_WAYS];
+    for (i, way) in set.iter().enumerate() {
+        let e = way.get();
+        if e.hash == h {
+            if i > 0 {
+                for k in (1..=i).rev() {
+                    set[k].set(set[k - 1].get());
+                }
+                set[0].set(e);
+            }
+            return Some(ResourceKey(e.key));
+        }
     }
     let mut buf = [0u8; MAX_ENCODED_LEN];
     let len = encode_into(frames, &mut buf)?;
     match w.resources.intern_stack_trace(&buf[..len]) {
         Ok((key, _)) => {
-            way1.set(e0);
-            way0.set(CacheEntry {
+            for k in (1..CACHE_WAYS).rev() {
+                set[k].set(set[k - 1].get());
+            }
+            set[0].set(CacheEntry {
                 hash: h,
                 key: key.0,
             });

@@ -108,8 +108,25 @@ pub fn walkable(sp: usize, hi: usize) -> bool {
 /// (see [`walkable`]); `sp` is the current stack pointer.
 #[inline]
 pub fn walk(fp: usize, sp: usize, hi: usize, out: &mut [u64]) -> usize {
+    walk_hashed(fp, sp, hi, out).0
+}
+
+/// [`walk`], also returning a 64-bit hash of the frames written (never
+/// 0), computed in the same loop: the multiply chain runs in the shadow of
+/// the walk's dependent loads, so hashing costs almost nothing extra.
+/// Equal hashes are taken as equal traces by the agent's per-thread cache,
+/// so every frame goes through a multiply and a rotation, and the result
+/// is finalised with the frame count.
+#[inline]
+pub fn walk_hashed(fp: usize, sp: usize, hi: usize, out: &mut [u64]) -> (usize, u64) {
+    const K: u64 = 0x9e37_79b9_7f4a_7c15;
+    let mut h: u64 = 0xc2b2_ae3d_27d4_eb4f;
+    let finish = |h: u64, n: usize| {
+        let h = (h ^ n as u64).wrapping_mul(K);
+        (n, (h ^ (h >> 29)) | 1)
+    };
     if hi < sp + 16 || fp < sp {
-        return 0;
+        return finish(h, 0);
     }
     let limit = hi - 16;
     let mut fp = fp;
@@ -133,13 +150,14 @@ pub fn walk(fp: usize, sp: usize, hi: usize, out: &mut [u64]) -> usize {
             break;
         }
         out[n] = ret as u64;
+        h = (h ^ ret as u64).wrapping_mul(K).rotate_left(29);
         n += 1;
         if next <= fp {
             break;
         }
         fp = next;
     }
-    n
+    finish(h, n)
 }
 
 #[cfg(test)]
@@ -183,6 +201,22 @@ mod tests {
         assert!(same >= 15, "{:x?}", &out[..n]);
         let mut small = [0u64; 5];
         assert_eq!(depth(20, &mut small), 5);
+    }
+
+    #[test]
+    fn hashed_walk_matches_plain_walk_and_separates_depths() {
+        let mut a = [0u64; 64];
+        let mut b = [0u64; 64];
+        let sp = stack_pointer();
+        let hi = thread_stack_top(sp).unwrap();
+        let fp = frame_pointer();
+        let (n, h) = walk_hashed(fp, sp, hi, &mut a);
+        assert_eq!(walk(fp, sp, hi, &mut b), n);
+        assert_eq!(a[..n], b[..n]);
+        let (n2, h2) = walk_hashed(fp, sp, hi, &mut a[..n - 1]);
+        assert_eq!(n2, n - 1);
+        assert_ne!(h, h2);
+        assert_ne!(h, 0);
     }
 
     #[test]

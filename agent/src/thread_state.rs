@@ -16,11 +16,11 @@ use std::cell::{Cell, UnsafeCell};
 
 use heapdump_table::allocations_table::NodeCache;
 
-/// Entries in the per-thread stack cache: 2-way set associative, 16 KiB
+/// Entries in the per-thread stack cache: 4-way set associative, 16 KiB
 /// per thread. A hit skips encoding, hashing with CRC and the shared table.
 pub const CACHE_SIZE: usize = 1024;
-/// Ways per set.
-pub const CACHE_WAYS: usize = 2;
+/// Ways per set (kept in most-recently-used order).
+pub const CACHE_WAYS: usize = 4;
 
 /// One cache entry: the hash of a captured trace and its resource key.
 #[derive(Clone, Copy, Debug, Default)]
@@ -104,48 +104,5 @@ impl ThreadState {
     pub unsafe fn nodes(&self) -> &mut NodeCache {
         // SAFETY: uniqueness per the contract above.
         unsafe { &mut *self.nodes.get() }
-    }
-}
-
-/// Hash of a captured trace (never 0).
-///
-/// Two frames per step: the multiply of the second frame does not depend on
-/// the running hash, so the serial chain is short (the hash is on every
-/// allocation's path). Equal hashes are taken as equal traces by the
-/// per-thread cache, so the function must mix well: every frame goes
-/// through a multiply by an odd constant, and the result is finalised.
-#[inline]
-pub fn trace_hash(frames: &[u64]) -> u64 {
-    const K1: u64 = 0x9e37_79b9_7f4a_7c15;
-    const K2: u64 = 0xc2b2_ae3d_27d4_eb4f;
-    let mut h = K2 ^ frames.len() as u64;
-    let mut pairs = frames.chunks_exact(2);
-    for p in &mut pairs {
-        h = (h.rotate_left(29) ^ p[0]).wrapping_mul(K1) ^ p[1].wrapping_mul(K2);
-    }
-    if let [last] = pairs.remainder() {
-        h = (h.rotate_left(29) ^ last).wrapping_mul(K1);
-    }
-    h ^= h >> 32;
-    h = h.wrapping_mul(K1);
-    (h ^ (h >> 29)) | 1
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn hash_separates_orders_depths_and_neighbours() {
-        let a = [0x5555_0000_1000u64, 0x5555_0000_2000, 0x5555_0000_3000];
-        let mut seen = std::collections::HashSet::new();
-        assert!(seen.insert(trace_hash(&a)));
-        assert!(seen.insert(trace_hash(&[a[1], a[0], a[2]])));
-        assert!(seen.insert(trace_hash(&a[..2])));
-        assert!(seen.insert(trace_hash(&[])));
-        // Many traces that differ by one nearby return address.
-        for i in 0..10_000u64 {
-            assert!(seen.insert(trace_hash(&[a[0], a[1] + i + 1, a[2]])));
-        }
     }
 }

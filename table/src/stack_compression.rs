@@ -64,11 +64,20 @@ pub fn encode(frames: &[u64], out: &mut Vec<u8>) {
 pub fn encode_into(frames: &[u64], out: &mut [u8]) -> Option<usize> {
     let mut pos = 0;
     let mut prev = 0u64;
-    let mut buf = [0u8; MAX_VARINT_LEN];
     for &f in frames {
-        let n = write_varint(zigzag(f.wrapping_sub(prev) as i64), &mut buf);
-        out.get_mut(pos..pos + n)?.copy_from_slice(&buf[..n]);
-        pos += n;
+        // Bytes straight into `out` (no per-frame memcpy call).
+        let mut v = zigzag(f.wrapping_sub(prev) as i64);
+        loop {
+            let byte = (v & 0x7f) as u8;
+            v >>= 7;
+            let slot = out.get_mut(pos)?;
+            pos += 1;
+            if v == 0 {
+                *slot = byte;
+                break;
+            }
+            *slot = byte | 0x80;
+        }
         prev = f;
     }
     Some(pos)
