@@ -7,7 +7,12 @@
  *
  * Events and ring are split between threads. Prints one line:
  *   churn threads=T events=E ring=R ns_per_pair=X
- * The time covers only the churn loop (not set-up or exit). */
+ * The time covers only the churn loop (not set-up or exit).
+ *
+ * With CHURN_PAUSE=1 in the environment, after the loop (the ring still
+ * live) it prints that line and `ready`, and waits for a line (or EOF) on
+ * stdin before freeing the ring and exiting: time for a profiler's snapshot
+ * of the live heap (bench/compare). The timed loop is the same either way. */
 #define _GNU_SOURCE
 #include <pthread.h>
 #include <stdint.h>
@@ -42,6 +47,7 @@ static uint64_t now_ns(void) {
 
 static pthread_barrier_t start;
 static uint64_t t0, t1;
+static int pause_after;
 
 static void *run(void *arg) {
     struct job *j = arg;
@@ -60,6 +66,7 @@ static void *run(void *arg) {
         ring[slot] = descend(8 + (x >> 8) % 25, x >> 16, 16 + (x >> 4) % 4081);
     }
     pthread_barrier_wait(&start);
+    if (pause_after) pthread_barrier_wait(&start); /* released after `ready` */
     for (long i = 0; i < j->ring; i++) free(ring[i]);
     free(ring);
     return NULL;
@@ -70,6 +77,8 @@ int main(int argc, char **argv) {
     long events = argc > 2 ? atol(argv[2]) : 2000000;
     long ring = argc > 3 ? atol(argv[3]) : 100000;
     if (threads < 1 || threads > 64) return 2;
+    const char *pe = getenv("CHURN_PAUSE");
+    pause_after = pe && *pe && *pe != '0';
     pthread_barrier_init(&start, NULL, threads + 1);
     pthread_t t[64];
     struct job jobs[64];
@@ -81,9 +90,16 @@ int main(int argc, char **argv) {
     t0 = now_ns();
     pthread_barrier_wait(&start);
     t1 = now_ns();
-    for (int i = 0; i < threads; i++) pthread_join(t[i], NULL);
     /* per pair, in wall time of the whole process (threads run together) */
     printf("churn threads=%d events=%ld ring=%ld ns_per_pair=%.1f\n", threads, events, ring,
            (double)(t1 - t0) / (double)events * threads);
+    if (pause_after) {
+        printf("ready\n");
+        fflush(stdout);
+        char line[64];
+        if (!fgets(line, sizeof line, stdin)) { /* EOF also releases */ }
+        pthread_barrier_wait(&start);
+    }
+    for (int i = 0; i < threads; i++) pthread_join(t[i], NULL);
     return 0;
 }

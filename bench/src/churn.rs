@@ -1,7 +1,13 @@
 //! The Rust twin of `bench/churn.c`: each event frees the oldest block of
 //! a ring and allocates a new one from one of 16 call sites reached through
 //! a recursion of depth 8..32, sizes 16..4096. Shared by `churn_bare`
-//! (system allocator) and `churn_agent` (heapdump's `Agent`).
+//! (system allocator) and `churn_agent` (heapdump's `Agent`), and by the
+//! other profilers' bins in `bench/rivals` (see `bench/compare`).
+//!
+//! With `CHURN_PAUSE=1` in the environment, after the loop (the ring still
+//! live) it prints its line and `ready`, and waits for a line (or EOF) on
+//! stdin before dropping the ring: time for a profiler's snapshot of the
+//! live heap. The timed loop is the same either way.
 
 use std::hint::black_box;
 use std::sync::{Arc, Barrier};
@@ -44,6 +50,7 @@ pub fn main() {
     let threads = *args.first().unwrap_or(&1) as usize;
     let events = *args.get(1).unwrap_or(&2_000_000);
     let ring = *args.get(2).unwrap_or(&100_000);
+    let pause = std::env::var("CHURN_PAUSE").is_ok_and(|v| !v.is_empty() && v != "0");
     let barrier = Arc::new(Barrier::new(threads + 1));
     let hs: Vec<_> = (0..threads)
         .map(|t| {
@@ -59,6 +66,10 @@ pub fn main() {
                     ring[slot] = event(&mut x);
                 }
                 b.wait();
+                if pause {
+                    b.wait(); // released after `ready`
+                }
+                drop(black_box(ring));
             })
         })
         .collect();
@@ -66,11 +77,19 @@ pub fn main() {
     let t0 = Instant::now();
     barrier.wait();
     let dt = t0.elapsed();
-    for h in hs {
-        h.join().unwrap();
-    }
     println!(
         "churn threads={threads} events={events} ring={ring} ns_per_pair={:.1}",
         dt.as_nanos() as f64 / events as f64 * threads as f64
     );
+    if pause {
+        use std::io::{BufRead, Write};
+        println!("ready");
+        std::io::stdout().flush().ok();
+        let mut line = String::new();
+        std::io::stdin().lock().read_line(&mut line).ok(); // EOF also releases
+        barrier.wait();
+    }
+    for h in hs {
+        h.join().unwrap();
+    }
 }
