@@ -1,0 +1,13 @@
+//! An allocations region image (size field fixed up to the input length):
+//! the node walk with its seqlock retries, counters, request slot.
+#![no_main]
+
+use heapdump_fuzz::{exercise_allocations, fix_region_size, Image};
+use libfuzzer_sys::fuzz_target;
+
+fuzz_target!(|data: &[u8]| {
+    let mut bytes = data.to_vec();
+    fix_region_size(&mut bytes);
+    let image = Image::new(&bytes);
+    exercise_allocations(image.view());
+});
