@@ -13,13 +13,35 @@ use std::hint::black_box;
 use std::sync::{Arc, Barrier};
 use std::time::Instant;
 
+// Each leaf passes its own number through `black_box`: identical bodies
+// would be merged into one function by LLVM (one call site, not 16).
 macro_rules! leaves {
-    ($($name:ident),*) => {
-        $(#[inline(never)] fn $name(size: usize) -> Vec<u8> { black_box(Vec::with_capacity(size)) })*
+    ($($name:ident = $n:literal),*) => {
+        $(#[inline(never)] fn $name(size: usize) -> Vec<u8> {
+            black_box($n);
+            black_box(Vec::with_capacity(size))
+        })*
         const LEAVES: [fn(usize) -> Vec<u8>; 16] = [$($name),*];
     };
 }
-leaves!(l0, l1, l2, l3, l4, l5, l6, l7, l8, l9, l10, l11, l12, l13, l14, l15);
+leaves!(
+    l0 = 0,
+    l1 = 1,
+    l2 = 2,
+    l3 = 3,
+    l4 = 4,
+    l5 = 5,
+    l6 = 6,
+    l7 = 7,
+    l8 = 8,
+    l9 = 9,
+    l10 = 10,
+    l11 = 11,
+    l12 = 12,
+    l13 = 13,
+    l14 = 14,
+    l15 = 15
+);
 
 #[inline(never)]
 fn descend(depth: u32, site: u32, size: usize) -> Vec<u8> {
