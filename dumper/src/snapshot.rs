@@ -118,7 +118,8 @@ pub struct Snapshot {
 impl Snapshot {
     /// Total dropped events.
     pub fn dropped_total(&self) -> u64 {
-        self.dropped.values().sum()
+        // Saturating: the counters come from the target and may be hostile.
+        self.dropped.values().fold(0u64, |a, b| a.saturating_add(*b))
     }
 }
 
