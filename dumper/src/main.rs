@@ -80,6 +80,16 @@ enum Cmd {
     /// The demo's workload.
     #[command(name = "__demo-workload", hide = true)]
     DemoWorkload,
+    /// Benchmark workload (run under the preload agent): N live blocks
+    /// from about STACKS distinct call stacks; prints `ready PID` and holds
+    /// them until stdin closes.
+    #[command(name = "__bench-workload", hide = true)]
+    BenchWorkload {
+        /// Live blocks.
+        blocks: usize,
+        /// Distinct call stacks.
+        stacks: usize,
+    },
 }
 
 #[derive(Args, Debug, Clone)]
@@ -291,6 +301,10 @@ fn dispatch(cli: Cli) -> Result<i32> {
         }
         Cmd::DemoWorkload => {
             heapdump::demo::workload();
+            Ok(0)
+        }
+        Cmd::BenchWorkload { blocks, stacks } => {
+            heapdump::bench_workload::run(blocks, stacks);
             Ok(0)
         }
     }

@@ -92,8 +92,17 @@ fn same_root(pid: u32) -> bool {
 /// shares our root (so it still works after the target exited: `watch`'s
 /// final snapshot), else through `/proc/PID/root` (containers), else the
 /// path itself if it exists.
-fn local_path(pid: u32, path: &str, same_root: bool) -> Option<PathBuf> {
-    let path = path.strip_suffix(" (deleted)").unwrap_or(path);
+///
+/// A file deleted (or replaced, as a rebuild does) since it was mapped is
+/// read through `/proc/PID/map_files/START-END`, which still names the
+/// mapped file; when that cannot be opened, it is left unsymbolized rather
+/// than symbolized against whatever now has its name.
+fn local_path(pid: u32, m: &Mapping, same_root: bool) -> Option<PathBuf> {
+    if m.path.ends_with(" (deleted)") {
+        let mapped = PathBuf::from(format!("/proc/{pid}/map_files/{:x}-{:x}", m.start, m.end));
+        return File::open(&mapped).is_ok().then_some(mapped);
+    }
+    let path = m.path.as_str();
     let plain = PathBuf::from(path);
     if same_root && plain.exists() {
         return Some(plain);
@@ -152,7 +161,7 @@ pub fn read_maps(pid: u32, build_ids: &mut BuildIds) -> io::Result<Vec<Mapping>>
     let mut maps = parse_maps(&text);
     let same_root = same_root(pid);
     for m in &mut maps {
-        m.local_path = local_path(pid, &m.path, same_root);
+        m.local_path = local_path(pid, m, same_root);
         m.build_id = m.local_path.as_deref().and_then(|p| build_ids.get(p));
     }
     Ok(maps)

@@ -119,7 +119,9 @@ impl Snapshot {
     /// Total dropped events.
     pub fn dropped_total(&self) -> u64 {
         // Saturating: the counters come from the target and may be hostile.
-        self.dropped.values().fold(0u64, |a, b| a.saturating_add(*b))
+        self.dropped
+            .values()
+            .fold(0u64, |a, b| a.saturating_add(*b))
     }
 }
 
@@ -139,22 +141,43 @@ pub struct Options<'a> {
 }
 
 /// Drops the leading allocator plumbing frames of every site and merges
-/// the sites that become identical (same frames), summing their counts.
-/// `addresses` keep the return addresses of the frames that remain. The
-/// order (live bytes, then allocated bytes, descending) is restored.
-fn strip_plumbing(sites: Vec<Site>) -> Vec<Site> {
-    let mut out: Vec<Site> = Vec::with_capacity(sites.len());
-    let mut index: HashMap<Vec<Frame>, usize> = HashMap::with_capacity(sites.len());
+/// the sites that become identical, summing their counts; then expands
+/// each site's addresses into frames from `table` (the symbolized frames
+/// of each address). Works on addresses first, so that stripped frames are
+/// never copied: a site is cut after its leading addresses whose frames
+/// are all plumbing, plus the leading plumbing (inlined) frames of the
+/// next address. `addresses` keep the return addresses of the frames that
+/// remain. The order (live bytes, then allocated bytes, descending) is
+/// restored.
+fn strip_plumbing(sites: Vec<Site>, table: &HashMap<u64, Vec<Frame>>) -> Vec<Site> {
+    // Per address: how many of its frames lead with plumbing.
+    let plumbing_of = |a: &u64| -> (usize, usize) {
+        let frames = table.get(a).map_or(&[][..], Vec::as_slice);
+        let n = frames
+            .iter()
+            .take_while(|f| plumbing::is_allocator_frame(f))
+            .count();
+        (n, frames.len())
+    };
+    let mut out: Vec<(Site, usize)> = Vec::with_capacity(sites.len());
+    let mut index: HashMap<(Vec<u64>, usize), usize> = HashMap::with_capacity(sites.len());
     let mut merged = false;
     for mut s in sites {
-        if plumbing::strip_leading(&mut s.frames) > 0 {
-            s.addresses = s.frames.iter().map(|f| f.address).collect();
-            s.addresses.dedup();
+        let mut skip = (0, 0);
+        for (i, a) in s.addresses.iter().enumerate() {
+            let (n, len) = plumbing_of(a);
+            if n < len || len == 0 {
+                skip = (i, n);
+                break;
+            }
+            // No break: every frame is plumbing and the stack stays whole.
         }
-        match index.get(&s.frames) {
+        s.addresses.drain(..skip.0);
+        let key = (s.addresses.clone(), skip.1);
+        match index.get(&key) {
             Some(&i) => {
                 merged = true;
-                let t = &mut out[i];
+                let t = &mut out[i].0;
                 t.live_bytes = t.live_bytes.saturating_add(s.live_bytes);
                 t.live_blocks = t.live_blocks.saturating_add(s.live_blocks);
                 t.alloc_bytes = t.alloc_bytes.saturating_add(s.alloc_bytes);
@@ -162,11 +185,19 @@ fn strip_plumbing(sites: Vec<Site>) -> Vec<Site> {
                 t.by_thread.extend(s.by_thread);
             }
             None => {
-                index.insert(s.frames.clone(), out.len());
-                out.push(s);
+                index.insert(key, out.len());
+                out.push((s, skip.1));
             }
         }
     }
+    let mut out: Vec<Site> = out
+        .into_iter()
+        .map(|(mut s, skip)| {
+            s.frames = expand(&s.addresses, table);
+            s.frames.drain(..skip.min(s.frames.len()));
+            s
+        })
+        .collect();
     if merged {
         for s in &mut out {
             let mut per: BTreeMap<usize, (u64, u64)> = BTreeMap::new();
@@ -186,6 +217,14 @@ fn strip_plumbing(sites: Vec<Site>) -> Vec<Site> {
         });
     }
     out
+}
+
+/// The frames of a stack: each address's symbolized frames, leaf first.
+fn expand(addresses: &[u64], table: &HashMap<u64, Vec<Frame>>) -> Vec<Frame> {
+    addresses
+        .iter()
+        .flat_map(|a| table.get(a).cloned().unwrap_or_default())
+        .collect()
 }
 
 /// Walks made before a snapshot with records that never read consistently
@@ -380,15 +419,12 @@ pub fn take(
             }
         }
     }
-    for s in &mut sites {
-        s.frames = s
-            .addresses
-            .iter()
-            .flat_map(|a| table.get(a).cloned().unwrap_or_default())
-            .collect();
-    }
     if symbolized && !opts.keep_allocator_frames {
-        sites = strip_plumbing(sites);
+        sites = strip_plumbing(sites, &table);
+    } else {
+        for s in &mut sites {
+            s.frames = expand(&s.addresses, &table);
+        }
     }
 
     let mut dropped = BTreeMap::new();
@@ -481,8 +517,38 @@ mod tests {
             120,
             vec![(1, 120, 1)],
         );
-        let out = strip_plumbing(vec![a, b, c]);
-        assert_eq!(out.len(), 2);
+        // An address whose inlined frames start with plumbing keeps the
+        // rest; a stack of plumbing only stays whole.
+        let d = site(
+            &[(5, "alloc::alloc::alloc"), (5, "app::h"), (21, "main")],
+            10,
+            vec![(0, 10, 1)],
+        );
+        let e = site(
+            &[(6, "__rust_alloc"), (7, "alloc::alloc::alloc")],
+            5,
+            vec![],
+        );
+        let mut table: HashMap<u64, Vec<Frame>> = HashMap::new();
+        for s in [&a, &b, &c, &d, &e] {
+            for f in &s.frames {
+                table.entry(f.address).or_default().push(f.clone());
+            }
+        }
+        for v in table.values_mut() {
+            v.dedup();
+        }
+        let out = strip_plumbing(vec![a, b, c, d, e], &table);
+        assert_eq!(out.len(), 4);
+        assert_eq!(out[2].addresses, vec![5, 21]);
+        let names: Vec<_> = out[2]
+            .frames
+            .iter()
+            .map(|f| f.function.as_deref())
+            .collect();
+        assert_eq!(names, [Some("app::h"), Some("main")]);
+        assert_eq!(out[3].addresses, vec![6, 7]);
+        assert_eq!(out[3].frames.len(), 2);
         assert_eq!(out[0].live_bytes, 150);
         assert_eq!(out[0].live_blocks, 2);
         assert_eq!(out[0].alloc_bytes, 150);
