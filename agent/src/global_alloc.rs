@@ -2,7 +2,7 @@
 
 use std::alloc::{GlobalAlloc, Layout, System};
 
-use crate::recorder;
+use crate::recorder::{self, Role};
 use crate::stack_capture::frame_pointer;
 
 /// Wraps an inner allocator (the system allocator, jemalloc, mimalloc...)
@@ -46,7 +46,7 @@ unsafe impl<A: GlobalAlloc> GlobalAlloc for Agent<A> {
         let fp = frame_pointer();
         // SAFETY: forwarded with the caller's guarantees.
         let p = unsafe { self.inner.alloc(layout) };
-        recorder::on_alloc(p as usize, layout.size(), fp);
+        recorder::on_alloc(p as usize, layout.size(), fp, Role::GlobalAlloc);
         p
     }
 
@@ -55,7 +55,7 @@ unsafe impl<A: GlobalAlloc> GlobalAlloc for Agent<A> {
         let fp = frame_pointer();
         // SAFETY: forwarded with the caller's guarantees.
         let p = unsafe { self.inner.alloc_zeroed(layout) };
-        recorder::on_alloc(p as usize, layout.size(), fp);
+        recorder::on_alloc(p as usize, layout.size(), fp, Role::GlobalAlloc);
         p
     }
 
@@ -77,10 +77,10 @@ unsafe impl<A: GlobalAlloc> GlobalAlloc for Agent<A> {
         if p.is_null() {
             // The old block is still live: record it again.
             if old.is_some() {
-                recorder::on_alloc(ptr as usize, layout.size(), fp);
+                recorder::on_alloc(ptr as usize, layout.size(), fp, Role::GlobalAlloc);
             }
         } else {
-            recorder::on_alloc(p as usize, new_size, fp);
+            recorder::on_alloc(p as usize, new_size, fp, Role::GlobalAlloc);
         }
         p
     }

@@ -119,7 +119,7 @@ fn report_warnings(w: &Warnings) {
 /// another thread initialises, or if the agent is disabled.
 /// Must be called with this thread's `busy` flag set.
 #[cold]
-fn init() -> Option<&'static Writers> {
+fn init(role: Role) -> Option<&'static Writers> {
     if STATE
         .compare_exchange(UNINIT, INITIALIZING, Ordering::Acquire, Ordering::Acquire)
         .is_err()
@@ -131,6 +131,18 @@ fn init() -> Option<&'static Writers> {
         report_warnings(&warnings);
     }
     if config.disabled {
+        STATE.store(DISABLED, Ordering::Release);
+        return None;
+    }
+    if role == Role::GlobalAlloc && preload_present() {
+        // The program also runs under libheapdump_preload.so, which records
+        // the same blocks (the inner allocator's malloc): one agent is
+        // enough, and two pairs of regions would confuse the dumper.
+        if !config.quiet {
+            stderr(
+                b"heapdump: libheapdump_preload.so is active; the Agent allocator steps aside\n",
+            );
+        }
         STATE.store(DISABLED, Ordering::Release);
         return None;
     }
@@ -206,6 +218,23 @@ fn init() -> Option<&'static Writers> {
     Some(w)
 }
 
+/// Which hook started the agent.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    /// The `Agent` global allocator of a Rust program.
+    GlobalAlloc,
+    /// The `LD_PRELOAD` library.
+    Preload,
+}
+
+/// True when `libheapdump_preload.so` is loaded in this process (its C
+/// API symbol is visible). May allocate (dlsym): called during set-up only.
+fn preload_present() -> bool {
+    // SAFETY: dlsym with a valid NUL-terminated name; the result is only
+    // compared with null.
+    !unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"heapdump_request_snapshot".as_ptr()) }.is_null()
+}
+
 /// atfork child handler: release the parent's regions (close the memfds,
 /// unmap them) so the child can never write into them; the child builds
 /// its own on its next allocation.
@@ -263,7 +292,7 @@ fn with_thread<R>(f: impl FnOnce(&ThreadState) -> R) -> Option<R> {
 }
 
 #[inline]
-fn ready_writers() -> Option<&'static Writers> {
+fn ready_writers(role: Role) -> Option<&'static Writers> {
     match writers() {
         Some(w) => Some(w),
         None => match STATE.load(Ordering::Acquire) {
@@ -272,7 +301,7 @@ fn ready_writers() -> Option<&'static Writers> {
                 let w = THREAD
                     .try_with(|t| {
                         t.internal.set(true);
-                        let w = init();
+                        let w = init(role);
                         t.internal.set(false);
                         w
                     })
@@ -405,12 +434,12 @@ fn stack_key(w: &Writers, t: &ThreadState, fp: usize) -> Option<ResourceKey> {
 /// Records a new block at `addr` of `size` bytes, allocated by the hook
 /// whose frame pointer is `fp`.
 #[inline]
-pub fn on_alloc(addr: usize, size: usize, fp: usize) {
+pub fn on_alloc(addr: usize, size: usize, fp: usize, role: Role) {
     if addr == 0 {
         return;
     }
     with_thread(|t| {
-        let Some(w) = ready_writers() else { return };
+        let Some(w) = ready_writers(role) else { return };
         // Start fetching the index slot now; the stack walk below hides
         // the miss.
         w.allocations.prefetch(addr as u64);
@@ -508,7 +537,26 @@ pub fn stats() -> Stats {
 pub fn request_snapshot(name: &str) {
     let w = match writers() {
         Some(w) => Some(w),
-        None => with_thread(|_| ready_writers()).flatten(),
+        None => {
+            if STATE.load(Ordering::Acquire) == DISABLED && preload_present() {
+                // This copy of the agent stepped aside (or was never used as
+                // an allocator) and the preload library records the process:
+                // ask it.
+                // SAFETY: the symbol is the preload library's
+                // `heapdump_request_snapshot(const char *)`; the name is
+                // copied into a NUL-terminated buffer.
+                unsafe {
+                    let f = libc::dlsym(libc::RTLD_DEFAULT, c"heapdump_request_snapshot".as_ptr());
+                    let f: unsafe extern "C" fn(*const libc::c_char) = std::mem::transmute(f);
+                    let mut buf = [0u8; 65];
+                    let n = name.len().min(64);
+                    buf[..n].copy_from_slice(&name.as_bytes()[..n]);
+                    f(buf.as_ptr().cast());
+                }
+                return;
+            }
+            with_thread(|_| ready_writers(Role::GlobalAlloc)).flatten()
+        }
     };
     if let Some(w) = w {
         w.counters
@@ -528,6 +576,6 @@ pub(crate) fn request_snapshot_from_signal() {
 /// library calls this from its constructor).
 pub fn start() {
     with_thread(|_| {
-        ready_writers();
+        ready_writers(Role::Preload);
     });
 }

@@ -249,3 +249,30 @@ fn disabled_agent_creates_no_regions() {
     assert!(find_regions(target.pid()).is_none());
     assert!(target.finish().success());
 }
+
+#[test]
+fn agent_allocator_steps_aside_under_the_preload_library() {
+    let exe = env!("CARGO_BIN_EXE_rust_pattern");
+    let mut cmd = Command::new(exe);
+    cmd.arg("request")
+        .env("LD_PRELOAD", preload_lib())
+        .stderr(std::process::Stdio::piped());
+    let mut target = Target::spawn(cmd);
+    let pid = target.pid();
+    let memfds = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .filter(|l| l.to_string_lossy().contains("heapdump"))
+        .count();
+    assert_eq!(memfds, 2, "one pair of regions, not two");
+    let d = dump(pid);
+    // The API call of the (stepped-aside) Agent reached the preload agent.
+    assert_eq!(d.request.count, 1);
+    assert_eq!(d.request.name.as_deref(), Some("from-api"));
+    assert!(d.counters.live_blocks > 0);
+    let mut stderr = target.child.stderr.take().unwrap();
+    assert!(target.finish().success());
+    let mut msg = String::new();
+    std::io::Read::read_to_string(&mut stderr, &mut msg).unwrap();
+    assert!(msg.contains("steps aside"), "stderr: {msg}");
+}

@@ -10,7 +10,7 @@
 use std::ffi::{c_void, CStr};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use heapdump_agent::recorder::{on_alloc, on_free};
+use heapdump_agent::recorder::{on_alloc, on_free, Role};
 use heapdump_agent::stack_capture::frame_pointer;
 
 use crate::{__libc_free, __libc_malloc, __libc_memalign};
@@ -52,7 +52,7 @@ fn new_impl(size: usize, fp: usize, next: &Next) -> *mut c_void {
     if p.is_null() {
         return fail(size, next);
     }
-    on_alloc(p as usize, size, fp);
+    on_alloc(p as usize, size, fp, Role::Preload);
     p
 }
 
@@ -88,7 +88,7 @@ fn new_aligned_impl(size: usize, align: usize, fp: usize, next: &Next) -> *mut c
         // SAFETY: same contract.
         return unsafe { real(size, align) };
     }
-    on_alloc(p as usize, size, fp);
+    on_alloc(p as usize, size, fp, Role::Preload);
     p
 }
 
@@ -102,7 +102,7 @@ fn nothrow(size: usize, align: usize, fp: usize) -> *mut c_void {
             __libc_memalign(align, size)
         }
     };
-    on_alloc(p as usize, size, fp);
+    on_alloc(p as usize, size, fp, Role::Preload);
     p
 }
 

@@ -23,7 +23,7 @@
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use heapdump_agent::recorder::{on_alloc, on_free};
+use heapdump_agent::recorder::{on_alloc, on_free, Role};
 use heapdump_agent::stack_capture::frame_pointer;
 
 extern "C" {
@@ -65,7 +65,7 @@ pub unsafe extern "C" fn malloc(size: usize) -> *mut c_void {
     let fp = frame_pointer();
     // SAFETY: glibc's malloc, same contract.
     let p = unsafe { __libc_malloc(size) };
-    on_alloc(p as usize, size, fp);
+    on_alloc(p as usize, size, fp, Role::Preload);
     p
 }
 
@@ -86,7 +86,7 @@ pub unsafe extern "C" fn calloc(n: usize, size: usize) -> *mut c_void {
     let fp = frame_pointer();
     // SAFETY: glibc's calloc (it checks n * size for overflow).
     let p = unsafe { __libc_calloc(n, size) };
-    on_alloc(p as usize, n.wrapping_mul(size), fp);
+    on_alloc(p as usize, n.wrapping_mul(size), fp, Role::Preload);
     p
 }
 
@@ -95,7 +95,7 @@ unsafe fn realloc_impl(p: *mut c_void, size: usize, fp: usize) -> *mut c_void {
     if p.is_null() {
         // SAFETY: glibc's malloc.
         let q = unsafe { __libc_malloc(size) };
-        on_alloc(q as usize, size, fp);
+        on_alloc(q as usize, size, fp, Role::Preload);
         return q;
     }
     // The block may move (and its address be reused by another thread at
@@ -107,11 +107,11 @@ unsafe fn realloc_impl(p: *mut c_void, size: usize, fp: usize) -> *mut c_void {
         if size != 0 {
             // Failed: the old block is untouched and still live.
             if let Some(old_size) = old {
-                on_alloc(p as usize, old_size as usize, fp);
+                on_alloc(p as usize, old_size as usize, fp, Role::Preload);
             }
         }
     } else {
-        on_alloc(q as usize, size, fp);
+        on_alloc(q as usize, size, fp, Role::Preload);
     }
     q
 }
@@ -141,7 +141,7 @@ fn aligned(align: usize, size: usize, fp: usize) -> *mut c_void {
     // SAFETY: glibc's memalign accepts any alignment (rounding it up to a
     // power of two) and any size.
     let p = unsafe { __libc_memalign(align, size) };
-    on_alloc(p as usize, size, fp);
+    on_alloc(p as usize, size, fp, Role::Preload);
     p
 }
 
