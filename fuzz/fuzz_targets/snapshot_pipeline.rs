@@ -3,7 +3,9 @@
 //! snapshot: walk the live table, resolve each record's stack and thread.
 #![no_main]
 
-use heapdump_fuzz::{exercise_pair, fix_region_size, fix_resources_end, split_pair, Image};
+use heapdump_fuzz::{
+    even_seqs_unless_flagged, exercise_pair, fix_region_size, fix_resources_end, split_pair, Image,
+};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
@@ -12,5 +14,6 @@ fuzz_target!(|data: &[u8]| {
     };
     fix_resources_end(&mut res);
     fix_region_size(&mut alloc);
+    even_seqs_unless_flagged(&mut alloc);
     exercise_pair(&Image::new(&res), &Image::new(&alloc));
 });
