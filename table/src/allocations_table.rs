@@ -1154,12 +1154,24 @@ impl<'a> AllocationsReader<'a> {
     /// Reads node `i` up to `tries` times; spins for the first
     /// `spin_tries`, then yields the CPU between tries (a writer preempted
     /// mid-update needs it). Returns the outcome and the tries used.
-    fn read_node_retrying(&self, i: u64, tries: u32, spin_tries: u32) -> (NodeRead, u32) {
+    ///
+    /// Yielding stops at `deadline`: on a loaded machine one `yield_now`
+    /// can cost a whole scheduler slice, so a try count alone would not
+    /// bound the time spent on a node that never settles.
+    fn read_node_retrying(
+        &self,
+        i: u64,
+        tries: u32,
+        spin_tries: u32,
+        deadline: Option<std::time::Instant>,
+    ) -> (NodeRead, u32) {
         for attempt in 0..tries {
             match self.read_node(i) {
                 NodeRead::Changing => {
                     if attempt < spin_tries {
                         std::hint::spin_loop();
+                    } else if deadline.is_some_and(|d| std::time::Instant::now() >= d) {
+                        return (NodeRead::Changing, attempt + 1);
                     } else {
                         std::thread::yield_now();
                     }
@@ -1191,7 +1203,7 @@ impl<'a> AllocationsReader<'a> {
         };
         let mut later = Vec::new();
         for i in 0..n {
-            match self.read_node_retrying(i, 16, u32::MAX).0 {
+            match self.read_node_retrying(i, 16, u32::MAX, None).0 {
                 NodeRead::Free => {}
                 NodeRead::Live(r) => {
                     stats.reported += 1;
@@ -1212,7 +1224,7 @@ impl<'a> AllocationsReader<'a> {
             } else {
                 budget.min(20_000)
             };
-            let (r, used) = self.read_node_retrying(i, tries, 32);
+            let (r, used) = self.read_node_retrying(i, tries, 32, Some(started + WALK_RETRY_TIME));
             budget = budget.saturating_sub(used);
             match r {
                 NodeRead::Free => {}
@@ -1566,5 +1578,32 @@ mod tests {
             }
             m.check(&r);
         }
+    }
+
+    #[test]
+    fn retries_on_a_node_that_never_settles_stop_at_the_deadline() {
+        // Regression (found by fuzz/region_header under load): the second
+        // pass allowed 20 000 yields per node and checked the walk's time
+        // limit only between nodes; one yield can take a scheduler slice,
+        // so a node left mid-update (target killed, or hostile) could hold
+        // a snapshot for minutes. With the deadline in the retry loop, even
+        // an unbounded try count ends.
+        let r = region(64, 1);
+        let w = AllocationsWriter::new(&r).unwrap();
+        w.insert(&rec(0x1000, 8)).unwrap();
+        let nodes_off = r.header().layout[4];
+        let view = r.view();
+        // The writer "killed" mid-update: its node's sequence word odd.
+        view.atomic_u64(nodes_off)
+            .unwrap()
+            .fetch_or(1, Ordering::Relaxed);
+        let rr = r.open_reader().unwrap();
+        let reader = AllocationsReader::new(&rr).unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_millis(20);
+        let (res, used) = reader.read_node_retrying(0, u32::MAX, 32, Some(deadline));
+        assert!(matches!(res, NodeRead::Changing));
+        assert!(used < u32::MAX);
+        let stats = reader.walk(|_| {});
+        assert_eq!((stats.reported, stats.unstable), (0, 1));
     }
 }
