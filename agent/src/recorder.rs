@@ -479,7 +479,6 @@ pub fn on_free(addr: usize) -> Option<u64> {
     }
     with_thread(|t| {
         let w = writers()?;
-        w.allocations.prefetch(addr as u64);
         // The allocator reads the block's header right after us: let that
         // miss overlap with the table's.
         heapdump_table::allocations_table::prefetch_line((addr as *const u8).wrapping_sub(16));

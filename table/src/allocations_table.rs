@@ -338,7 +338,12 @@ pub fn prefetch_line(p: *const u8) {
 pub struct AllocationsWriter<'a> {
     view: SharedView,
     layout: Layout,
-    shard_shift: u32,
+    /// `shards - 1`: the shard is the top 16 bits of the hash, masked
+    /// (shards <= 2^16, so they never overlap the slot and tag bits below
+    /// bit 37).
+    shard_mask: u64,
+    /// log2 of the index window size (the largest capacity).
+    max_cap_log2: u32,
     region: &'a RegionWriter,
     counters: HeaderCounters,
 }
@@ -369,7 +374,8 @@ impl<'a> AllocationsWriter<'a> {
         Ok(AllocationsWriter {
             view: region.view(),
             layout,
-            shard_shift: 64 - layout.shards.trailing_zeros(),
+            shard_mask: layout.shards - 1,
+            max_cap_log2: layout.slots_max.trailing_zeros(),
             region,
             counters: region.counters(),
         })
@@ -397,11 +403,7 @@ impl<'a> AllocationsWriter<'a> {
 
     #[inline]
     fn shard_of(&self, h: u64) -> u64 {
-        if self.layout.shards == 1 {
-            0
-        } else {
-            h >> self.shard_shift
-        }
+        (h >> 48) & self.shard_mask
     }
 
     #[inline]
@@ -590,7 +592,7 @@ impl<'a> AllocationsWriter<'a> {
     fn cap_log2(&self, shard: u64) -> u32 {
         self.shard_field(shard, S_CAP_LOG2)
             .load(Ordering::Relaxed)
-            .clamp(MIN_CAP_LOG2, self.layout.slots_max.trailing_zeros())
+            .clamp(MIN_CAP_LOG2, self.max_cap_log2)
     }
 
     /// Hints the CPU to fetch the index slot where `addr` would start its
