@@ -261,6 +261,9 @@ extern "C" fn thread_exit(_value: *mut libc::c_void) {
             if t.generation.get() == GENERATION.load(Ordering::Relaxed) {
                 // SAFETY: `with_thread` set this thread's busy flag.
                 w.allocations.flush_cache(unsafe { t.nodes() });
+                if let Some(block) = t.counters.take() {
+                    w.resources.release_counters(block);
+                }
             }
         }
     });
@@ -341,6 +344,9 @@ fn register_thread(w: &Writers, t: &ThreadState) {
             );
         }
     }
+    if t.counters.get().is_none() {
+        t.counters.set(w.resources.claim_counters(tid));
+    }
     match w.resources.insert_thread_info(tid, &name[..len]) {
         Ok(k) => t.thread_key.set(k.0),
         Err(_) => w.counters.on_dropped(DroppedReason::ResourcesFull),
@@ -379,7 +385,7 @@ fn prepare_thread(w: &Writers, t: &ThreadState) {
 }
 
 #[inline]
-fn stack_key(w: &Writers, t: &ThreadState, fp: usize) -> Option<ResourceKey> {
+fn stack_key(w: &Writers, t: &ThreadState, fp: usize) -> Option<(ResourceKey, usize)> {
     // Not zero-initialised: `walk` writes the first `n` entries and only
     // those are read (saves a 512-byte memset per event).
     let mut frames = std::mem::MaybeUninit::<[u64; MAX_FRAMES]>::uninit();
@@ -398,7 +404,8 @@ fn stack_key(w: &Writers, t: &ThreadState, fp: usize) -> Option<ResourceKey> {
     let frames = &frames[..n];
     // 4-way set in most-recently-used order: a hit moves its entry to
     // the front, a miss replaces the last (least recently used) one.
-    let set = &t.cache[(h as usize >> 20) % (CACHE_SIZE / CACHE_WAYS) * CACHE_WAYS..][..CACHE_WAYS];
+    let first = (h as usize >> 20) % (CACHE_SIZE / CACHE_WAYS) * CACHE_WAYS;
+    let set = &t.cache[first..][..CACHE_WAYS];
     for (i, way) in set.iter().enumerate() {
         let e = way.get();
         if e.hash == h {
@@ -408,7 +415,7 @@ fn stack_key(w: &Writers, t: &ThreadState, fp: usize) -> Option<ResourceKey> {
                 }
                 set[0].set(e);
             }
-            return Some(ResourceKey(e.key));
+            return Some((ResourceKey(e.key), first));
         }
     }
     let mut buf = [0u8; MAX_ENCODED_LEN];
@@ -421,8 +428,9 @@ fn stack_key(w: &Writers, t: &ThreadState, fp: usize) -> Option<ResourceKey> {
             set[0].set(CacheEntry {
                 hash: h,
                 key: key.0,
+                slot: u32::MAX,
             });
-            Some(key)
+            Some((key, first))
         }
         Err(_) => {
             w.counters.on_dropped(DroppedReason::ResourcesFull);
@@ -444,7 +452,7 @@ pub fn on_alloc(addr: usize, size: usize, fp: usize, role: Role) {
         // the miss.
         w.allocations.prefetch(addr as u64);
         prepare_thread(w, t);
-        let Some(stack) = stack_key(w, t, fp) else {
+        let Some((stack, entry)) = stack_key(w, t, fp) else {
             return;
         };
         let now_us = coarse_now_ns().saturating_sub(w.clock_base_ns) / 1000;
@@ -466,7 +474,19 @@ pub fn on_alloc(addr: usize, size: usize, fp: usize, role: Role) {
             }
             Err(_) => return,
         }
-        w.resources.record_allocation(stack, rec.size);
+        match t.counters.get() {
+            Some(block) => {
+                let e = &t.cache[entry];
+                let mut c = e.get();
+                if let Some(slot) = w.resources.count_allocation(block, stack, rec.size, c.slot) {
+                    if slot != c.slot {
+                        c.slot = slot;
+                        e.set(c);
+                    }
+                }
+            }
+            None => w.resources.record_allocation(stack, rec.size),
+        }
     });
 }
 

@@ -15,6 +15,7 @@
 use std::cell::{Cell, UnsafeCell};
 
 use heapdump_table::allocations_table::NodeCache;
+use heapdump_table::resources_table::CounterBlock;
 
 /// Entries in the per-thread stack cache: 4-way set associative, 16 KiB
 /// per thread. A hit skips encoding, hashing with CRC and the shared table.
@@ -29,6 +30,8 @@ pub struct CacheEntry {
     pub hash: u64,
     /// Resource key of the interned trace.
     pub key: u64,
+    /// Slot of this trace in the thread's counter block, last time.
+    pub slot: u32,
 }
 
 /// Everything the agent keeps per thread.
@@ -52,6 +55,8 @@ pub struct ThreadState {
     pub stack_known: Cell<bool>,
     /// Interned traces seen by this thread.
     pub cache: [Cell<CacheEntry>; CACHE_SIZE],
+    /// This thread's block of per-stack cumulative counters.
+    pub counters: Cell<Option<CounterBlock>>,
     /// Free table nodes and pending live bytes of this thread. Only
     /// touched through [`ThreadState::nodes`] while `busy` is set.
     nodes: UnsafeCell<NodeCache>,
@@ -60,7 +65,11 @@ pub struct ThreadState {
 // A `const` item (not a static) on purpose: it is the array initialiser,
 // copied into each thread's state, never shared.
 #[allow(clippy::declare_interior_mutable_const)]
-const EMPTY_ENTRY: Cell<CacheEntry> = Cell::new(CacheEntry { hash: 0, key: 0 });
+const EMPTY_ENTRY: Cell<CacheEntry> = Cell::new(CacheEntry {
+    hash: 0,
+    key: 0,
+    slot: 0,
+});
 
 thread_local! {
     /// This thread's agent state.
@@ -75,6 +84,7 @@ thread_local! {
             stack_hi: Cell::new(0),
             stack_known: Cell::new(false),
             cache: [EMPTY_ENTRY; CACHE_SIZE],
+            counters: Cell::new(None),
             nodes: UnsafeCell::new(NodeCache::new()),
         }
     };
@@ -88,6 +98,7 @@ impl ThreadState {
         }
         self.thread_key.set(0);
         self.allocs.set(0);
+        self.counters.set(None);
         self.generation.set(generation);
         // SAFETY: called with `busy` set (see `nodes`).
         unsafe { self.nodes() }.clear();

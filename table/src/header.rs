@@ -23,7 +23,8 @@ pub const MAGIC: [u8; 8] = *b"HEAPDUMP";
 /// Format major version: a reader refuses any other.
 pub const FORMAT_MAJOR: u16 = 1;
 /// Format minor version: additions that older readers may ignore.
-pub const FORMAT_MINOR: u16 = 0;
+/// 1.1 added the resources region's per-thread counter blocks.
+pub const FORMAT_MINOR: u16 = 1;
 /// Bytes reserved for the header at the start of every region.
 pub const HEADER_SIZE: u64 = 4096;
 

@@ -7,13 +7,24 @@
 //! offset, `layout[2]` = first record offset, `layout[3]` = end of data.
 //! Dynamic words: `KIND_WORDS+0` = bump pointer (next free offset),
 //! `+8` = head of the thread-record list, `+16` stack count, `+24` thread
-//! count.
+//! count, `+32` = head of the counter-block list.
 //!
 //! Records are 8-aligned: word 0 = `tag | len << 32`, word 1 = `next`
 //! (bucket chain or thread list, 0 = end). A stack record then has
 //! `crc | frames << 32`, `alloc_count`, `alloc_bytes` and `len` payload bytes
 //! (the compressed trace); a thread record has `tid`, `serial`, and `len`
 //! name bytes.
+//!
+//! **Counter blocks** take the per-stack cumulative counters off the
+//! allocation path's shared cache lines: a writer thread claims a block
+//! (word 2 = owner, CAS from 0), and adds to its `len` slots
+//! (`stack key, count, bytes`, 24 bytes each, found by hashing the key)
+//! with plain relaxed load+store: one writer per block, no locked
+//! instruction, no line shared with another thread. A released block keeps
+//! its sums and is reused by the next thread that claims one, so blocks
+//! follow the number of threads alive at once. Readers add every block's
+//! slots to the stacks they name: a stack's cumulative count is its own
+//! record's counters plus its slots in all blocks.
 //!
 //! Invariants:
 //! - A record is fully written before it is published (CAS of a list head
@@ -55,6 +66,20 @@ const W_BUMP: u64 = offsets::KIND_WORDS;
 const W_THREADS: u64 = offsets::KIND_WORDS + 8;
 const W_STACK_COUNT: u64 = offsets::KIND_WORDS + 16;
 const W_THREAD_COUNT: u64 = offsets::KIND_WORDS + 24;
+const W_COUNTERS: u64 = offsets::KIND_WORDS + 32;
+
+const TAG_COUNTERS: u32 = 0x5254_4e43; // "CNTR"
+const COUNTERS_HEADER: u64 = 32;
+const COUNTER_SLOT: u64 = 24;
+/// Slots in a counter block (a power of two): 24 KiB per block.
+pub const COUNTER_SLOTS: u64 = 1024;
+/// Longest probe for a stack's slot before falling back to the record's
+/// shared counters.
+const COUNTER_PROBE: u64 = 8;
+
+/// A counter block claimed by one writer thread (see the module docs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CounterBlock(u64);
 
 /// Default number of bucket heads.
 pub const DEFAULT_BUCKETS: u64 = 1 << 16;
@@ -331,6 +356,112 @@ impl<'a> ResourcesWriter<'a> {
         self.word(k + 32).fetch_add(size, Ordering::Relaxed);
     }
 
+    /// Claims a counter block for the calling thread (`owner` is any
+    /// non-zero id, e.g. the tid): a released one if there is one, else a
+    /// new one. `None` when the region is full (callers then use
+    /// [`Self::record_allocation`]). Lock-free; never allocates.
+    pub fn claim_counters(&self, owner: u64) -> Option<CounterBlock> {
+        let owner = owner.max(1);
+        let head = self.word(W_COUNTERS).load(Ordering::Acquire);
+        let mut cur = head;
+        let mut steps = 0u64;
+        let limit = (self.layout.data_end - self.layout.data_off) / COUNTERS_HEADER + 1;
+        while cur != 0 && steps < limit {
+            steps += 1;
+            let w = self.view.atomic_u64(cur + 16)?;
+            if w.load(Ordering::Relaxed) == 0
+                && w.compare_exchange(0, owner, Ordering::Acquire, Ordering::Relaxed)
+                    .is_ok()
+            {
+                return Some(CounterBlock(cur));
+            }
+            cur = self.view.load_u64(cur + 8)?;
+        }
+        let size = COUNTERS_HEADER + COUNTER_SLOTS * COUNTER_SLOT;
+        let off = self.reserve(size).ok()?;
+        self.word(off).store(
+            u64::from(TAG_COUNTERS) | COUNTER_SLOTS << 32,
+            Ordering::Relaxed,
+        );
+        self.word(off + 16).store(owner, Ordering::Relaxed);
+        let head_word = self.word(W_COUNTERS);
+        let mut head = head_word.load(Ordering::Relaxed);
+        loop {
+            self.word(off + 8).store(head, Ordering::Relaxed);
+            // Release publishes the block's header (slots are zero pages).
+            match head_word.compare_exchange_weak(head, off, Ordering::Release, Ordering::Relaxed) {
+                Ok(_) => return Some(CounterBlock(off)),
+                Err(now) => head = now,
+            }
+        }
+    }
+
+    /// Releases a block claimed by this thread (its sums stay).
+    pub fn release_counters(&self, block: CounterBlock) {
+        if let Some(w) = self.view.atomic_u64(block.0 + 16) {
+            // Release: our slot writes happen-before the next owner's.
+            w.store(0, Ordering::Release);
+        }
+    }
+
+    /// Adds one allocation of `size` bytes from stack `key` to `block`,
+    /// which only the calling thread may hold. `slot_hint` is the slot this
+    /// key used last time (from the previous call's result, or any value);
+    /// returns the slot used (a later hint), or `None` if the block had no
+    /// room near the key's place (then the record's own counters were
+    /// updated atomically instead).
+    #[inline]
+    pub fn count_allocation(
+        &self,
+        block: CounterBlock,
+        key: ResourceKey,
+        size: u64,
+        slot_hint: u32,
+    ) -> Option<u32> {
+        let base = block.0 + COUNTERS_HEADER;
+        let hint = u64::from(slot_hint) & (COUNTER_SLOTS - 1);
+        // Offsets: a block spans COUNTERS_HEADER + COUNTER_SLOTS *
+        // COUNTER_SLOT bytes reserved inside the data area by
+        // `claim_counters`, every slot index is masked to COUNTER_SLOTS - 1,
+        // and every access is still range-checked by the view.
+        let slot_off = |i: u64| base + i * COUNTER_SLOT;
+        let mut found = None;
+        if self.view.load_u64(slot_off(hint)) == Some(key.0) {
+            found = Some(hint);
+        } else {
+            let start = (key.0 >> 3).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 54;
+            for p in 0..COUNTER_PROBE {
+                let i = (start + p) & (COUNTER_SLOTS - 1);
+                let k = self.view.load_u64(slot_off(i))?;
+                if k == key.0 {
+                    found = Some(i);
+                    break;
+                }
+                if k == 0 {
+                    // Counts of a fresh slot are zero; publish the key.
+                    self.view
+                        .atomic_u64(slot_off(i))?
+                        .store(key.0, Ordering::Release);
+                    found = Some(i);
+                    break;
+                }
+            }
+        }
+        let Some(i) = found else {
+            self.record_allocation(key, size);
+            return None;
+        };
+        // Single writer: a load and a store, no locked instruction.
+        let c = self.view.atomic_u64(slot_off(i) + 8)?;
+        c.store(c.load(Ordering::Relaxed).wrapping_add(1), Ordering::Relaxed);
+        let b = self.view.atomic_u64(slot_off(i) + 16)?;
+        b.store(
+            b.load(Ordering::Relaxed).wrapping_add(size),
+            Ordering::Relaxed,
+        );
+        Some(i as u32)
+    }
+
     /// Bytes of the data area in use.
     pub fn used_bytes(&self) -> u64 {
         self.word(W_BUMP).load(Ordering::Relaxed) - self.layout.data_off
@@ -342,7 +473,9 @@ impl<'a> ResourcesWriter<'a> {
 pub struct StackRecord {
     /// Return addresses, innermost (leaf) first.
     pub frames: Vec<u64>,
-    /// Allocations ever made from this stack.
+    /// Allocations ever made from this stack. From [`ResourcesReader::stack`]:
+    /// those counted in the record itself; from [`ResourcesReader::stacks`]:
+    /// also those in the writers' counter blocks (the full count).
     pub alloc_count: u64,
     /// Bytes ever allocated from this stack.
     pub alloc_bytes: u64,
@@ -544,6 +677,7 @@ impl<'a> ResourcesReader<'a> {
                 }
             }
         }
+        let extra = self.counter_sums(&mut partial);
         let mut catalog = StackCatalog::default();
         let mut by_bytes: HashMap<Vec<u8>, usize> = HashMap::new();
         for key in keys {
@@ -554,13 +688,17 @@ impl<'a> ResourcesReader<'a> {
                     continue;
                 }
             };
-            let rec = match self.stack(key) {
+            let mut rec = match self.stack(key) {
                 Ok(r) => r,
                 Err(e) => {
                     partial.get_or_insert_with(|| e.to_string());
                     continue;
                 }
             };
+            if let Some((c, b)) = extra.get(&key.0) {
+                rec.alloc_count = rec.alloc_count.saturating_add(*c);
+                rec.alloc_bytes = rec.alloc_bytes.saturating_add(*b);
+            }
             let idx = match by_bytes.get(&bytes) {
                 Some(&i) => {
                     let s = &mut catalog.stacks[i];
@@ -578,6 +716,54 @@ impl<'a> ResourcesReader<'a> {
         }
         catalog.partial = partial;
         catalog
+    }
+
+    /// Sums of every counter block's slots, by stack key. Bounded and
+    /// cycle-safe like every walk; a bad block marks the result partial.
+    fn counter_sums(&self, partial: &mut Option<String>) -> HashMap<u64, (u64, u64)> {
+        let mut sums: HashMap<u64, (u64, u64)> = HashMap::new();
+        let head = self.view.load_u64(W_COUNTERS).unwrap_or(0);
+        fence(Ordering::Acquire);
+        let mut seen = HashSet::new();
+        let mut budget = self.max_records();
+        let mut blocks = Vec::new();
+        if let Some(why) = self.walk_list(head, &mut seen, &mut budget, &mut blocks) {
+            partial.get_or_insert_with(|| format!("counter blocks: {why}"));
+        }
+        let limit = self.limit();
+        // Blocks laid out honestly cannot hold more slots than the data
+        // area has room for; hostile overlapping blocks could claim far
+        // more, so the total work is capped at that.
+        let mut slot_budget = (limit - self.layout.data_off) / COUNTER_SLOT + 1;
+        for b in blocks {
+            let k = b.0;
+            let w0 = self.view.load_u64(k).unwrap_or(0);
+            let slots = w0 >> 32;
+            let size = COUNTERS_HEADER + slots.min(1 << 20) * COUNTER_SLOT;
+            if w0 as u32 != TAG_COUNTERS || slots > 1 << 16 || k.saturating_add(size) > limit {
+                partial.get_or_insert_with(|| "a counter block is corrupt".to_string());
+                continue;
+            }
+            if slots > slot_budget {
+                partial.get_or_insert_with(|| "counter blocks overlap".to_string());
+                break;
+            }
+            slot_budget -= slots;
+            for i in 0..slots {
+                let o = k + COUNTERS_HEADER + i * COUNTER_SLOT;
+                let key = self.view.load_u64(o).unwrap_or(0);
+                if key == 0 {
+                    continue;
+                }
+                fence(Ordering::Acquire);
+                let c = self.view.load_u64(o + 8).unwrap_or(0);
+                let by = self.view.load_u64(o + 16).unwrap_or(0);
+                let e = sums.entry(key).or_default();
+                e.0 = e.0.saturating_add(c);
+                e.1 = e.1.saturating_add(by);
+            }
+        }
+        sums
     }
 
     /// Every thread record (newest first), and why the walk was cut short

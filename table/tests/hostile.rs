@@ -280,7 +280,11 @@ fn bad_headers_are_refused_with_clear_errors() {
     assert!(matches!(e, TableError::VersionMismatch { .. }));
     let msg = e.to_string();
     assert!(
-        msg.contains(&format!("{}.0", FORMAT_MAJOR + 1))
+        msg.contains(&format!(
+            "{}.{}",
+            FORMAT_MAJOR + 1,
+            heapdump_table::FORMAT_MINOR
+        ))
             && msg.contains(&format!("{FORMAT_MAJOR}.x")),
         "{msg}"
     );
