@@ -284,8 +284,7 @@ fn bad_headers_are_refused_with_clear_errors() {
             "{}.{}",
             FORMAT_MAJOR + 1,
             heapdump_table::FORMAT_MINOR
-        ))
-            && msg.contains(&format!("{FORMAT_MAJOR}.x")),
+        )) && msg.contains(&format!("{FORMAT_MAJOR}.x")),
         "{msg}"
     );
 
