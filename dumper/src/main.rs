@@ -260,13 +260,31 @@ struct DemoArgs {
 /// (the walk was not clean: target killed mid-update, or a damaged region).
 const EXIT_PARTIAL: i32 = 2;
 
+/// The error and its causes, `: `-separated, leaving out a cause whose text
+/// the message before it already contains (typed errors often embed their
+/// source in their own message).
+fn error_chain(e: &anyhow::Error) -> String {
+    let mut out = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if out.contains(&text) {
+            continue;
+        }
+        if !out.is_empty() {
+            out.push_str(": ");
+        }
+        out.push_str(&text);
+    }
+    out
+}
+
 fn main() {
     let cli = Cli::parse();
     let code = match dispatch(cli) {
         Ok(code) => code,
         Err(e) => {
             let _ = std::io::stdout().flush();
-            eprintln!("heapdump: error: {e:#}");
+            eprintln!("heapdump: error: {}", error_chain(&e));
             1
         }
     };
