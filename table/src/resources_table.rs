@@ -368,6 +368,18 @@ impl<'a> ResourcesWriter<'a> {
         let limit = (self.layout.data_end - self.layout.data_off) / COUNTERS_HEADER + 1;
         while cur != 0 && steps < limit {
             steps += 1;
+            // Only a well-formed block inside the data area is reused: the
+            // counting path trusts a claimed block's bounds.
+            let size = COUNTERS_HEADER + COUNTER_SLOTS * COUNTER_SLOT;
+            let well_formed = cur % 8 == 0
+                && cur >= self.layout.data_off
+                && cur
+                    .checked_add(size)
+                    .is_some_and(|e| e <= self.layout.data_end)
+                && self.view.load_u64(cur) == Some(u64::from(TAG_COUNTERS) | COUNTER_SLOTS << 32);
+            if !well_formed {
+                break;
+            }
             let w = self.view.atomic_u64(cur + 16)?;
             if w.load(Ordering::Relaxed) == 0
                 && w.compare_exchange(0, owner, Ordering::Acquire, Ordering::Relaxed)
@@ -420,28 +432,30 @@ impl<'a> ResourcesWriter<'a> {
     ) -> Option<u32> {
         let base = block.0 + COUNTERS_HEADER;
         let hint = u64::from(slot_hint) & (COUNTER_SLOTS - 1);
-        // Offsets: a block spans COUNTERS_HEADER + COUNTER_SLOTS *
-        // COUNTER_SLOT bytes reserved inside the data area by
-        // `claim_counters`, every slot index is masked to COUNTER_SLOTS - 1,
-        // and every access is still range-checked by the view.
-        let slot_off = |i: u64| base + i * COUNTER_SLOT;
+        let slot_word = |i: u64, w: u64| {
+            let off = base + i * COUNTER_SLOT + w * 8;
+            // SAFETY: a `CounterBlock` is only made by `claim_counters`,
+            // from a block of COUNTERS_HEADER + COUNTER_SLOTS * COUNTER_SLOT
+            // bytes it reserved (or found, validated) inside the data area;
+            // `i` is masked to COUNTER_SLOTS - 1 and `w` < 3, so `off` is in
+            // bounds and 8-aligned.
+            unsafe { self.view.atomic_u64_unchecked(off) }
+        };
         let mut found = None;
-        if self.view.load_u64(slot_off(hint)) == Some(key.0) {
+        if slot_word(hint, 0).load(Ordering::Relaxed) == key.0 {
             found = Some(hint);
         } else {
             let start = (key.0 >> 3).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 54;
             for p in 0..COUNTER_PROBE {
                 let i = (start + p) & (COUNTER_SLOTS - 1);
-                let k = self.view.load_u64(slot_off(i))?;
+                let k = slot_word(i, 0).load(Ordering::Relaxed);
                 if k == key.0 {
                     found = Some(i);
                     break;
                 }
                 if k == 0 {
                     // Counts of a fresh slot are zero; publish the key.
-                    self.view
-                        .atomic_u64(slot_off(i))?
-                        .store(key.0, Ordering::Release);
+                    slot_word(i, 0).store(key.0, Ordering::Release);
                     found = Some(i);
                     break;
                 }
@@ -452,9 +466,9 @@ impl<'a> ResourcesWriter<'a> {
             return None;
         };
         // Single writer: a load and a store, no locked instruction.
-        let c = self.view.atomic_u64(slot_off(i) + 8)?;
+        let c = slot_word(i, 1);
         c.store(c.load(Ordering::Relaxed).wrapping_add(1), Ordering::Relaxed);
-        let b = self.view.atomic_u64(slot_off(i) + 16)?;
+        let b = slot_word(i, 2);
         b.store(
             b.load(Ordering::Relaxed).wrapping_add(size),
             Ordering::Relaxed,
