@@ -119,7 +119,24 @@ pub fn render(s: &Snapshot, opts: TextOptions) -> String {
             human_bytes(site.alloc_bytes),
             site.alloc_blocks
         );
-        for f in site.frames.iter().take(opts.depth) {
+        // Leading frames inside Rust's standard library or a dependency
+        // (inlined `Vec::with_capacity`, hash map growth...) are folded into
+        // one line, so the frames shown start at the program's own code.
+        let lib = site
+            .frames
+            .iter()
+            .take_while(|f| is_library_frame(f))
+            .count();
+        let lib = if lib == site.frames.len() { 0 } else { lib };
+        if lib > 0 {
+            let _ = writeln!(
+                o,
+                "       ({lib} frame{} in the standard library or dependencies, from {})",
+                if lib == 1 { "" } else { "s" },
+                site.frames[0].display_name()
+            );
+        }
+        for f in site.frames.iter().skip(lib).take(opts.depth) {
             let inl = if f.inlined { " (inlined)" } else { "" };
             match f.location() {
                 Some(loc) => {
@@ -130,12 +147,9 @@ pub fn render(s: &Snapshot, opts: TextOptions) -> String {
                 }
             }
         }
-        if site.frames.len() > opts.depth {
-            let _ = writeln!(
-                o,
-                "       ... {} more frames",
-                site.frames.len() - opts.depth
-            );
+        let shown = lib + opts.depth.min(site.frames.len() - lib);
+        if site.frames.len() > shown {
+            let _ = writeln!(o, "       ... {} more frames", site.frames.len() - shown);
         }
         if site.frames.is_empty() {
             let _ = writeln!(o, "       <no stack>");
@@ -155,4 +169,15 @@ mod tests {
         assert_eq!(human_bytes(1536), "1.5 KiB");
         assert_eq!(human_delta(-2048), "-2.0 KiB");
     }
+}
+
+/// A frame whose source is Rust's standard library (`/rustc/HASH/library`)
+/// or a crate from a registry (cargo's `registry/src`, or rustc's vendored
+/// `/rust/deps`).
+fn is_library_frame(f: &crate::symbolize::Frame) -> bool {
+    f.file.as_deref().is_some_and(|file| {
+        file.starts_with("/rustc/")
+            || file.starts_with("/rust/deps/")
+            || file.contains("/.cargo/registry/src/")
+    })
 }
