@@ -158,6 +158,17 @@ pub fn render(s: &Snapshot, opts: TextOptions) -> String {
     o
 }
 
+/// A frame whose source is Rust's standard library (`/rustc/HASH/library`)
+/// or a crate from a registry (cargo's `registry/src`, or rustc's vendored
+/// `/rust/deps`).
+fn is_library_frame(f: &crate::symbolize::Frame) -> bool {
+    f.file.as_deref().is_some_and(|file| {
+        file.starts_with("/rustc/")
+            || file.starts_with("/rust/deps/")
+            || file.contains("/.cargo/registry/src/")
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -169,15 +180,23 @@ mod tests {
         assert_eq!(human_bytes(1536), "1.5 KiB");
         assert_eq!(human_delta(-2048), "-2.0 KiB");
     }
-}
 
-/// A frame whose source is Rust's standard library (`/rustc/HASH/library`)
-/// or a crate from a registry (cargo's `registry/src`, or rustc's vendored
-/// `/rust/deps`).
-fn is_library_frame(f: &crate::symbolize::Frame) -> bool {
-    f.file.as_deref().is_some_and(|file| {
-        file.starts_with("/rustc/")
-            || file.starts_with("/rust/deps/")
-            || file.contains("/.cargo/registry/src/")
-    })
+    #[test]
+    fn library_frames_are_std_and_registry_sources_only() {
+        let f = |file: &str| crate::symbolize::Frame {
+            file: Some(file.to_string()),
+            ..Default::default()
+        };
+        assert!(super::is_library_frame(&f(
+            "/rustc/abc/library/alloc/src/vec/mod.rs"
+        )));
+        assert!(super::is_library_frame(&f(
+            "/root/.cargo/registry/src/x/hashbrown/src/raw.rs"
+        )));
+        assert!(super::is_library_frame(&f(
+            "/rust/deps/hashbrown-0.16.1/src/raw/mod.rs"
+        )));
+        assert!(!super::is_library_frame(&f("/work/app/src/main.rs")));
+        assert!(!super::is_library_frame(&crate::symbolize::Frame::default()));
+    }
 }
