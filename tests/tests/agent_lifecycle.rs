@@ -276,3 +276,31 @@ fn agent_allocator_steps_aside_under_the_preload_library() {
     std::io::Read::read_to_string(&mut stderr, &mut msg).unwrap();
     assert!(msg.contains("steps aside"), "stderr: {msg}");
 }
+
+#[test]
+fn max_frames_limits_stacks_and_bad_settings_are_reported() {
+    let exe = env!("CARGO_BIN_EXE_rust_pattern");
+    let mut cmd = Command::new(exe);
+    cmd.env("HEAPDUMP_MAX_FRAMES", "3");
+    let target = Target::spawn(cmd);
+    let d = dump(target.pid());
+    assert!(!d.blocks.is_empty());
+    assert!(d.blocks.iter().all(|b| b.frames.len() <= 3));
+    assert!(d.blocks.iter().any(|b| b.frames.len() == 3));
+    assert!(target.finish().success());
+
+    let mut cmd = Command::new(exe);
+    cmd.env("HEAPDUMP_MAX_FRAMES", "lots")
+        .env("HEAPDUMP_SIGNAL", "SIGNOPE")
+        .stderr(std::process::Stdio::piped());
+    let mut target = Target::spawn(cmd);
+    let d = dump(target.pid());
+    // The default (64) applies: the pattern's stacks are deeper than 3.
+    assert!(d.blocks.iter().any(|b| b.frames.len() > 3));
+    let mut stderr = target.child.stderr.take().unwrap();
+    assert!(target.finish().success());
+    let mut msg = String::new();
+    std::io::Read::read_to_string(&mut stderr, &mut msg).unwrap();
+    assert!(msg.contains("HEAPDUMP_MAX_FRAMES"), "{msg}");
+    assert!(msg.contains("HEAPDUMP_SIGNAL"), "{msg}");
+}
