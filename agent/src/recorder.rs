@@ -196,9 +196,7 @@ fn init(role: Role) -> Option<&'static Writers> {
         })
     };
     let missed = NOT_READY.swap(0, Ordering::Relaxed);
-    for _ in 0..missed.min(1 << 20) {
-        w.counters.on_dropped(DroppedReason::NotReady);
-    }
+    w.counters.on_dropped_n(DroppedReason::NotReady, missed);
     if !ONCE_HOOKS.swap(true, Ordering::Relaxed) {
         crate::signal::install(config.signal, config.quiet);
         // SAFETY: registering plain `extern "C"` functions without

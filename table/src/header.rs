@@ -321,63 +321,17 @@ impl HeaderCounters {
         }
     }
 
-    /// Records an allocation of `size` bytes in the process-wide counters.
-    ///
-    /// The allocations table already counts what it records
-    /// ([`crate::AllocationsWriter::insert`], `remove`, `replace`); use this
-    /// only for events recorded elsewhere, or they are counted twice.
-    #[inline]
-    pub fn on_alloc(&self, size: u64) {
-        self.word(offsets::TOTAL_ALLOCS)
-            .fetch_add(1, Ordering::Relaxed);
-        self.word(offsets::TOTAL_BYTES)
-            .fetch_add(size, Ordering::Relaxed);
-        self.word(offsets::LIVE_BLOCKS)
-            .fetch_add(1, Ordering::Relaxed);
-        let live = self
-            .word(offsets::LIVE_BYTES)
-            .fetch_add(size, Ordering::Relaxed)
-            .wrapping_add(size);
-        let peak = self.word(offsets::PEAK_LIVE_BYTES);
-        if live > peak.load(Ordering::Relaxed) {
-            peak.fetch_max(live, Ordering::Relaxed);
-        }
-    }
-
-    /// Records that a block of `size` bytes was freed.
-    #[inline]
-    pub fn on_free(&self, size: u64) {
-        self.word(offsets::LIVE_BLOCKS)
-            .fetch_sub(1, Ordering::Relaxed);
-        self.word(offsets::LIVE_BYTES)
-            .fetch_sub(size, Ordering::Relaxed);
-    }
-
-    /// Records an in-place size change of a live block.
-    #[inline]
-    pub fn on_resize(&self, old: u64, new: u64) {
-        if new >= old {
-            let live = self
-                .word(offsets::LIVE_BYTES)
-                .fetch_add(new - old, Ordering::Relaxed)
-                .wrapping_add(new - old);
-            let peak = self.word(offsets::PEAK_LIVE_BYTES);
-            if live > peak.load(Ordering::Relaxed) {
-                peak.fetch_max(live, Ordering::Relaxed);
-            }
-        } else {
-            self.word(offsets::LIVE_BYTES)
-                .fetch_sub(old - new, Ordering::Relaxed);
-        }
-        self.word(offsets::TOTAL_BYTES)
-            .fetch_add(new.saturating_sub(old), Ordering::Relaxed);
-    }
-
     /// Counts one dropped event. Async-signal-safe (one atomic add).
     #[inline]
     pub fn on_dropped(&self, reason: DroppedReason) {
+        self.on_dropped_n(reason, 1);
+    }
+
+    /// Counts `n` dropped events at once (one atomic add).
+    #[inline]
+    pub fn on_dropped_n(&self, reason: DroppedReason, n: u64) {
         self.word(offsets::DROPPED + 8 * reason as u64)
-            .fetch_add(1, Ordering::Relaxed);
+            .fetch_add(n, Ordering::Relaxed);
     }
 
     /// Bumps the snapshot-request counter without a name.
