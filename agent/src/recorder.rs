@@ -362,12 +362,19 @@ fn name_changed(t: &ThreadState) -> bool {
     name != t.name.get()
 }
 
+/// Forgets this thread's keys and cached nodes if they belong to an older
+/// generation of regions (first event after a fork, or ever).
 #[inline]
-fn prepare_thread(w: &Writers, t: &ThreadState) {
+fn enter_generation(t: &ThreadState) {
     let generation = GENERATION.load(Ordering::Relaxed);
     if t.generation.get() != generation {
         t.reset(generation);
     }
+}
+
+#[inline]
+fn prepare_thread(w: &Writers, t: &ThreadState) {
+    enter_generation(t);
     if !t.stack_known.get() {
         t.stack_known.set(true);
         t.stack_hi
@@ -395,9 +402,9 @@ fn stack_key(w: &Writers, t: &ThreadState, fp: usize) -> Option<(ResourceKey, us
     let sp = stack_capture::stack_pointer();
     let hi = t.stack_hi.get();
     let (n, h) = if stack_capture::walkable(sp, hi) {
-        stack_capture::walk_hashed(fp, sp, hi, &mut frames[..max])
+        stack_capture::walk(fp, sp, hi, &mut frames[..max])
     } else {
-        stack_capture::walk_hashed(0, 1, 0, &mut [])
+        stack_capture::walk(0, 1, 0, &mut [])
     };
     let frames = &frames[..n];
     // 4-way set in most-recently-used order: a hit moves its entry to
@@ -448,7 +455,7 @@ pub fn on_alloc(addr: usize, size: usize, fp: usize, role: Role) {
         let Some(w) = ready_writers(role) else { return };
         // Start fetching the index slot now; the stack walk below hides
         // the miss.
-        w.allocations.prefetch(addr as u64);
+        let prefetched = w.allocations.prefetch(addr as u64);
         prepare_thread(w, t);
         let Some((stack, entry)) = stack_key(w, t, fp) else {
             return;
@@ -463,7 +470,10 @@ pub fn on_alloc(addr: usize, size: usize, fp: usize, role: Role) {
         };
         // SAFETY: `with_thread` set this thread's busy flag.
         let nodes = unsafe { t.nodes() };
-        match w.allocations.insert_cached(&rec, nodes) {
+        match w
+            .allocations
+            .insert_cached_prefetched(&rec, prefetched, nodes)
+        {
             Ok(()) => {}
             // A free we never saw (memory released behind the allocator's
             // back): the stale record is replaced by the new block.
@@ -500,10 +510,7 @@ pub fn on_free(addr: usize) -> Option<u64> {
         // The allocator reads the block's header right after us: let that
         // miss overlap with the table's.
         heapdump_table::allocations_table::prefetch_line((addr as *const u8).wrapping_sub(16));
-        if t.generation.get() != GENERATION.load(Ordering::Relaxed) {
-            // First event of this thread in these regions: start clean.
-            t.reset(GENERATION.load(Ordering::Relaxed));
-        }
+        enter_generation(t);
         // SAFETY: `with_thread` set this thread's busy flag.
         w.allocations
             .remove_cached(addr as u64, unsafe { t.nodes() })

@@ -102,23 +102,17 @@ pub fn walkable(sp: usize, hi: usize) -> bool {
 }
 
 /// Walks the frame chain from `fp`, writing return addresses into `out`;
-/// returns how many were written.
+/// returns how many were written and a 64-bit hash of them (never 0).
 ///
 /// The caller guarantees `[sp, hi)` is this thread's live, mapped stack
-/// (see [`walkable`]); `sp` is the current stack pointer.
-#[inline]
-pub fn walk(fp: usize, sp: usize, hi: usize, out: &mut [u64]) -> usize {
-    walk_hashed(fp, sp, hi, out).0
-}
-
-/// [`walk`], also returning a 64-bit hash of the frames written (never
-/// 0), computed in the same loop: the multiply chain runs in the shadow of
+/// (see [`walkable`]); `sp` is the current stack pointer. The hash is
+/// computed in the same loop: the multiply chain runs in the shadow of
 /// the walk's dependent loads, so hashing costs almost nothing extra.
 /// Equal hashes are taken as equal traces by the agent's per-thread cache,
 /// so every frame goes through a multiply and a rotation, and the result
 /// is finalised with the frame count.
 #[inline]
-pub fn walk_hashed(fp: usize, sp: usize, hi: usize, out: &mut [u64]) -> (usize, u64) {
+pub fn walk(fp: usize, sp: usize, hi: usize, out: &mut [u64]) -> (usize, u64) {
     const K: u64 = 0x9e37_79b9_7f4a_7c15;
     let mut h: u64 = 0xc2b2_ae3d_27d4_eb4f;
     let finish = |h: u64, n: usize| {
@@ -170,7 +164,7 @@ mod tests {
             let sp = stack_pointer();
             let hi = thread_stack_top(sp).expect("stack top");
             assert!(walkable(sp, hi));
-            walk(frame_pointer(), sp, hi, out)
+            walk(frame_pointer(), sp, hi, out).0
         } else {
             let r = depth(n - 1, out);
             std::hint::black_box(r)
@@ -204,16 +198,16 @@ mod tests {
     }
 
     #[test]
-    fn hashed_walk_matches_plain_walk_and_separates_depths() {
+    fn walk_is_repeatable_and_its_hash_separates_depths() {
         let mut a = [0u64; 64];
         let mut b = [0u64; 64];
         let sp = stack_pointer();
         let hi = thread_stack_top(sp).unwrap();
         let fp = frame_pointer();
-        let (n, h) = walk_hashed(fp, sp, hi, &mut a);
-        assert_eq!(walk(fp, sp, hi, &mut b), n);
+        let (n, h) = walk(fp, sp, hi, &mut a);
+        assert_eq!(walk(fp, sp, hi, &mut b), (n, h));
         assert_eq!(a[..n], b[..n]);
-        let (n2, h2) = walk_hashed(fp, sp, hi, &mut a[..n - 1]);
+        let (n2, h2) = walk(fp, sp, hi, &mut a[..n - 1]);
         assert_eq!(n2, n - 1);
         assert_ne!(h, h2);
         assert_ne!(h, 0);
@@ -224,10 +218,10 @@ mod tests {
         let sp = stack_pointer();
         let hi = thread_stack_top(sp).unwrap();
         let mut out = [0u64; 8];
-        assert_eq!(walk(0, sp, hi, &mut out), 0);
-        assert_eq!(walk(usize::MAX - 4, sp, hi, &mut out), 0);
-        assert_eq!(walk(sp + 3, sp, hi, &mut out), 0);
+        assert_eq!(walk(0, sp, hi, &mut out).0, 0);
+        assert_eq!(walk(usize::MAX - 4, sp, hi, &mut out).0, 0);
+        assert_eq!(walk(sp + 3, sp, hi, &mut out).0, 0);
         // An empty range: nothing is read.
-        assert_eq!(walk(sp, sp, sp, &mut out), 0);
+        assert_eq!(walk(sp, sp, sp, &mut out).0, 0);
     }
 }

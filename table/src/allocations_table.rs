@@ -333,6 +333,14 @@ pub fn prefetch_line(p: *const u8) {
     let _ = p;
 }
 
+/// What [`AllocationsWriter::prefetch`] computed for an address, for the
+/// insert that follows.
+#[derive(Clone, Copy, Debug)]
+pub struct Prefetched {
+    address: u64,
+    hash: u64,
+}
+
 /// Writer handle for this process's allocations table.
 #[derive(Clone, Copy, Debug)]
 pub struct AllocationsWriter<'a> {
@@ -601,12 +609,19 @@ impl<'a> AllocationsWriter<'a> {
     /// only makes the hint useless, never unsafe: the slot offset stays
     /// inside the shard's windows) and never writes.
     #[inline]
-    pub fn prefetch(&self, addr: u64) {
+    ///
+    /// Returns the address's hash, so the insert that follows
+    /// ([`Self::insert_cached_prefetched`]) does not compute it again.
+    pub fn prefetch(&self, addr: u64) -> Prefetched {
         let h = hash(addr);
         let shard = self.shard_of(h);
         let cap = 1u64 << self.cap_log2(shard);
         let slot = self.slot(shard, self.window(shard), h & (cap - 1));
         prefetch_line(slot as *const AtomicU32 as *const u8);
+        Prefetched {
+            address: addr,
+            hash: h,
+        }
     }
 
     /// The shard's current index window (0 or 1, whatever the word holds).
@@ -716,7 +731,7 @@ impl<'a> AllocationsWriter<'a> {
     /// Records a new live block. Refuses an address already recorded. A
     /// full table counts the event as dropped. Never allocates.
     pub fn insert(&self, rec: &AllocationRecord) -> Result<(), InsertError> {
-        self.insert_impl(rec, None)
+        self.insert_impl(rec, hash(rec.address), None)
     }
 
     /// [`Self::insert`] taking its node from (and settling live bytes in)
@@ -726,19 +741,35 @@ impl<'a> AllocationsWriter<'a> {
         rec: &AllocationRecord,
         cache: &mut NodeCache,
     ) -> Result<(), InsertError> {
-        self.insert_impl(rec, Some(cache))
+        self.insert_impl(rec, hash(rec.address), Some(cache))
+    }
+
+    /// [`Self::insert_cached`] reusing the hash [`Self::prefetch`] computed
+    /// for the same address (a token for another address is ignored).
+    pub fn insert_cached_prefetched(
+        &self,
+        rec: &AllocationRecord,
+        prefetched: Prefetched,
+        cache: &mut NodeCache,
+    ) -> Result<(), InsertError> {
+        let h = if prefetched.address == rec.address {
+            prefetched.hash
+        } else {
+            hash(rec.address)
+        };
+        self.insert_impl(rec, h, Some(cache))
     }
 
     #[inline]
     fn insert_impl(
         &self,
         rec: &AllocationRecord,
+        h: u64,
         mut cache: Option<&mut NodeCache>,
     ) -> Result<(), InsertError> {
         let Some((t32, w1, w2, w3)) = Self::encode(rec) else {
             return Err(InsertError::Unrepresentable);
         };
-        let h = hash(rec.address);
         let shard = self.shard_of(h);
         // The stored (and later returned) size is clamped to 48 bits; count
         // the same value so live bytes return to zero.
