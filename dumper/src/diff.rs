@@ -18,7 +18,7 @@ use crate::symbolize::Frame;
 use crate::text::{human_bytes, human_delta};
 
 /// The change of one site.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct SiteDelta {
     /// Frames (from B when the site is in B).
     pub frames: Vec<Frame>,
@@ -116,12 +116,7 @@ pub fn diff(a: Snapshot, b: Snapshot) -> Diff {
             .entry(site_key(&s.frames, &a.mappings))
             .or_insert_with(|| SiteDelta {
                 frames: s.frames.clone(),
-                a_live_bytes: 0,
-                b_live_bytes: 0,
-                live_bytes: 0,
-                live_blocks: 0,
-                alloc_bytes: 0,
-                alloc_blocks: 0,
+                ..SiteDelta::default()
             });
         e.a_live_bytes += s.live_bytes;
         e.live_bytes -= delta(s.live_bytes, 0);
@@ -134,12 +129,7 @@ pub fn diff(a: Snapshot, b: Snapshot) -> Diff {
             .entry(site_key(&s.frames, &b.mappings))
             .or_insert_with(|| SiteDelta {
                 frames: s.frames.clone(),
-                a_live_bytes: 0,
-                b_live_bytes: 0,
-                live_bytes: 0,
-                live_blocks: 0,
-                alloc_bytes: 0,
-                alloc_blocks: 0,
+                ..SiteDelta::default()
             });
         e.frames = s.frames.clone();
         e.b_live_bytes += s.live_bytes;
