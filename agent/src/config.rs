@@ -29,6 +29,10 @@ pub struct Config {
     pub resources_bytes: u64,
     /// `HEAPDUMP_QUIET=1`: no messages on stderr.
     pub quiet: bool,
+    /// `HEAPDUMP_ABLATE`: parts of the work left out, for benchmarks only
+    /// (read only in builds with the `ablation` feature; see
+    /// [`crate::ablation`]).
+    pub ablate: u8,
 }
 
 impl Default for Config {
@@ -41,6 +45,7 @@ impl Default for Config {
             shards: 256,
             resources_bytes: 256 << 20,
             quiet: false,
+            ablate: 0,
         }
     }
 }
@@ -150,6 +155,11 @@ impl Config {
             match parse_u64(v) {
                 Some(n) if (1..=1 << 20).contains(&n) => c.resources_bytes = n << 20,
                 _ => w.bad_resources = true,
+            }
+        }
+        if cfg!(feature = "ablation") {
+            if let Some(v) = env(c"HEAPDUMP_ABLATE") {
+                c.ablate = crate::ablation::parse(v);
             }
         }
         (c, w)

@@ -14,6 +14,7 @@
 
 #![deny(missing_docs)]
 
+pub mod ablation;
 pub mod config;
 mod global_alloc;
 pub mod recorder;

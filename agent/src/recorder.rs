@@ -29,6 +29,7 @@ use heapdump_table::{
     ResourcesWriter,
 };
 
+use crate::ablation;
 use crate::config::{Config, Warnings};
 use crate::stack_capture;
 use crate::thread_state::{CacheEntry, ThreadState, CACHE_SIZE, CACHE_WAYS, THREAD};
@@ -444,6 +445,21 @@ fn stack_key(w: &Writers, t: &ThreadState, fp: usize) -> Option<(ResourceKey, us
     }
 }
 
+/// One trace for every block, interned once (`ablation::STACK` only).
+#[inline]
+fn fixed_stack_key(w: &Writers) -> Option<(ResourceKey, usize)> {
+    static KEY: AtomicU64 = AtomicU64::new(0);
+    let k = KEY.load(Ordering::Relaxed);
+    if k != 0 {
+        return Some((ResourceKey(k), 0));
+    }
+    let mut buf = [0u8; MAX_ENCODED_LEN];
+    let len = encode_into(&[0x1000], &mut buf)?;
+    let (key, _) = w.resources.intern_stack_trace(&buf[..len]).ok()?;
+    KEY.store(key.0, Ordering::Relaxed);
+    Some((key, 0))
+}
+
 /// Records a new block at `addr` of `size` bytes, allocated by the hook
 /// whose frame pointer is `fp`.
 #[inline]
@@ -453,14 +469,27 @@ pub fn on_alloc(addr: usize, size: usize, fp: usize, role: Role) {
     }
     with_thread(|t| {
         let Some(w) = ready_writers(role) else { return };
+        let ablate = w.config.ablate;
+        if ablation::off(ablate, ablation::ALL) {
+            return;
+        }
         // Start fetching the index slot now; the stack walk below hides
         // the miss.
         let prefetched = w.allocations.prefetch(addr as u64);
         prepare_thread(w, t);
-        let Some((stack, entry)) = stack_key(w, t, fp) else {
+        let key = if ablation::off(ablate, ablation::STACK) {
+            fixed_stack_key(w)
+        } else {
+            stack_key(w, t, fp)
+        };
+        let Some((stack, entry)) = key else {
             return;
         };
-        let now_us = coarse_now_ns().saturating_sub(w.clock_base_ns) / 1000;
+        let now_us = if ablation::off(ablate, ablation::CLOCK) {
+            0
+        } else {
+            coarse_now_ns().saturating_sub(w.clock_base_ns) / 1000
+        };
         let rec = AllocationRecord {
             address: addr as u64,
             size: size as u64,
@@ -470,17 +499,23 @@ pub fn on_alloc(addr: usize, size: usize, fp: usize, role: Role) {
         };
         // SAFETY: `with_thread` set this thread's busy flag.
         let nodes = unsafe { t.nodes() };
-        match w
-            .allocations
-            .insert_cached_prefetched(&rec, prefetched, nodes)
-        {
-            Ok(()) => {}
-            // A free we never saw (memory released behind the allocator's
-            // back): the stale record is replaced by the new block.
-            Err(InsertError::Duplicate) => {
-                let _ = w.allocations.replace(rec.address, &rec);
+        if !ablation::off(ablate, ablation::TABLE) {
+            match w
+                .allocations
+                .insert_cached_prefetched(&rec, prefetched, nodes)
+            {
+                Ok(()) => {}
+                // A free we never saw (memory released behind the
+                // allocator's back): the stale record is replaced by the
+                // new block.
+                Err(InsertError::Duplicate) => {
+                    let _ = w.allocations.replace(rec.address, &rec);
+                }
+                Err(_) => return,
             }
-            Err(_) => return,
+        }
+        if ablation::off(ablate, ablation::COUNTERS) {
+            return;
         }
         match t.counters.get() {
             Some(block) => {
@@ -507,6 +542,10 @@ pub fn on_free(addr: usize) -> Option<u64> {
     }
     with_thread(|t| {
         let w = writers()?;
+        let ablate = w.config.ablate;
+        if ablation::off(ablate, ablation::ALL | ablation::TABLE) {
+            return None;
+        }
         // The allocator reads the block's header right after us: let that
         // miss overlap with the table's.
         heapdump_table::allocations_table::prefetch_line((addr as *const u8).wrapping_sub(16));
