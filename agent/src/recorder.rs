@@ -32,7 +32,8 @@ use heapdump_table::{
 use crate::ablation;
 use crate::config::{Config, Warnings};
 use crate::stack_capture;
-use crate::thread_state::{CacheEntry, ThreadState, CACHE_SIZE, CACHE_WAYS, THREAD};
+use crate::thread_state::{CacheEntry, ThreadState, CACHE_SETS, CACHE_WAYS, THREAD};
+use std::cell::Cell;
 
 const UNINIT: u8 = 0;
 const INITIALIZING: u8 = 1;
@@ -391,7 +392,11 @@ fn prepare_thread(w: &Writers, t: &ThreadState) {
 }
 
 #[inline]
-fn stack_key(w: &Writers, t: &ThreadState, fp: usize) -> Option<(ResourceKey, usize)> {
+fn stack_key<'t>(
+    w: &Writers,
+    t: &'t ThreadState,
+    fp: usize,
+) -> Option<(ResourceKey, &'t Cell<CacheEntry>)> {
     // Not zero-initialised: `walk` writes the first `n` entries and only
     // those are read (saves a 512-byte memset per event).
     let mut frames = std::mem::MaybeUninit::<[u64; MAX_FRAMES]>::uninit();
@@ -410,8 +415,7 @@ fn stack_key(w: &Writers, t: &ThreadState, fp: usize) -> Option<(ResourceKey, us
     let frames = &frames[..n];
     // 4-way set in most-recently-used order: a hit moves its entry to
     // the front, a miss replaces the last (least recently used) one.
-    let first = (h as usize >> 20) % (CACHE_SIZE / CACHE_WAYS) * CACHE_WAYS;
-    let set = &t.cache[first..][..CACHE_WAYS];
+    let set = &t.cache[(h as usize >> 20) % CACHE_SETS].0;
     for (i, way) in set.iter().enumerate() {
         let e = way.get();
         if e.hash == h {
@@ -421,7 +425,7 @@ fn stack_key(w: &Writers, t: &ThreadState, fp: usize) -> Option<(ResourceKey, us
                 }
                 set[0].set(e);
             }
-            return Some((ResourceKey(e.key), first));
+            return Some((ResourceKey(e.key()), &set[0]));
         }
     }
     let mut buf = [0u8; MAX_ENCODED_LEN];
@@ -431,12 +435,8 @@ fn stack_key(w: &Writers, t: &ThreadState, fp: usize) -> Option<(ResourceKey, us
             for k in (1..CACHE_WAYS).rev() {
                 set[k].set(set[k - 1].get());
             }
-            set[0].set(CacheEntry {
-                hash: h,
-                key: key.0,
-                slot: u32::MAX,
-            });
-            Some((key, first))
+            set[0].set(CacheEntry::new(h, key.0, 0));
+            Some((key, &set[0]))
         }
         Err(_) => {
             w.counters.on_dropped(DroppedReason::ResourcesFull);
@@ -447,17 +447,20 @@ fn stack_key(w: &Writers, t: &ThreadState, fp: usize) -> Option<(ResourceKey, us
 
 /// One trace for every block, interned once (`ablation::STACK` only).
 #[inline]
-fn fixed_stack_key(w: &Writers) -> Option<(ResourceKey, usize)> {
+fn fixed_stack_key<'t>(
+    w: &Writers,
+    t: &'t ThreadState,
+) -> Option<(ResourceKey, &'t Cell<CacheEntry>)> {
     static KEY: AtomicU64 = AtomicU64::new(0);
     let k = KEY.load(Ordering::Relaxed);
     if k != 0 {
-        return Some((ResourceKey(k), 0));
+        return Some((ResourceKey(k), &t.cache[0].0[0]));
     }
     let mut buf = [0u8; MAX_ENCODED_LEN];
     let len = encode_into(&[0x1000], &mut buf)?;
     let (key, _) = w.resources.intern_stack_trace(&buf[..len]).ok()?;
     KEY.store(key.0, Ordering::Relaxed);
-    Some((key, 0))
+    Some((key, &t.cache[0].0[0]))
 }
 
 /// Records a new block at `addr` of `size` bytes, allocated by the hook
@@ -478,7 +481,7 @@ pub fn on_alloc(addr: usize, size: usize, fp: usize, role: Role) {
         let prefetched = w.allocations.prefetch(addr as u64);
         prepare_thread(w, t);
         let key = if ablation::off(ablate, ablation::STACK) {
-            fixed_stack_key(w)
+            fixed_stack_key(w, t)
         } else {
             stack_key(w, t, fp)
         };
@@ -519,12 +522,14 @@ pub fn on_alloc(addr: usize, size: usize, fp: usize, role: Role) {
         }
         match t.counters.get() {
             Some(block) => {
-                let e = &t.cache[entry];
-                let mut c = e.get();
-                if let Some(slot) = w.resources.count_allocation(block, stack, rec.size, c.slot) {
-                    if slot != c.slot {
-                        c.slot = slot;
-                        e.set(c);
+                let mut c = entry.get();
+                if let Some(slot) = w
+                    .resources
+                    .count_allocation(block, stack, rec.size, c.slot())
+                {
+                    if slot != c.slot() {
+                        c.set_slot(slot);
+                        entry.set(c);
                     }
                 }
             }

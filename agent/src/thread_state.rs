@@ -17,22 +17,53 @@ use std::cell::{Cell, UnsafeCell};
 use heapdump_table::allocations_table::NodeCache;
 use heapdump_table::resources_table::CounterBlock;
 
-/// Entries in the per-thread stack cache: 4-way set associative, 16 KiB
-/// per thread. A hit skips encoding, hashing with CRC and the shared table.
-pub const CACHE_SIZE: usize = 1024;
+/// Sets in the per-thread stack cache; each set is 4 entries in one
+/// 64-byte line (16 KiB per thread). A hit skips encoding, hashing with
+/// CRC and the shared table, and touches one line.
+pub const CACHE_SETS: usize = 256;
 /// Ways per set (kept in most-recently-used order).
 pub const CACHE_WAYS: usize = 4;
 
-/// One cache entry: the hash of a captured trace and its resource key.
-#[derive(Clone, Copy, Debug, Default)]
+/// One cache entry: the hash of a captured trace, its resource key and
+/// the trace's slot in the thread's counter block last time (a hint).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[repr(C)]
 pub struct CacheEntry {
     /// Hash of (frames, depth); 0 = empty.
     pub hash: u64,
-    /// Resource key of the interned trace.
-    pub key: u64,
-    /// Slot of this trace in the thread's counter block, last time.
-    pub slot: u32,
+    /// `key << 16 | slot`: resource keys are region offsets far below
+    /// 2^48, and counter-block slots fit 16 bits (a hint is masked anyway).
+    packed: u64,
 }
+
+impl CacheEntry {
+    /// An entry for trace `hash` interned as `key`.
+    pub fn new(hash: u64, key: u64, slot: u32) -> Self {
+        CacheEntry {
+            hash,
+            packed: key << 16 | u64::from(slot & 0xffff),
+        }
+    }
+
+    /// The trace's resource key.
+    pub fn key(&self) -> u64 {
+        self.packed >> 16
+    }
+
+    /// The counter-slot hint.
+    pub fn slot(&self) -> u32 {
+        (self.packed & 0xffff) as u32
+    }
+
+    /// Replaces the counter-slot hint.
+    pub fn set_slot(&mut self, slot: u32) {
+        self.packed = self.packed & !0xffff | u64::from(slot & 0xffff);
+    }
+}
+
+/// One set of the stack cache, aligned to a cache line.
+#[repr(C, align(64))]
+pub struct CacheSet(pub [Cell<CacheEntry>; CACHE_WAYS]);
 
 /// Everything the agent keeps per thread.
 pub struct ThreadState {
@@ -54,7 +85,7 @@ pub struct ThreadState {
     /// The stack top has been looked up.
     pub stack_known: Cell<bool>,
     /// Interned traces seen by this thread.
-    pub cache: [Cell<CacheEntry>; CACHE_SIZE],
+    pub cache: [CacheSet; CACHE_SETS],
     /// This thread's block of per-stack cumulative counters.
     pub counters: Cell<Option<CounterBlock>>,
     /// Free table nodes and pending live bytes of this thread. Only
@@ -65,11 +96,8 @@ pub struct ThreadState {
 // A `const` item (not a static) on purpose: it is the array initialiser,
 // copied into each thread's state, never shared.
 #[allow(clippy::declare_interior_mutable_const)]
-const EMPTY_ENTRY: Cell<CacheEntry> = Cell::new(CacheEntry {
-    hash: 0,
-    key: 0,
-    slot: 0,
-});
+const EMPTY_SET: CacheSet =
+    CacheSet([const { Cell::new(CacheEntry { hash: 0, packed: 0 }) }; CACHE_WAYS]);
 
 thread_local! {
     /// This thread's agent state.
@@ -83,7 +111,7 @@ thread_local! {
             name: Cell::new([0; 16]),
             stack_hi: Cell::new(0),
             stack_known: Cell::new(false),
-            cache: [EMPTY_ENTRY; CACHE_SIZE],
+            cache: [EMPTY_SET; CACHE_SETS],
             counters: Cell::new(None),
             nodes: UnsafeCell::new(NodeCache::new()),
         }
@@ -93,8 +121,10 @@ thread_local! {
 impl ThreadState {
     /// Forgets every key (regions of a new generation).
     pub fn reset(&self, generation: u64) {
-        for c in &self.cache {
-            c.set(CacheEntry::default());
+        for set in &self.cache {
+            for c in &set.0 {
+                c.set(CacheEntry::default());
+            }
         }
         self.thread_key.set(0);
         self.allocs.set(0);
@@ -115,5 +145,21 @@ impl ThreadState {
     pub unsafe fn nodes(&self) -> &mut NodeCache {
         // SAFETY: uniqueness per the contract above.
         unsafe { &mut *self.nodes.get() }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_cache_set_is_one_line_and_entries_keep_key_and_slot() {
+        assert_eq!(std::mem::size_of::<CacheSet>(), 64);
+        assert_eq!(std::mem::align_of::<CacheSet>(), 64);
+        let big_key = (1u64 << 40) - 8;
+        let mut e = CacheEntry::new(7, big_key, 1023);
+        assert_eq!((e.hash, e.key(), e.slot()), (7, big_key, 1023));
+        e.set_slot(5);
+        assert_eq!((e.key(), e.slot()), (big_key, 5));
     }
 }
