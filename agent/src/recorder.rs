@@ -18,7 +18,7 @@
 //!   atfork child handler and starts a new generation on its next event:
 //!   it never writes into its parent's regions.
 
-use std::cell::UnsafeCell;
+use std::cell::{Cell, UnsafeCell};
 use std::mem::MaybeUninit;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 
@@ -33,7 +33,6 @@ use crate::ablation;
 use crate::config::{Config, Warnings};
 use crate::stack_capture;
 use crate::thread_state::{CacheEntry, ThreadState, CACHE_SETS, CACHE_WAYS, THREAD};
-use std::cell::Cell;
 
 const UNINIT: u8 = 0;
 const INITIALIZING: u8 = 1;
