@@ -524,9 +524,9 @@ impl<'a> AllocationsWriter<'a> {
         read_counters(&self.view)
     }
 
+    #[inline]
     fn lock(&self, shard: u64) -> ShardGuard<'_> {
         let lock = self.shard_field(shard, S_LOCK);
-        let mut spins = 0u32;
         // Uncontended fast path: one CAS (a load first would fetch the line
         // shared, then need a second transaction to own it).
         // Acquire pairs with the Release in ShardGuard::drop.
@@ -536,6 +536,14 @@ impl<'a> AllocationsWriter<'a> {
         {
             return ShardGuard { lock };
         }
+        Self::lock_contended(lock)
+    }
+
+    /// The lock's slow path, out of line so the fast path stays small.
+    #[cold]
+    #[inline(never)]
+    fn lock_contended(lock: &AtomicU32) -> ShardGuard<'_> {
+        let mut spins = 0u32;
         loop {
             if lock.load(Ordering::Relaxed) == 0
                 && lock
@@ -706,6 +714,8 @@ impl<'a> AllocationsWriter<'a> {
 
     /// Rehashes `shard` into its other window with room for `need` entries.
     /// Caller holds the lock. Returns false if `need` cannot fit.
+    #[cold]
+    #[inline(never)]
     fn rehash(&self, shard: u64, need: u64) -> bool {
         let old_cap = 1u64 << self.cap_log2(shard);
         let old_win = self.window(shard);
@@ -754,6 +764,8 @@ impl<'a> AllocationsWriter<'a> {
     }
 
     /// Takes a free node for `shard` (caller holds the lock).
+    #[cold]
+    #[inline(never)]
     fn take_node(&self, shard: u64) -> Option<u32> {
         let free = self.shard_field(shard, S_FREE);
         let head = free.load(Ordering::Relaxed);
@@ -848,17 +860,9 @@ impl<'a> AllocationsWriter<'a> {
         // The stored (and later returned) size is clamped to 48 bits; count
         // the same value so live bytes return to zero.
         let size = rec.size.min(SIZE_MASK);
-        if self.spilled(home) {
-            // A stale record of this address (a free never seen) may sit in
-            // the spill shard.
-            let spill = self.spill_shard(w1, h);
-            if spill != home {
-                let _g = self.lock(spill);
-                let cap = 1u64 << self.cap_log2(spill);
-                if self.find(spill, self.window(spill), cap, h, w1).is_some() {
-                    return Err(InsertError::Duplicate);
-                }
-            }
+        if self.spilled(home) && self.in_spill_shard(home, h, w1) {
+            // A stale record of this address (a free never seen).
+            return Err(InsertError::Duplicate);
         }
         let pre = cache.as_mut().and_then(|c| c.pop());
         let mut r = {
@@ -871,22 +875,7 @@ impl<'a> AllocationsWriter<'a> {
             r
         };
         if r == Err(Locked::IndexFull) {
-            let spill = self.spill_shard(w1, h);
-            if spill != home {
-                // Marked before the block goes there, under the home lock,
-                // so any later lookup of the block sees the mark.
-                {
-                    let _g = self.lock(home);
-                    self.shard_field(home, S_SPILLED)
-                        .store(1, Ordering::Relaxed);
-                }
-                let _g = self.lock(spill);
-                r = self.insert_locked(spill, h, t32, w1, w2, w3, pre);
-                if r.is_ok() {
-                    self.count_alloc_locked(spill, size);
-                    self.add_live_locked(spill, size, 0);
-                }
-            }
+            r = self.insert_spilled(home, h, (t32, w1, w2, w3), pre);
         }
         match r {
             Ok(()) => {
@@ -905,6 +894,71 @@ impl<'a> AllocationsWriter<'a> {
                 Err(InsertError::Full)
             }
         }
+    }
+
+    /// Whether `addr` is recorded in the spill shard of `home` (out of
+    /// line: only shards that ever spilled get here).
+    #[cold]
+    #[inline(never)]
+    fn in_spill_shard(&self, home: u64, h: u64, addr: u64) -> bool {
+        let spill = self.spill_shard(addr, h);
+        if spill == home {
+            return false;
+        }
+        let _g = self.lock(spill);
+        let cap = 1u64 << self.cap_log2(spill);
+        self.find(spill, self.window(spill), cap, h, addr).is_some()
+    }
+
+    /// Inserts into the spill shard a block whose home shard `home` has no
+    /// index room, marking `home` as spilled first (out of line: rare).
+    #[cold]
+    #[inline(never)]
+    fn insert_spilled(
+        &self,
+        home: u64,
+        h: u64,
+        (t32, w1, w2, w3): (u32, u64, u64, u64),
+        pre: Option<u32>,
+    ) -> Result<(), Locked> {
+        let spill = self.spill_shard(w1, h);
+        if spill == home {
+            return Err(Locked::IndexFull);
+        }
+        // Marked before the block goes there, under the home lock, so any
+        // later lookup of the block sees the mark.
+        {
+            let _g = self.lock(home);
+            self.shard_field(home, S_SPILLED)
+                .store(1, Ordering::Relaxed);
+        }
+        let _g = self.lock(spill);
+        let r = self.insert_locked(spill, h, t32, w1, w2, w3, pre);
+        if r.is_ok() {
+            let size = w2 & SIZE_MASK;
+            self.count_alloc_locked(spill, size);
+            self.add_live_locked(spill, size, 0);
+        }
+        r
+    }
+
+    /// Removes `addr` from the spill shard of `home` (out of line: only
+    /// misses in shards that ever spilled get here).
+    #[cold]
+    #[inline(never)]
+    fn remove_spilled(
+        &self,
+        home: u64,
+        h: u64,
+        addr: u64,
+        keep: bool,
+    ) -> Option<(u64, Option<u32>)> {
+        let spill = self.spill_shard(addr, h);
+        if spill == home {
+            return None;
+        }
+        let _g = self.lock(spill);
+        self.remove_locked(spill, h, addr, keep)
     }
 
     /// Adjusts the shard's live bytes. Caller holds the shard lock.
@@ -958,6 +1012,7 @@ impl<'a> AllocationsWriter<'a> {
     }
 
     #[allow(clippy::too_many_arguments)] // the encoded record's words
+    #[inline(always)]
     fn insert_locked(
         &self,
         shard: u64,
@@ -1046,6 +1101,7 @@ impl<'a> AllocationsWriter<'a> {
 
     /// Removes `addr`; returns its size and, when `keep_node`, the freed
     /// node (marked free but not put on the shard's free list).
+    #[inline(always)]
     fn remove_locked(
         &self,
         shard: u64,
@@ -1098,11 +1154,7 @@ impl<'a> AllocationsWriter<'a> {
             self.remove_locked(home, h, addr, keep)
         };
         if r.is_none() && self.spilled(home) {
-            let spill = self.spill_shard(addr, h);
-            if spill != home {
-                let _g = self.lock(spill);
-                r = self.remove_locked(spill, h, addr, keep);
-            }
+            r = self.remove_spilled(home, h, addr, keep);
         }
         let (size, kept) = r?;
         if let (Some(node), Some(c)) = (kept, cache.as_mut()) {
