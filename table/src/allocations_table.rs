@@ -24,19 +24,22 @@
 //! *spill shard* (chosen by the hash alone, over the whole table) and the
 //! home shard is marked as having spilled (`S_SPILLED`, never cleared);
 //! lookups that miss in a spilled shard look in the spill shard too. The
-//! choice of shard is the writers' business only. Each holds a writer spin lock, a free-node list, and an open-addressed
-//! index (linear probing, tombstones) of `u32` slots `tag << 27 | node + 1`
-//! mapping addresses to nodes, and the shard's share of the process-wide
-//! counters (live blocks = index length, total allocations and bytes at
-//! bytes 24 and 32), written under the lock with plain stores so the
-//! allocation path hits no shared counter but the live-bytes word (kept
-//! global for an exact peak). [`crate::header::read_counters`] sums them.
-//! A removal leaves a tombstone only when a probe sequence may run through
-//! the slot (the next slot is not empty); otherwise the slot, and the
-//! tombstones just before it, become empty again. The index lives in one of two per-shard
+//! choice of shard is the writers' business only.
+//!
+//! Each shard holds a writer spin lock, a free-node list, and an
+//! open-addressed index (linear probing, tombstones) of `u32` slots
+//! `tag << 27 | node + 1` mapping addresses to nodes, and the shard's share
+//! of the process-wide counters (live blocks = index length, total
+//! allocations and bytes at bytes 24 and 32, live bytes at 40), written
+//! under the lock with plain stores so the allocation path hits no shared
+//! counter. [`crate::header::read_counters`] sums them. A removal leaves a
+//! tombstone only when a probe sequence may run through the slot (the next
+//! slot is not empty); otherwise the slot, and the tombstones just before
+//! it, become empty again. The index lives in one of two per-shard
 //! windows; it grows and shrinks by rehashing into the other window and
 //! returning the old window's pages (`MADV_REMOVE`), so index memory
-//! follows the live count. Readers never look at shards or indexes.
+//! follows the live count. Readers read only the shards' counters, never
+//! their locks or indexes.
 //!
 //! Invariants:
 //! - A node's words change only under its shard's lock, always inside a
