@@ -483,6 +483,12 @@ impl<'a> AllocationsWriter<'a> {
         }
     }
 
+    /// How many shards ever spilled blocks into other shard groups (an
+    /// address range held more blocks than its group's indexes could).
+    pub fn spilled_shards(&self) -> u64 {
+        (0..self.layout.shards).filter(|s| self.spilled(*s)).count() as u64
+    }
+
     /// True when `shard` ever spilled (see `S_SPILLED`). Relaxed: it is set
     /// under the shard's lock before the spilled block is inserted, and a
     /// lookup of that block happens after its insert.

@@ -51,23 +51,56 @@ fn check_relation(r: &AllocationRecord) {
     assert_eq!(*r, expected, "torn or corrupted record");
 }
 
-/// Address space of writer `t`: pinned blocks, then churn blocks.
-fn pinned_addr(t: u64, i: u64) -> u64 {
-    0x1000_0000_0000 * (t + 1) + 0x10 * i
+/// Where writer `t` puts its blocks: pinned blocks, then churn blocks (the
+/// `CHURN_BIT` of an address says which).
+struct Addresses {
+    pinned: fn(u64, u64) -> u64,
+    churn: fn(u64, u64) -> u64,
 }
 
-fn churn_addr(t: u64, i: u64) -> u64 {
-    0x1000_0000_0000 * (t + 1) + 0x100_0000 + 0x20 * i
-}
+const CHURN_BIT: u64 = 0x10_0000;
+
+/// Each writer in an address range of its own (its own shard group).
+const OWN_RANGES: Addresses = Addresses {
+    pinned: |t, i| 0x1000_0000_0000 * (t + 1) + 0x10 * i,
+    churn: |t, i| 0x1000_0000_0000 * (t + 1) + CHURN_BIT + 0x20 * i,
+};
+
+/// All writers in one 64 MiB range (one shard group), 2 MiB apart.
+const ONE_RANGE: Addresses = Addresses {
+    pinned: |t, i| 0x7f00_0000_0000 + 0x20_0000 * t + 0x10 * i,
+    churn: |t, i| 0x7f00_0000_0000 + 0x20_0000 * t + CHURN_BIT + 0x20 * i,
+};
 
 #[test]
 fn writers_and_a_walking_reader() {
-    let region = AllocationsWriter::create_region(AllocationsConfig {
+    // Few shards: writers contend on shard locks and indexes rehash.
+    let cfg = AllocationsConfig {
         capacity: 1 << 16,
-        // Few shards: writers contend on shard locks and indexes rehash.
         shards: 4,
-    })
-    .unwrap();
+    };
+    let spilled = exercise(cfg, &OWN_RANGES);
+    assert_eq!(spilled, 0);
+}
+
+#[test]
+fn writers_crowding_one_address_range_spill_while_a_reader_walks() {
+    // 16 shards in 4 groups of 4, 1024-slot indexes holding 896 blocks
+    // each: one group takes 3584 blocks, and the writers keep ~5 500 live
+    // in one range, so the group spills into the others while the reader
+    // walks and the writers remove, rewrite and move blocks.
+    let cfg = AllocationsConfig {
+        capacity: 8192,
+        shards: 16,
+    };
+    let spilled = exercise(cfg, &ONE_RANGE);
+    assert!(spilled > 0, "the crowded group never spilled");
+}
+
+/// Runs the writers and the reader; returns how many shards spilled.
+fn exercise(cfg: AllocationsConfig, addrs: &Addresses) -> u64 {
+    let (pinned_addr, churn_addr) = (addrs.pinned, addrs.churn);
+    let region = AllocationsWriter::create_region(cfg).unwrap();
     let writer = AllocationsWriter::new(&region).unwrap();
     let reader_region = region.open_reader().unwrap();
     let reader = AllocationsReader::new(&reader_region).unwrap();
@@ -176,7 +209,7 @@ fn writers_and_a_walking_reader() {
                 seen.clear();
                 let stats = reader.walk(|r| {
                     check_relation(r);
-                    if r.address & 0x100_0000 == 0 {
+                    if r.address & CHURN_BIT == 0 {
                         *seen.entry(r.address).or_insert(0) += 1;
                     }
                 });
@@ -213,4 +246,5 @@ fn writers_and_a_walking_reader() {
     assert_eq!(c.live_blocks, model.len() as u64);
     assert_eq!(c.live_bytes, model.values().map(|r| r.size).sum::<u64>());
     assert_eq!(c.dropped_total(), 0);
+    writer.spilled_shards()
 }
