@@ -20,7 +20,7 @@
 
 use std::cell::{Cell, UnsafeCell};
 use std::mem::MaybeUninit;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 
 use heapdump_table::header::{read_counters, DroppedReason, HeaderCounters};
 use heapdump_table::stack_compression::{encode_into, MAX_ENCODED_LEN, MAX_FRAMES};
@@ -45,6 +45,14 @@ static NOT_READY: AtomicU64 = AtomicU64::new(0);
 static ONCE_HOOKS: AtomicBool = AtomicBool::new(false);
 /// pthread key whose destructor settles a thread's node cache at exit.
 static EXIT_KEY: AtomicU64 = AtomicU64::new(u64::MAX);
+/// The allocator's own free (`unsafe extern "C" fn(*mut c_void)`), set by
+/// the preload library; 0 = frees are never deferred.
+static RELEASE: AtomicUsize = AtomicUsize::new(0);
+
+/// Frees of recorded blocks up to this size may have their release to the
+/// allocator deferred (bounds what a quiet thread keeps back:
+/// `DEFER_DEPTH` blocks of at most this size).
+pub const DEFER_MAX_SIZE: u64 = 16 << 10;
 
 /// A static slot written once per generation before READY is published.
 struct Slot<T>(UnsafeCell<MaybeUninit<T>>);
@@ -256,6 +264,10 @@ extern "C" fn after_fork_child() {
 /// pending live bytes to the table.
 extern "C" fn thread_exit(_value: *mut libc::c_void) {
     with_thread(|t| {
+        // Frees after this point (other TLS destructors) are released at
+        // once; the ones held back are released now.
+        t.no_defer.set(true);
+        release_deferred(t);
         if let Some(w) = writers() {
             if t.generation.get() == GENERATION.load(Ordering::Relaxed) {
                 // SAFETY: `with_thread` set this thread's busy flag.
@@ -369,8 +381,38 @@ fn name_changed(t: &ThreadState) -> bool {
 fn enter_generation(t: &ThreadState) {
     let generation = GENERATION.load(Ordering::Relaxed);
     if t.generation.get() != generation {
+        // In a forked child, blocks the parent thread held back are still
+        // allocated in the child's copy of the heap: release them.
+        release_deferred(t);
         t.reset(generation);
     }
+}
+
+/// Releases the blocks this thread holds back (see [`on_free_deferred`]).
+fn release_deferred(t: &ThreadState) {
+    for addr in t.deferred.take() {
+        release(addr);
+    }
+}
+
+/// Hands `addr` to the allocator's own free (set by [`set_release`]).
+fn release(addr: usize) {
+    let f = RELEASE.load(Ordering::Relaxed);
+    if f != 0 && addr != 0 {
+        // SAFETY: RELEASE only ever holds a value stored by `set_release`
+        // from a function pointer of exactly this type.
+        let f: unsafe extern "C" fn(*mut libc::c_void) = unsafe { std::mem::transmute(f) };
+        // SAFETY: `addr` is a block the program freed, held back by this
+        // thread and released exactly once (taken out of `deferred`).
+        unsafe { f(addr as *mut libc::c_void) }
+    }
+}
+
+/// Lets [`on_free_deferred`] hold freed blocks back, releasing them later
+/// with `free` (the allocator's own, not an interposed one). Called once
+/// by the preload library at start.
+pub fn set_release(free: unsafe extern "C" fn(*mut libc::c_void)) {
+    RELEASE.store(free as usize, Ordering::Relaxed);
 }
 
 #[inline]
@@ -559,6 +601,53 @@ pub fn on_free(addr: usize) -> Option<u64> {
             .remove_cached(addr as u64, unsafe { t.nodes() })
     })
     .flatten()
+}
+
+/// [`on_free`] for a `free(3)` whose caller then releases the returned
+/// address (0: nothing) to the allocator.
+///
+/// The block leaves the table at once, so snapshots and counters are exact
+/// as soon as `free` returns; only its release to the allocator may wait
+/// for this thread's next two frees (a recorded block of at most
+/// [`DEFER_MAX_SIZE`] bytes, on a thread with an exit hook, once
+/// [`set_release`] was called). Its allocator header was prefetched now,
+/// so the allocator's own misses on it overlap with the program's work in
+/// between instead of stalling it. Held-back blocks are released at
+/// thread exit and in a forked child.
+#[inline]
+pub fn on_free_deferred(addr: usize) -> usize {
+    if addr == 0 {
+        return 0;
+    }
+    with_thread(|t| {
+        let Some(w) = writers() else { return addr };
+        let ablate = w.config.ablate;
+        if ablation::off(ablate, ablation::ALL | ablation::TABLE) {
+            return addr;
+        }
+        heapdump_table::allocations_table::prefetch_line((addr as *const u8).wrapping_sub(16));
+        enter_generation(t);
+        // SAFETY: `with_thread` set this thread's busy flag.
+        let size = w
+            .allocations
+            .remove_cached(addr as u64, unsafe { t.nodes() });
+        let can_defer = !t.no_defer.get()
+            && t.thread_key.get() != 0
+            && EXIT_KEY.load(Ordering::Relaxed) != u64::MAX
+            && RELEASE.load(Ordering::Relaxed) != 0;
+        match size {
+            Some(s) if s <= DEFER_MAX_SIZE && can_defer => {
+                let held = t.deferred.get();
+                let mut next = [0; crate::thread_state::DEFER_DEPTH];
+                next[0] = addr;
+                next[1..].copy_from_slice(&held[..held.len() - 1]);
+                t.deferred.set(next);
+                held[held.len() - 1]
+            }
+            _ => addr,
+        }
+    })
+    .unwrap_or(addr)
 }
 
 /// Snapshot of the agent's process-wide counters.

@@ -91,7 +91,16 @@ pub struct ThreadState {
     /// Free table nodes and pending live bytes of this thread. Only
     /// touched through [`ThreadState::nodes`] while `busy` is set.
     nodes: UnsafeCell<NodeCache>,
+    /// Blocks this thread freed (already out of the table) whose release
+    /// to the allocator waits for the thread's next frees, newest first;
+    /// 0 = empty. See `recorder::on_free_deferred`.
+    pub deferred: Cell<[usize; DEFER_DEPTH]>,
+    /// The thread is exiting: frees are released at once from now on.
+    pub no_defer: Cell<bool>,
 }
+
+/// How many freed blocks a thread keeps back from the allocator.
+pub const DEFER_DEPTH: usize = 2;
 
 // A `const` item (not a static) on purpose: it is the array initialiser,
 // copied into each thread's state, never shared.
@@ -114,6 +123,8 @@ thread_local! {
             cache: [EMPTY_SET; CACHE_SETS],
             counters: Cell::new(None),
             nodes: UnsafeCell::new(NodeCache::new()),
+            deferred: Cell::new([0; DEFER_DEPTH]),
+            no_defer: Cell::new(false),
         }
     };
 }

@@ -2,7 +2,8 @@
 //! through: thread exit storms with allocating TLS destructors, allocation
 //! before main and after it returns, fork and fork+exec, snapshot requests
 //! by signal and API (and a program that handles the signal itself), a full
-//! table, C++ new/delete, and HEAPDUMP_DISABLE.
+//! table, C++ new/delete, HEAPDUMP_DISABLE, and frees whose release to
+//! glibc is held back.
 
 use std::os::unix::process::CommandExt;
 use std::process::Command;
@@ -37,6 +38,18 @@ fn thread_exit_storm_keeps_exact_accounting() {
     assert_eq!(d.counters.dropped_total(), 0, "{:?}", d.counters.dropped);
     let status = target.finish();
     assert!(status.success(), "atexit allocation crashed it: {status:?}");
+}
+
+#[test]
+fn held_back_frees_reach_glibc_at_thread_exit_and_in_a_forked_child() {
+    let exe = compile_c("deferred");
+    let out = preloaded(&exe).output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains("all held"),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 #[test]

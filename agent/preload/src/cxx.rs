@@ -10,7 +10,7 @@
 use std::ffi::{c_void, CStr};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use heapdump_agent::recorder::{on_alloc, on_free, Role};
+use heapdump_agent::recorder::{on_alloc, on_free_deferred, Role};
 use heapdump_agent::stack_capture::frame_pointer;
 
 use crate::{__libc_free, __libc_malloc, __libc_memalign};
@@ -111,10 +111,13 @@ fn delete(p: *mut c_void) {
     if p.is_null() {
         return;
     }
-    on_free(p as usize);
-    // SAFETY: the pointer came from one of the operators above (or
-    // libstdc++'s, which use malloc), so glibc's free releases it.
-    unsafe { __libc_free(p) }
+    let release = on_free_deferred(p as usize);
+    if release != 0 {
+        // SAFETY: the pointer came from one of the operators above (or
+        // libstdc++'s, which use malloc), so glibc's free releases it;
+        // `release` is `p` or a block held back earlier (released once).
+        unsafe { __libc_free(release as *mut c_void) }
+    }
 }
 
 /// `operator new(size_t)`.

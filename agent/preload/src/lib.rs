@@ -23,7 +23,7 @@
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use heapdump_agent::recorder::{on_alloc, on_free, Role};
+use heapdump_agent::recorder::{on_alloc, on_free, on_free_deferred, Role};
 use heapdump_agent::stack_capture::frame_pointer;
 
 extern "C" {
@@ -52,6 +52,7 @@ fn page_size() -> usize {
 /// Runs at load time: start the agent (regions, signal handler) before
 /// `main`, so a snapshot signal never finds it absent.
 extern "C" fn preload_init() {
+    heapdump_agent::recorder::set_release(__libc_free);
     heapdump_agent::start();
 }
 
@@ -75,9 +76,12 @@ pub unsafe extern "C" fn free(p: *mut c_void) {
     if p.is_null() {
         return;
     }
-    on_free(p as usize);
-    // SAFETY: glibc's free, same contract.
-    unsafe { __libc_free(p) }
+    let release = on_free_deferred(p as usize);
+    if release != 0 {
+        // SAFETY: glibc's free, same contract: `release` is `p` or a block
+        // this thread freed earlier and held back (never released twice).
+        unsafe { __libc_free(release as *mut c_void) }
+    }
 }
 
 /// `calloc(3)`.
