@@ -15,19 +15,30 @@ use crate::stack_capture::frame_pointer;
 #[derive(Debug, Default)]
 pub struct Agent<A = System> {
     inner: A,
+    /// Blocks go back through `libc::free` (true only over `System`,
+    /// whose `dealloc` is exactly that on Unix), so their release may be
+    /// held back like the preload library's (see
+    /// `recorder::on_free_deferred`).
+    hold_back: bool,
 }
 
 impl Agent<System> {
     /// The agent over the system allocator, usable in a `static`.
     pub const fn system() -> Self {
-        Agent { inner: System }
+        Agent {
+            inner: System,
+            hold_back: true,
+        }
     }
 }
 
 impl<A> Agent<A> {
     /// The agent over any allocator, usable in a `static`.
     pub const fn new(inner: A) -> Self {
-        Agent { inner }
+        Agent {
+            inner,
+            hold_back: false,
+        }
     }
 
     /// The inner allocator.
@@ -61,6 +72,19 @@ unsafe impl<A: GlobalAlloc> GlobalAlloc for Agent<A> {
 
     #[inline]
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        if self.hold_back {
+            // `System` on Unix deallocates every layout with `free`, so a
+            // block held back now can be released later with `free` alone.
+            recorder::use_release(libc::free);
+            let release = recorder::on_free_deferred(ptr as usize);
+            if release != 0 {
+                // SAFETY: `release` is `ptr` or a block this thread freed
+                // earlier and held back, allocated by `System` (malloc,
+                // calloc, posix_memalign), released exactly once.
+                unsafe { libc::free(release as *mut libc::c_void) }
+            }
+            return;
+        }
         // Remove first: once freed, the address may be handed to another
         // thread, whose record must not be removed by us.
         recorder::on_free(ptr as usize);

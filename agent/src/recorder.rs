@@ -408,6 +408,15 @@ fn release(addr: usize) {
     }
 }
 
+/// [`set_release`] unless a release function is already set (the Rust
+/// `Agent` calls this on every deallocation: one relaxed load).
+#[inline]
+pub fn use_release(free: unsafe extern "C" fn(*mut libc::c_void)) {
+    if RELEASE.load(Ordering::Relaxed) == 0 {
+        set_release(free);
+    }
+}
+
 /// Lets [`on_free_deferred`] hold freed blocks back, releasing them later
 /// with `free` (the allocator's own, not an interposed one). Called once
 /// by the preload library at start.

@@ -53,6 +53,19 @@ fn held_back_frees_reach_glibc_at_thread_exit_and_in_a_forked_child() {
 }
 
 #[test]
+fn rust_agent_held_back_deallocs_reach_glibc_at_thread_exit_and_in_a_forked_child() {
+    let out = Command::new(env!("CARGO_BIN_EXE_rust_deferred"))
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains("all held"),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
 fn fork_child_gets_own_regions_and_exec_inherits_none() {
     let exe = compile_c("forkexec");
     let mut target = Target::spawn_until(preloaded(&exe), "child-fds");
