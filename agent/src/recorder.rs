@@ -595,21 +595,36 @@ pub fn on_free(addr: usize) -> Option<u64> {
     if addr == 0 {
         return None;
     }
-    with_thread(|t| {
-        let w = writers()?;
-        let ablate = w.config.ablate;
-        if ablation::off(ablate, ablation::ALL | ablation::TABLE) {
-            return None;
-        }
-        // The allocator reads the block's header right after us: let that
-        // miss overlap with the table's.
-        heapdump_table::allocations_table::prefetch_line((addr as *const u8).wrapping_sub(16));
-        enter_generation(t);
-        // SAFETY: `with_thread` set this thread's busy flag.
-        w.allocations
-            .remove_cached(addr as u64, unsafe { t.nodes() })
-    })
-    .flatten()
+    with_thread(|t| remove_block(t, writers()?, addr)).flatten()
+}
+
+/// Takes the block at `addr` out of the table (the common part of
+/// [`on_free`] and [`on_free_deferred`]); its size if it was recorded.
+/// Must be called with this thread's `busy` flag set.
+#[inline]
+fn remove_block(t: &ThreadState, w: &Writers, addr: usize) -> Option<u64> {
+    if ablation::off(w.config.ablate, ablation::ALL | ablation::TABLE) {
+        return None;
+    }
+    // The allocator reads the block's header soon after us: start that
+    // miss now.
+    heapdump_table::allocations_table::prefetch_line((addr as *const u8).wrapping_sub(16));
+    enter_generation(t);
+    // SAFETY: the caller set this thread's busy flag.
+    w.allocations
+        .remove_cached(addr as u64, unsafe { t.nodes() })
+}
+
+/// Whether this thread may hold a freed block back (see
+/// [`on_free_deferred`]): it is not exiting, its exit hook is registered
+/// (so held-back blocks are released when it ends), and a release function
+/// is set.
+#[inline]
+fn can_hold_back(t: &ThreadState) -> bool {
+    !t.no_defer.get()
+        && t.thread_key.get() != 0
+        && EXIT_KEY.load(Ordering::Relaxed) != u64::MAX
+        && RELEASE.load(Ordering::Relaxed) != 0
 }
 
 /// [`on_free`] for a `free(3)` whose caller then releases the returned
@@ -630,22 +645,8 @@ pub fn on_free_deferred(addr: usize) -> usize {
     }
     with_thread(|t| {
         let Some(w) = writers() else { return addr };
-        let ablate = w.config.ablate;
-        if ablation::off(ablate, ablation::ALL | ablation::TABLE) {
-            return addr;
-        }
-        heapdump_table::allocations_table::prefetch_line((addr as *const u8).wrapping_sub(16));
-        enter_generation(t);
-        // SAFETY: `with_thread` set this thread's busy flag.
-        let size = w
-            .allocations
-            .remove_cached(addr as u64, unsafe { t.nodes() });
-        let can_defer = !t.no_defer.get()
-            && t.thread_key.get() != 0
-            && EXIT_KEY.load(Ordering::Relaxed) != u64::MAX
-            && RELEASE.load(Ordering::Relaxed) != 0;
-        match size {
-            Some(s) if s <= DEFER_MAX_SIZE && can_defer => {
+        match remove_block(t, w, addr) {
+            Some(s) if s <= DEFER_MAX_SIZE && can_hold_back(t) => {
                 let held = t.deferred.get();
                 let mut next = [0; crate::thread_state::DEFER_DEPTH];
                 next[0] = addr;

@@ -40,10 +40,11 @@ fn thread_exit_storm_keeps_exact_accounting() {
     assert!(status.success(), "atexit allocation crashed it: {status:?}");
 }
 
-#[test]
-fn held_back_frees_reach_glibc_at_thread_exit_and_in_a_forked_child() {
-    let exe = compile_c("deferred");
-    let out = preloaded(&exe).output().unwrap();
+/// Runs a self-checking held-back-frees program (`tests/c/deferred.c`
+/// or its Rust twin): it exits 0 and prints "all held" when every check
+/// against glibc's accounting holds.
+fn assert_all_held(mut cmd: Command) {
+    let out = cmd.output().unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success() && stdout.contains("all held"),
@@ -53,16 +54,13 @@ fn held_back_frees_reach_glibc_at_thread_exit_and_in_a_forked_child() {
 }
 
 #[test]
+fn held_back_frees_reach_glibc_at_thread_exit_and_in_a_forked_child() {
+    assert_all_held(preloaded(&compile_c("deferred")));
+}
+
+#[test]
 fn rust_agent_held_back_deallocs_reach_glibc_at_thread_exit_and_in_a_forked_child() {
-    let out = Command::new(env!("CARGO_BIN_EXE_rust_deferred"))
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success() && stdout.contains("all held"),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_all_held(Command::new(env!("CARGO_BIN_EXE_rust_deferred")));
 }
 
 #[test]

@@ -10,10 +10,10 @@
 use std::ffi::{c_void, CStr};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use heapdump_agent::recorder::{on_alloc, on_free_deferred, Role};
+use heapdump_agent::recorder::{on_alloc, Role};
 use heapdump_agent::stack_capture::frame_pointer;
 
-use crate::{__libc_free, __libc_malloc, __libc_memalign};
+use crate::{__libc_malloc, __libc_memalign};
 
 struct Next {
     name: &'static CStr,
@@ -106,18 +106,11 @@ fn nothrow(size: usize, align: usize, fp: usize) -> *mut c_void {
     p
 }
 
+/// The pointer came from one of the operators above (or libstdc++'s,
+/// which use malloc), so glibc's free releases it.
 #[inline(always)]
 fn delete(p: *mut c_void) {
-    if p.is_null() {
-        return;
-    }
-    let release = on_free_deferred(p as usize);
-    if release != 0 {
-        // SAFETY: the pointer came from one of the operators above (or
-        // libstdc++'s, which use malloc), so glibc's free releases it;
-        // `release` is `p` or a block held back earlier (released once).
-        unsafe { __libc_free(release as *mut c_void) }
-    }
+    crate::free_block(p)
 }
 
 /// `operator new(size_t)`.

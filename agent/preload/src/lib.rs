@@ -73,13 +73,22 @@ pub unsafe extern "C" fn malloc(size: usize) -> *mut c_void {
 /// `free(3)`: the block leaves the table before the memory is released.
 #[no_mangle]
 pub unsafe extern "C" fn free(p: *mut c_void) {
+    free_block(p)
+}
+
+/// Takes `p` (a glibc block, or null) out of the table and hands it, or
+/// a block this thread held back earlier, to glibc (`free` and C++
+/// `delete`).
+#[inline(always)]
+fn free_block(p: *mut c_void) {
     if p.is_null() {
         return;
     }
     let release = on_free_deferred(p as usize);
     if release != 0 {
         // SAFETY: glibc's free, same contract: `release` is `p` or a block
-        // this thread freed earlier and held back (never released twice).
+        // this thread freed earlier and held back (never released twice),
+        // and every block here came from glibc.
         unsafe { __libc_free(release as *mut c_void) }
     }
 }
