@@ -9,6 +9,7 @@
 //! After `fork`, a child briefly holds its parent's regions: only regions
 //! whose header names the inspected pid as writer are trusted.
 
+use std::collections::HashMap;
 use std::fs;
 use std::io;
 use std::path::PathBuf;
@@ -27,6 +28,10 @@ pub struct Target {
     pub name: String,
     /// Command line when opened (may be empty).
     pub cmdline: Vec<String>,
+    /// Start time of the process (`/proc/PID/stat`, clock ticks after
+    /// boot) when opened: tells the same process from a later one that
+    /// reused its pid.
+    pub start_time: Option<u64>,
     /// The resources region (stacks, threads).
     pub resources: RegionReader,
     /// The allocations region (live blocks, counters, requests).
@@ -38,6 +43,44 @@ impl Target {
     pub fn counters(&self) -> Result<Counters, TableError> {
         Ok(AllocationsReader::new(&self.allocations)?.counters())
     }
+
+    /// The current names of the target's live threads (`/proc/PID/task/TID/comm`)
+    /// by tid, or `None` when the process is gone (or its pid now belongs
+    /// to another process) or cannot be read. A thread renamed after it
+    /// last allocated shows under its current name this way.
+    pub fn live_thread_names(&self) -> Option<HashMap<u64, String>> {
+        let started = self.start_time?;
+        if start_time(self.pid) != Some(started) {
+            return None;
+        }
+        let mut names = HashMap::new();
+        for e in fs::read_dir(format!("/proc/{}/task", self.pid))
+            .ok()?
+            .flatten()
+        {
+            let Some(tid) = e.file_name().to_str().and_then(|t| t.parse::<u64>().ok()) else {
+                continue;
+            };
+            if let Ok(n) = fs::read_to_string(e.path().join("comm")) {
+                names.insert(tid, n.trim_end_matches('\n').to_string());
+            }
+        }
+        // Still the same process after reading: the names are its own.
+        (start_time(self.pid) == Some(started)).then_some(names)
+    }
+}
+
+/// Start time of `pid` (field 22 of `/proc/PID/stat`), if it runs.
+pub fn start_time(pid: u32) -> Option<u64> {
+    stat_start_time(&fs::read_to_string(format!("/proc/{pid}/stat")).ok()?)
+}
+
+/// Field 22 (start time) of a `/proc/PID/stat` line.
+fn stat_start_time(stat: &str) -> Option<u64> {
+    // The name (field 2) may hold spaces and parentheses: count fields
+    // after its closing parenthesis, the last one in the line.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    rest.split_ascii_whitespace().nth(19)?.parse().ok()
 }
 
 /// Why a process could not be opened.
@@ -251,6 +294,7 @@ pub fn open_target(pid: u32) -> Result<Target, DiscoveryError> {
         (Some(resources), Some(allocations)) => Ok(Target {
             pid,
             cmdline: cmdline(pid),
+            start_time: start_time(pid),
             name,
             resources,
             allocations,
@@ -336,4 +380,22 @@ pub fn instrumented_pids() -> Vec<u32> {
         .filter(|e| e.state.is_ok())
         .map(|e| e.pid)
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn start_time_is_field_22_even_when_the_name_has_spaces_and_parentheses() {
+        let stat =
+            "4242 (a (b) c) S 1 4242 4242 0 -1 4194560 100 0 0 0 1 2 0 0 20 0 1 0 987654 1234 56";
+        assert_eq!(stat_start_time(stat), Some(987_654));
+        assert_eq!(stat_start_time("4242 (x"), None);
+        assert_eq!(stat_start_time("4242 (x) S 1"), None);
+        // This process: readable and stable.
+        let me = std::process::id();
+        assert!(start_time(me).is_some());
+        assert_eq!(start_time(me), start_time(me));
+    }
 }

@@ -388,6 +388,11 @@ pub fn run(opts: FakeOptions) -> Result<(), Box<dyn std::error::Error>> {
         clock_base_ns: alloc_region.header().clock_monotonic_ns,
         next_addr: &next_addr,
     };
+    // The dumper shows live threads under their current OS names: give the
+    // main thread the name it is recorded under (this also becomes the
+    // process name).
+    // SAFETY: PR_SET_NAME reads a NUL-terminated string of up to 16 bytes.
+    unsafe { libc::prctl(libc::PR_SET_NAME, c"fake-main".as_ptr()) };
     let main_thread = fake.thread("fake-main");
     // Main thread's sites, then each worker on its own named thread.
     fake.run_plan("fake-main", main_thread);

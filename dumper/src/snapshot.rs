@@ -296,13 +296,26 @@ pub fn take(
     let mut thread_index: HashMap<ResourceKey, usize> = HashMap::new();
     let mut recs = thread_records;
     recs.sort_by_key(|(_, t)| t.serial);
+    // The latest record of each tid (a tid can be reused by a later thread).
+    let mut latest: HashMap<u64, usize> = HashMap::new();
     for (key, t) in recs {
         thread_index.insert(key, threads.len());
+        latest.insert(t.tid, threads.len());
         threads.push(ThreadStat {
             tid: t.tid,
             name: t.name,
             ..Default::default()
         });
+    }
+    // Threads still running show under their current names (the agent
+    // records a name when the thread starts allocating and re-reads it
+    // only now and then).
+    if let Some(live) = target.live_thread_names() {
+        for (tid, i) in latest {
+            if let Some(name) = live.get(&tid) {
+                threads[i].name.clone_from(name);
+            }
+        }
     }
 
     // Sites: every catalog stack, plus any live key missing from it.

@@ -173,6 +173,49 @@ fn snapshot_json_of_c_program_under_preload_is_exact() {
     assert!(target.finish().success());
 }
 
+#[test]
+fn a_live_thread_shows_under_its_current_name() {
+    let mut cmd = Command::new(compile_c("rename"));
+    cmd.env("LD_PRELOAD", preload_lib());
+    let mut target = Target::spawn(cmd);
+    let pid = target.pid();
+    let dir = TempDir::new("rename");
+    let snapshot = |file: &str| -> Value {
+        let path = dir.str(file);
+        let out = heapdump(&[
+            "snapshot",
+            &pid.to_string(),
+            "--format",
+            "json",
+            "-o",
+            &path,
+        ]);
+        assert!(out.status.success(), "{}", stderr(&out));
+        read_json(Path::new(&path))
+    };
+    assert_eq!(
+        json_threads(&snapshot("before.json")).get("before-name"),
+        Some(&(20, 20 * 300))
+    );
+    target.send("rename");
+    target.wait_line("renamed");
+    // The agent's record still has the name the thread allocated under
+    // (it did not allocate since); the dumper shows the current one.
+    let truth = dump(pid);
+    assert_eq!(
+        truth_threads(&truth).get("before-name"),
+        Some(&(20, 20 * 300))
+    );
+    let threads = json_threads(&snapshot("after.json"));
+    assert_eq!(
+        threads.get("after-name"),
+        Some(&(20, 20 * 300)),
+        "{threads:?}"
+    );
+    assert_eq!(threads.get("before-name"), None, "{threads:?}");
+    assert!(target.finish().success());
+}
+
 /// Frames of a JSON site up to (not including) the first in `crate_prefix`,
 /// and that frame's function.
 fn split_at_crate<'a>(site: &'a Value, crate_prefix: &str) -> Option<(Vec<&'a str>, &'a str)> {
