@@ -3,10 +3,14 @@
  * allocates a new one (a malloc+free pair) from one of 16 call sites,
  * reached through a recursion of depth 8..32, with sizes 16..4096.
  *
- *   churn [THREADS] [EVENTS] [RING]   (defaults: 1, 2000000, 100000)
+ *   churn [THREADS] [EVENTS] [RING] [DEPTH]   (defaults: 1, 2000000, 100000, 0)
+ *
+ * DEPTH > 0 reaches every call site through exactly DEPTH levels of
+ * recursion instead of 8..32 (a stack of DEPTH + 5 frames with the leaf,
+ * the thread's entry and libc's two).
  *
  * Events and ring are split between threads. Prints one line:
- *   churn threads=T events=E ring=R ns_per_pair=X
+ *   churn threads=T events=E ring=R depth=D ns_per_pair=X
  * The time covers only the churn loop (not set-up or exit).
  *
  * With CHURN_PAUSE=1 in the environment, after the loop (the ring still
@@ -39,6 +43,10 @@ __attribute__((noinline)) void *descend(int depth, unsigned site, size_t size) {
 
 struct job { long events; long ring; unsigned seed; };
 
+static int fixed_depth; /* 0: 8..32 */
+
+static int depth_of(unsigned x) { return fixed_depth ? fixed_depth : 8 + (x >> 8) % 25; }
+
 static uint64_t now_ns(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -56,14 +64,14 @@ static void *run(void *arg) {
     /* fill the ring first (not timed) */
     for (long i = 0; i < j->ring; i++) {
         x = x * 1103515245u + 12345u;
-        ring[i] = descend(8 + (x >> 8) % 25, x >> 16, 16 + (x >> 4) % 4081);
+        ring[i] = descend(depth_of(x), x >> 16, 16 + (x >> 4) % 4081);
     }
     pthread_barrier_wait(&start);
     for (long i = 0; i < j->events; i++) {
         x = x * 1103515245u + 12345u;
         long slot = i % j->ring;
         free(ring[slot]);
-        ring[slot] = descend(8 + (x >> 8) % 25, x >> 16, 16 + (x >> 4) % 4081);
+        ring[slot] = descend(depth_of(x), x >> 16, 16 + (x >> 4) % 4081);
     }
     pthread_barrier_wait(&start);
     if (pause_after) pthread_barrier_wait(&start); /* released after `ready` */
@@ -76,7 +84,8 @@ int main(int argc, char **argv) {
     int threads = argc > 1 ? atoi(argv[1]) : 1;
     long events = argc > 2 ? atol(argv[2]) : 2000000;
     long ring = argc > 3 ? atol(argv[3]) : 100000;
-    if (threads < 1 || threads > 64) return 2;
+    fixed_depth = argc > 4 ? atoi(argv[4]) : 0;
+    if (threads < 1 || threads > 64 || fixed_depth < 0 || fixed_depth > 200) return 2;
     const char *pe = getenv("CHURN_PAUSE");
     pause_after = pe && *pe && *pe != '0';
     pthread_barrier_init(&start, NULL, threads + 1);
@@ -91,8 +100,8 @@ int main(int argc, char **argv) {
     pthread_barrier_wait(&start);
     t1 = now_ns();
     /* per pair, in wall time of the whole process (threads run together) */
-    printf("churn threads=%d events=%ld ring=%ld ns_per_pair=%.1f\n", threads, events, ring,
-           (double)(t1 - t0) / (double)events * threads);
+    printf("churn threads=%d events=%ld ring=%ld depth=%d ns_per_pair=%.1f\n", threads, events,
+           ring, fixed_depth, (double)(t1 - t0) / (double)events * threads);
     if (pause_after) {
         printf("ready\n");
         fflush(stdout);

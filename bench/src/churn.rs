@@ -1,6 +1,6 @@
 //! The Rust twin of `bench/churn.c`: each event frees the oldest block of
 //! a ring and allocates a new one from one of 16 call sites reached through
-//! a recursion of depth 8..32, sizes 16..4096. Shared by `churn_bare`
+//! a recursion of depth 8..32 (or a fixed depth), sizes 16..4096. Shared by `churn_bare`
 //! (system allocator) and `churn_agent` (heapdump's `Agent`), and by the
 //! other profilers' bins in `bench/rivals` (see `bench/compare`).
 //!
@@ -58,12 +58,18 @@ fn next(x: &mut u32) -> u32 {
     *x
 }
 
-fn event(x: &mut u32) -> Vec<u8> {
+fn event(x: &mut u32, fixed_depth: u32) -> Vec<u8> {
     let r = next(x);
-    descend(8 + (r >> 8) % 25, r >> 16, 16 + ((r >> 4) % 4081) as usize)
+    let depth = if fixed_depth > 0 {
+        fixed_depth
+    } else {
+        8 + (r >> 8) % 25
+    };
+    descend(depth, r >> 16, 16 + ((r >> 4) % 4081) as usize)
 }
 
-/// Runs the churn with `args` = [threads, events, ring]; prints the result.
+/// Runs the churn with `args` = [threads, events, ring, depth] (depth 0:
+/// 8..32 levels of recursion); prints the result.
 pub fn main() {
     let args: Vec<u64> = std::env::args()
         .skip(1)
@@ -72,6 +78,7 @@ pub fn main() {
     let threads = *args.first().unwrap_or(&1) as usize;
     let events = *args.get(1).unwrap_or(&2_000_000);
     let ring = *args.get(2).unwrap_or(&100_000);
+    let depth = (*args.get(3).unwrap_or(&0)).min(200) as u32;
     let pause = std::env::var("CHURN_PAUSE").is_ok_and(|v| !v.is_empty() && v != "0");
     let barrier = Arc::new(Barrier::new(threads + 1));
     let hs: Vec<_> = (0..threads)
@@ -80,12 +87,12 @@ pub fn main() {
             let (ev, rl) = (events / threads as u64, ring / threads as u64);
             std::thread::spawn(move || {
                 let mut x = 12345u32 + 777 * t as u32;
-                let mut ring: Vec<Vec<u8>> = (0..rl).map(|_| event(&mut x)).collect();
+                let mut ring: Vec<Vec<u8>> = (0..rl).map(|_| event(&mut x, depth)).collect();
                 b.wait();
                 for i in 0..ev {
                     let slot = (i % rl) as usize;
                     ring[slot] = Vec::new();
-                    ring[slot] = event(&mut x);
+                    ring[slot] = event(&mut x, depth);
                 }
                 b.wait();
                 if pause {
@@ -100,7 +107,7 @@ pub fn main() {
     barrier.wait();
     let dt = t0.elapsed();
     println!(
-        "churn threads={threads} events={events} ring={ring} ns_per_pair={:.1}",
+        "churn threads={threads} events={events} ring={ring} depth={depth} ns_per_pair={:.1}",
         dt.as_nanos() as f64 / events as f64 * threads as f64
     );
     if pause {
