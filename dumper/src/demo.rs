@@ -95,11 +95,12 @@ pub fn demo(dir: &Path, env: &AgentEnv) -> Result<DemoReport, DemoError> {
             Format::Text,
         ] {
             let path = dir.join(format!("heapdump-demo.{}", f.extension()));
-            output::write_private(&path, &output::render(&snap, f, RenderOptions::default()))
-                .map_err(|source| DemoError::Write {
+            output::write_snapshot(&path, &snap, f, RenderOptions::default()).map_err(
+                |source| DemoError::Write {
                     path: path.clone(),
                     source,
-                })?;
+                },
+            )?;
             files.push((f, path));
         }
         Ok(DemoReport {

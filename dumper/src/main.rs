@@ -392,20 +392,17 @@ fn snapshot_cmd(a: SnapshotArgs) -> Result<i32> {
         },
     )
     .with_context(|| format!("taking a snapshot of pid {}", a.pid))?;
-    let bytes = output::render(
-        &snap,
-        format,
-        RenderOptions {
-            text: TextOptions {
-                top: a.top,
-                depth: a.depth,
-            },
-            per_thread: a.sym.per_thread,
+    let render = RenderOptions {
+        text: TextOptions {
+            top: a.top,
+            depth: a.depth,
         },
-    );
+        per_thread: a.sym.per_thread,
+    };
     match &a.output {
         Some(p) => {
-            output::write_private(p, &bytes).with_context(|| format!("writing {}", p.display()))?;
+            output::write_snapshot(p, &snap, format, render)
+                .with_context(|| format!("writing {}", p.display()))?;
             eprintln!(
                 "wrote {} ({:?}): {} live in {} blocks, {} sites{}",
                 p.display(),
@@ -418,7 +415,14 @@ fn snapshot_cmd(a: SnapshotArgs) -> Result<i32> {
                     .map_or(String::new(), |r| format!(", PARTIAL: {r}"))
             );
         }
-        None => std::io::stdout().lock().write_all(&bytes)?,
+        None => {
+            let mut out = std::io::BufWriter::new(std::io::stdout().lock());
+            match format {
+                Format::Json => heapdump::json_format::write(&snap, &mut out)?,
+                _ => out.write_all(&output::render(&snap, format, render))?,
+            }
+            out.flush()?;
+        }
     }
     if a.timings {
         let t = &snap.timing;

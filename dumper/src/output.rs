@@ -90,15 +90,40 @@ pub fn render(s: &Snapshot, format: Format, opts: RenderOptions) -> Vec<u8> {
 /// Writes `bytes` to `path`, creating it with mode 0600 (and tightening
 /// an existing file to 0600).
 pub fn write_private(path: &Path, bytes: &[u8]) -> io::Result<()> {
-    let mut f = OpenOptions::new()
+    let mut f = create_private(path)?;
+    f.write_all(bytes)?;
+    f.sync_all()
+}
+
+/// Writes `s` rendered in `format` to `path` as [`write_private`] does.
+/// JSON is serialized straight into the file (a large symbolized snapshot
+/// is hundreds of MB of text, never held in memory whole); the other
+/// formats are rendered first.
+pub fn write_snapshot(
+    path: &Path,
+    s: &Snapshot,
+    format: Format,
+    opts: RenderOptions,
+) -> io::Result<()> {
+    let mut w = io::BufWriter::with_capacity(1 << 20, create_private(path)?);
+    match format {
+        Format::Json => crate::json_format::write(s, &mut w)?,
+        _ => w.write_all(&render(s, format, opts))?,
+    }
+    w.into_inner().map_err(|e| e.into_error())?.sync_all()
+}
+
+/// Creates (or truncates) `path` with mode 0600, tightening an existing
+/// file to 0600.
+fn create_private(path: &Path) -> io::Result<fs::File> {
+    let f = OpenOptions::new()
         .write(true)
         .create(true)
         .truncate(true)
         .mode(0o600)
         .open(path)?;
     f.set_permissions(Permissions::from_mode(0o600))?;
-    f.write_all(bytes)?;
-    f.sync_all()
+    Ok(f)
 }
 
 /// Creates a directory for snapshots (mode 0700 when new).

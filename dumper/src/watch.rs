@@ -281,12 +281,12 @@ fn shoot(
     let mut paths = Vec::new();
     for f in &opts.formats {
         let path = opts.dir.join(file_name(pid, w.seq, &reason, &snap, *f));
-        output::write_private(&path, &output::render(&snap, *f, opts.render)).map_err(
-            |source| WatchError::Write {
+        output::write_snapshot(&path, &snap, *f, opts.render).map_err(|source| {
+            WatchError::Write {
                 path: path.clone(),
                 source,
-            },
-        )?;
+            }
+        })?;
         paths.push(path);
     }
     Ok(Written {
