@@ -213,6 +213,18 @@ impl From<&JsonFrame> for Frame {
     }
 }
 
+impl From<&Totals> for JsonTotals {
+    fn from(t: &Totals) -> Self {
+        JsonTotals {
+            live_bytes: t.live_bytes,
+            live_blocks: t.live_blocks,
+            alloc_bytes: t.alloc_bytes,
+            alloc_blocks: t.alloc_blocks,
+            peak_bytes: t.peak_bytes,
+        }
+    }
+}
+
 /// Converts a snapshot to the JSON document.
 pub fn to_json(s: &Snapshot) -> JsonSnapshot {
     let mut dropped = BTreeMap::new();
@@ -225,13 +237,7 @@ pub fn to_json(s: &Snapshot) -> JsonSnapshot {
         process: s.process.clone(),
         cmdline: s.cmdline.clone(),
         taken_at: s.taken_at.map(rfc3339).unwrap_or_default(),
-        totals: JsonTotals {
-            live_bytes: s.totals.live_bytes,
-            live_blocks: s.totals.live_blocks,
-            alloc_bytes: s.totals.alloc_bytes,
-            alloc_blocks: s.totals.alloc_blocks,
-            peak_bytes: s.totals.peak_bytes,
-        },
+        totals: JsonTotals::from(&s.totals),
         dropped,
         threads: s
             .threads
@@ -389,7 +395,7 @@ mod view {
     use serde::ser::{SerializeMap, SerializeStruct};
     use serde::{Serialize, Serializer};
 
-    use super::rfc3339;
+    use super::{rfc3339, JsonTotals};
     use crate::snapshot::{Site, Snapshot};
     use crate::symbolize::Frame;
 
@@ -428,7 +434,7 @@ mod view {
             m.serialize_field("process", &s.process)?;
             m.serialize_field("cmdline", &s.cmdline)?;
             m.serialize_field("taken_at", &s.taken_at.map(rfc3339).unwrap_or_default())?;
-            m.serialize_field("totals", &Totals(s))?;
+            m.serialize_field("totals", &JsonTotals::from(&s.totals))?;
             m.serialize_field("dropped", &Dropped(s))?;
             m.serialize_field(
                 "threads",
@@ -471,22 +477,7 @@ mod view {
         }
     }
 
-    struct Totals<'a>(&'a Snapshot);
-
-    impl Serialize for Totals<'_> {
-        fn serialize<S: Serializer>(&self, ser: S) -> Result<S::Ok, S::Error> {
-            let t = &self.0.totals;
-            let mut m = ser.serialize_struct("JsonTotals", 5)?;
-            m.serialize_field("live_bytes", &t.live_bytes)?;
-            m.serialize_field("live_blocks", &t.live_blocks)?;
-            m.serialize_field("alloc_bytes", &t.alloc_bytes)?;
-            m.serialize_field("alloc_blocks", &t.alloc_blocks)?;
-            m.serialize_field("peak_bytes", &t.peak_bytes)?;
-            m.end()
-        }
-    }
-
-    /// `total` first in key order, as the owned map sorts it.
+    /// `total` and each reason, in key order (as in the owned map).
     struct Dropped<'a>(&'a Snapshot);
 
     impl Serialize for Dropped<'_> {

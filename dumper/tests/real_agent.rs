@@ -129,6 +129,14 @@ fn check_c_pattern_json(j: &Value, d: &Dump) {
     assert_eq!(sum, live_bytes);
 }
 
+/// `heapdump snapshot PID --format json -o PATH`, which must succeed; the
+/// document.
+fn snapshot_json(pid: u32, path: &str) -> Value {
+    let out = heapdump(&["snapshot", &pid.to_string(), "--format", "json", "-o", path]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    read_json(Path::new(path))
+}
+
 fn c_pattern(hold: bool) -> Target {
     let mut cmd = Command::new(compile_c("pattern"));
     cmd.env("LD_PRELOAD", preload_lib());
@@ -145,17 +153,7 @@ fn snapshot_json_of_c_program_under_preload_is_exact() {
     let truth = dump(pid);
     assert_eq!(truth.partial, None);
     let dir = TempDir::new("real-c-json");
-    let json = dir.str("c.json");
-    let out = heapdump(&[
-        "snapshot",
-        &pid.to_string(),
-        "--format",
-        "json",
-        "-o",
-        &json,
-    ]);
-    assert!(out.status.success(), "{}", stderr(&out));
-    let j = read_json(Path::new(&json));
+    let j = snapshot_json(pid, &dir.str("c.json"));
     assert_eq!(u(&j["pid"]), u64::from(pid));
     check_c_pattern_json(&j, &truth);
 
@@ -180,19 +178,7 @@ fn a_live_thread_shows_under_its_current_name() {
     let mut target = Target::spawn(cmd);
     let pid = target.pid();
     let dir = TempDir::new("rename");
-    let snapshot = |file: &str| -> Value {
-        let path = dir.str(file);
-        let out = heapdump(&[
-            "snapshot",
-            &pid.to_string(),
-            "--format",
-            "json",
-            "-o",
-            &path,
-        ]);
-        assert!(out.status.success(), "{}", stderr(&out));
-        read_json(Path::new(&path))
-    };
+    let snapshot = |file: &str| snapshot_json(pid, &dir.str(file));
     assert_eq!(
         json_threads(&snapshot("before.json")).get("before-name"),
         Some(&(20, 20 * 300))
