@@ -323,8 +323,14 @@ pub fn from_json(j: &JsonSnapshot) -> Snapshot {
             .iter()
             .map(|s| {
                 let frames: Vec<Frame> = s.frames.iter().map(Frame::from).collect();
-                let mut addresses: Vec<u64> = frames.iter().map(|f| f.address).collect();
-                addresses.dedup();
+                // One address per group of frames inlined at it: the group
+                // ends with its outermost frame (`inlined: false`). Not a
+                // dedup of equal neighbours: recursion repeats addresses.
+                let addresses: Vec<u64> = frames
+                    .iter()
+                    .filter(|f| !f.inlined)
+                    .map(|f| f.address)
+                    .collect();
                 Site {
                     addresses,
                     frames,
@@ -677,5 +683,21 @@ mod tests {
             back.sites[0].frames[1].function.as_deref(),
             Some("outer<T>::f")
         );
+    }
+
+    #[test]
+    fn addresses_read_back_one_per_inlined_group_and_keep_recursion() {
+        let mut s = sample();
+        s.sites[0].frames = vec![
+            frame(0x1000, Some("inlined_into_f"), true),
+            frame(0x1000, Some("f"), false),
+            frame(0x2000, Some("recurse"), false),
+            frame(0x2000, Some("recurse"), false),
+            frame(0x3000, None, false),
+        ];
+        let j: JsonSnapshot = serde_json::from_slice(&render(&s)).unwrap();
+        let back = from_json(&j);
+        assert_eq!(back.sites[0].addresses, [0x1000, 0x2000, 0x2000, 0x3000]);
+        assert_eq!(back.sites[0].frames, s.sites[0].frames);
     }
 }

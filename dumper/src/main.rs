@@ -12,7 +12,7 @@ use clap::{Args, Parser, Subcommand};
 
 use heapdump::discovery;
 use heapdump::fake_target::{self, Corruption, FakeOptions};
-use heapdump::maps::{read_maps, BuildIds};
+use heapdump::maps::{self, read_maps, BuildIds};
 use heapdump::output::{self, Format, RenderOptions};
 use heapdump::run::{self, AgentEnv};
 use heapdump::snapshot;
@@ -54,8 +54,14 @@ enum Cmd {
     /// Serve Go-compatible `GET /debug/pprof/heap` over HTTP for `go tool
     /// pprof`, Pyroscope / Grafana Alloy and Parca.
     Serve(ServeArgs),
-    /// Growth per stack between two JSON snapshots (B minus A).
+    /// Growth per stack between two JSON snapshots (B minus A), as text
+    /// or as pprof (-o FILE.pb.gz).
     Diff(DiffArgs),
+    /// Symbolize a snapshot taken with --no-symbolize, later or on another
+    /// machine: each mapped file is found by the build ID the snapshot
+    /// recorded; then write it in any format (also re-renders a
+    /// symbolized JSON snapshot in another format).
+    Symbolize(SymbolizeArgs),
     /// Run a program under the preload agent; exits with its status.
     Run(RunArgs),
     /// Start a bundled example workload under the agent, snapshot it
@@ -110,13 +116,13 @@ struct SymArgs {
     keep_allocator_frames: bool,
 }
 
+/// Where a report goes and in which format (`snapshot`, `symbolize`,
+/// `diff`).
 #[derive(Args, Debug)]
-struct SnapshotArgs {
-    /// Process id of the instrumented process.
-    pid: u32,
-    /// Write the snapshot to FILE (mode 0600) instead of a text report on
-    /// stdout. The format follows the name when clear: .pb.gz/.pprof
-    /// pprof, .json JSON, .dhat.json DHAT, .folded, .svg, .txt.
+struct ReportArgs {
+    /// Write to FILE (mode 0600) instead of a text report on stdout. The
+    /// format follows the name when clear: .pb.gz/.pprof pprof, .json JSON,
+    /// .dhat.json DHAT, .folded, .svg, .txt.
     #[arg(short, long, value_name = "FILE")]
     output: Option<PathBuf>,
     /// Output format (default: from the file name, else text).
@@ -128,6 +134,69 @@ struct SnapshotArgs {
     /// Frames shown per site in the text report.
     #[arg(long, default_value_t = 6)]
     depth: usize,
+}
+
+impl ReportArgs {
+    /// The format asked for: the flag, else the file name's, else text.
+    fn format(&self) -> Result<Format> {
+        match (self.format, &self.output) {
+            (Some(f), _) => Ok(f),
+            (None, None) => Ok(Format::Text),
+            (None, Some(p)) => Format::from_path(p).with_context(|| {
+                format!(
+                    "cannot tell the format from the name {}: add --format \
+                     pprof|json|dhat|folded|svg|text",
+                    p.display()
+                )
+            }),
+        }
+    }
+
+    /// Writes `snap` in `format` to the file (saying so on stderr) or to
+    /// stdout.
+    fn write(&self, snap: &snapshot::Snapshot, format: Format, per_thread: bool) -> Result<()> {
+        let render = RenderOptions {
+            text: TextOptions {
+                top: self.top,
+                depth: self.depth,
+            },
+            per_thread,
+        };
+        match &self.output {
+            Some(p) => {
+                output::write_snapshot(p, snap, format, render)
+                    .with_context(|| format!("writing {}", p.display()))?;
+                eprintln!(
+                    "wrote {} ({:?}): {} live in {} blocks, {} sites{}",
+                    p.display(),
+                    format,
+                    human_bytes(snap.totals.live_bytes),
+                    snap.totals.live_blocks,
+                    snap.sites.len(),
+                    snap.partial
+                        .as_ref()
+                        .map_or(String::new(), |r| format!(", PARTIAL: {r}"))
+                );
+            }
+            None => {
+                let mut out = std::io::BufWriter::new(std::io::stdout().lock());
+                match format {
+                    Format::Json => heapdump::json_format::write(snap, &mut out)?,
+                    _ => out.write_all(&output::render(snap, format, render))?,
+                }
+                out.flush()?;
+            }
+        }
+        Ok(())
+    }
+}
+
+#[derive(Args, Debug)]
+struct SnapshotArgs {
+    /// Process id of the instrumented process.
+    pid: u32,
+    #[command(flatten)]
+    report: ReportArgs,
     /// Print timings on stderr: table walk, symbolization, total, and the
     /// dumper's peak memory.
     #[arg(long)]
@@ -187,18 +256,29 @@ struct DiffArgs {
     a: String,
     /// The later JSON snapshot.
     b: String,
-    /// Write to FILE (pprof if named .pb.gz/.pprof, else text).
-    #[arg(short, long, value_name = "FILE")]
-    output: Option<PathBuf>,
-    /// Output format: text or pprof.
-    #[arg(short, long, value_enum)]
-    format: Option<Format>,
-    /// Sites shown in the text report.
-    #[arg(short = 'n', long, default_value_t = 10)]
-    top: usize,
-    /// Frames per site in the text report.
-    #[arg(long, default_value_t = 6)]
-    depth: usize,
+    #[command(flatten)]
+    report: ReportArgs,
+}
+
+#[derive(Args, Debug)]
+struct SymbolizeArgs {
+    /// A JSON snapshot, typically written with `snapshot --no-symbolize -o
+    /// FILE.json` on the machine that ran the program.
+    input: String,
+    /// A directory to search (recursively) for the program's and
+    /// libraries' files, matched by build ID (repeatable). A mapping whose
+    /// own path exists here with the same build ID is found without it.
+    #[arg(long, value_name = "DIR")]
+    binaries: Vec<PathBuf>,
+    #[command(flatten)]
+    report: ReportArgs,
+    /// pprof: split live values per allocating thread with a `thread` label.
+    #[arg(long)]
+    per_thread: bool,
+    /// Keep the allocator plumbing frames at the leaf end of each stack
+    /// (see `snapshot --help`).
+    #[arg(long)]
+    keep_allocator_frames: bool,
 }
 
 #[derive(Args, Debug, Clone)]
@@ -300,6 +380,7 @@ fn dispatch(cli: Cli) -> Result<i32> {
         Cmd::Watch(a) => watch_cmd(a),
         Cmd::Serve(a) => serve_cmd(a),
         Cmd::Diff(a) => diff_cmd(a),
+        Cmd::Symbolize(a) => symbolize_cmd(a),
         Cmd::Run(a) => run_cmd(a),
         Cmd::Demo(a) => demo_cmd(a),
         Cmd::FakeTarget {
@@ -365,17 +446,7 @@ fn list() -> Result<i32> {
 }
 
 fn snapshot_cmd(a: SnapshotArgs) -> Result<i32> {
-    let format = match (a.format, &a.output) {
-        (Some(f), _) => f,
-        (None, None) => Format::Text,
-        (None, Some(p)) => Format::from_path(p).with_context(|| {
-            format!(
-                "cannot tell the format from the name {}: add --format \
-                 pprof|json|dhat|folded|svg|text",
-                p.display()
-            )
-        })?,
-    };
+    let format = a.report.format()?;
     let start = std::time::Instant::now();
     let target = discovery::open_target(a.pid)?;
     let maps = read_maps(a.pid, &mut BuildIds::default())
@@ -392,38 +463,7 @@ fn snapshot_cmd(a: SnapshotArgs) -> Result<i32> {
         },
     )
     .with_context(|| format!("taking a snapshot of pid {}", a.pid))?;
-    let render = RenderOptions {
-        text: TextOptions {
-            top: a.top,
-            depth: a.depth,
-        },
-        per_thread: a.sym.per_thread,
-    };
-    match &a.output {
-        Some(p) => {
-            output::write_snapshot(p, &snap, format, render)
-                .with_context(|| format!("writing {}", p.display()))?;
-            eprintln!(
-                "wrote {} ({:?}): {} live in {} blocks, {} sites{}",
-                p.display(),
-                format,
-                human_bytes(snap.totals.live_bytes),
-                snap.totals.live_blocks,
-                snap.sites.len(),
-                snap.partial
-                    .as_ref()
-                    .map_or(String::new(), |r| format!(", PARTIAL: {r}"))
-            );
-        }
-        None => {
-            let mut out = std::io::BufWriter::new(std::io::stdout().lock());
-            match format {
-                Format::Json => heapdump::json_format::write(&snap, &mut out)?,
-                _ => out.write_all(&output::render(&snap, format, render))?,
-            }
-            out.flush()?;
-        }
-    }
+    a.report.write(&snap, format, a.sym.per_thread)?;
     if a.timings {
         let t = &snap.timing;
         let walk = t.walk.as_secs_f64();
@@ -518,7 +558,7 @@ fn serve_cmd(a: ServeArgs) -> Result<i32> {
 }
 
 fn diff_cmd(a: DiffArgs) -> Result<i32> {
-    let format = match (a.format, &a.output) {
+    let format = match (a.report.format, &a.report.output) {
         (Some(f), _) => f,
         (None, Some(p)) => match Format::from_path(p) {
             Some(Format::Pprof) => Format::Pprof,
@@ -535,15 +575,46 @@ fn diff_cmd(a: DiffArgs) -> Result<i32> {
     );
     let bytes = match format {
         Format::Pprof => heapdump::diff::render_pprof(&d),
-        _ => heapdump::diff::render_text(&d, a.top, a.depth).into_bytes(),
+        _ => heapdump::diff::render_text(&d, a.report.top, a.report.depth).into_bytes(),
     };
-    match &a.output {
+    match &a.report.output {
         Some(p) => {
             output::write_private(p, &bytes).with_context(|| format!("writing {}", p.display()))?
         }
         None => std::io::stdout().lock().write_all(&bytes)?,
     }
     Ok(0)
+}
+
+fn symbolize_cmd(a: SymbolizeArgs) -> Result<i32> {
+    let format = a.report.format()?;
+    let mut snap = heapdump::diff::read_snapshot(&a.input)?;
+    if !snap.symbolized {
+        for w in maps::locate_by_build_id(&mut snap.mappings, &a.binaries) {
+            eprintln!("heapdump: {w}; its frames stay unsymbolized");
+        }
+        let mut sym = Symbolizer::new();
+        let sites = std::mem::take(&mut snap.sites);
+        snap.sites = snapshot::symbolize_sites(
+            sites,
+            &snap.mappings,
+            Some(&mut sym),
+            a.keep_allocator_frames,
+            std::io::stderr().is_terminal(),
+        );
+        snap.symbolized = true;
+    } else if !a.binaries.is_empty() {
+        eprintln!(
+            "heapdump: {} is symbolized already: re-rendering it as it is",
+            a.input
+        );
+    }
+    a.report.write(&snap, format, a.per_thread)?;
+    Ok(if snap.partial.is_some() {
+        EXIT_PARTIAL
+    } else {
+        0
+    })
 }
 
 fn run_cmd(a: RunArgs) -> Result<i32> {

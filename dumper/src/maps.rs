@@ -75,6 +75,76 @@ pub fn read_build_id(path: &Path) -> Option<String> {
     Some(id.iter().map(|b| format!("{b:02x}")).collect())
 }
 
+/// Most files [`locate_by_build_id`] reads while indexing directories (a
+/// guard against pointing it at `/`).
+pub const MAX_INDEXED_FILES: usize = 200_000;
+
+/// For a snapshot symbolized later, elsewhere: points each mapping's
+/// `local_path` at a file with the mapping's build ID, looked up in `dirs`
+/// (searched recursively, symbolic links to directories not followed),
+/// else at
+/// the mapping's own path if that file exists here with the same build ID
+/// (or the mapping recorded none). Returns one line per mapping left
+/// without a file, saying why; its frames stay unsymbolized.
+pub fn locate_by_build_id(maps: &mut [Mapping], dirs: &[PathBuf]) -> Vec<String> {
+    let mut by_id: HashMap<String, PathBuf> = HashMap::new();
+    let mut budget = MAX_INDEXED_FILES;
+    let mut warnings = Vec::new();
+    for d in dirs {
+        let mut stack = vec![d.clone()];
+        while let Some(dir) = stack.pop() {
+            let Ok(entries) = std::fs::read_dir(&dir) else {
+                warnings.push(format!("cannot read directory {}", dir.display()));
+                continue;
+            };
+            for e in entries.flatten() {
+                let Ok(t) = e.file_type() else { continue };
+                let path = e.path();
+                if t.is_dir() {
+                    stack.push(path);
+                } else if budget > 0 && (t.is_file() || t.is_symlink()) {
+                    budget -= 1;
+                    if let Some(id) = read_build_id(&path) {
+                        by_id.entry(id).or_insert(path);
+                    }
+                }
+            }
+        }
+    }
+    if budget == 0 {
+        warnings.push(format!(
+            "stopped indexing after {MAX_INDEXED_FILES} files: name narrower directories"
+        ));
+    }
+    for m in maps.iter_mut() {
+        m.local_path = None;
+        let own = PathBuf::from(&m.path);
+        match &m.build_id {
+            Some(id) => {
+                if let Some(p) = by_id.get(id) {
+                    m.local_path = Some(p.clone());
+                } else if read_build_id(&own).as_ref() == Some(id) {
+                    m.local_path = Some(own);
+                } else {
+                    warnings.push(format!(
+                        "no file with build ID {id} for {} (pass its directory with --binaries)",
+                        m.path
+                    ));
+                }
+            }
+            None if own.is_file() => m.local_path = Some(own),
+            None => warnings.push(format!(
+                "{} is not here and recorded no build ID to find it by",
+                m.path
+            )),
+        }
+    }
+    // A file mapped in several executable pieces is reported once.
+    warnings.sort();
+    warnings.dedup();
+    warnings
+}
+
 /// Whether `pid` sees the same root directory as this process (no
 /// container, no chroot).
 fn same_root(pid: u32) -> bool {

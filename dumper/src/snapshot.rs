@@ -227,6 +227,64 @@ fn expand(addresses: &[u64], table: &HashMap<u64, Vec<Frame>>) -> Vec<Frame> {
         .collect()
 }
 
+/// Gives each site its frames: symbolizes every distinct address once
+/// against `mappings` with `symbolizer` (showing progress on a terminal
+/// when asked and there is much to do), or without one records addresses
+/// and modules only; then, when symbolized and not told to keep them,
+/// drops the leading allocator plumbing frames and merges the sites that
+/// become identical (see `strip_plumbing`). Used by [`take`] and to
+/// symbolize a saved snapshot later (`heapdump symbolize`).
+pub fn symbolize_sites(
+    mut sites: Vec<Site>,
+    mappings: &[Mapping],
+    symbolizer: Option<&mut Symbolizer>,
+    keep_allocator_frames: bool,
+    progress: bool,
+) -> Vec<Site> {
+    let symbolized = symbolizer.is_some();
+    let mut unique: Vec<u64> = sites
+        .iter()
+        .flat_map(|s| s.addresses.iter().copied())
+        .collect();
+    unique.sort_unstable();
+    unique.dedup();
+    let mut table: HashMap<u64, Vec<Frame>> = HashMap::with_capacity(unique.len());
+    match symbolizer {
+        Some(sym) => {
+            let bar = if progress && unique.len() > 200 {
+                let b = ProgressBar::new(unique.len() as u64);
+                b.set_style(
+                    ProgressStyle::with_template("symbolizing {bar:30} {pos}/{len} frames")
+                        .unwrap_or_else(|_| ProgressStyle::default_bar()),
+                );
+                b
+            } else {
+                ProgressBar::hidden()
+            };
+            for (i, a) in unique.iter().enumerate() {
+                table.insert(*a, sym.symbolize(*a, mappings));
+                if i % 64 == 0 {
+                    bar.set_position(i as u64);
+                }
+            }
+            bar.finish_and_clear();
+        }
+        None => {
+            for a in &unique {
+                table.insert(*a, vec![symbolize::unsymbolized(*a, mappings)]);
+            }
+        }
+    }
+    if symbolized && !keep_allocator_frames {
+        sites = strip_plumbing(sites, &table);
+    } else {
+        for s in &mut sites {
+            s.frames = expand(&s.addresses, &table);
+        }
+    }
+    sites
+}
+
 /// Walks made before a snapshot with records that never read consistently
 /// is reported partial.
 pub const WALK_ATTEMPTS: u32 = 3;
@@ -396,49 +454,15 @@ pub fn take(
         ))
     });
 
-    // Symbolize each distinct address once.
     let t1 = Instant::now();
     let symbolized = opts.symbolizer.is_some();
-    let mut unique: Vec<u64> = sites
-        .iter()
-        .flat_map(|s| s.addresses.iter().copied())
-        .collect();
-    unique.sort_unstable();
-    unique.dedup();
-    let mut table: HashMap<u64, Vec<Frame>> = HashMap::with_capacity(unique.len());
-    match opts.symbolizer {
-        Some(sym) => {
-            let bar = if opts.progress && unique.len() > 200 {
-                let b = ProgressBar::new(unique.len() as u64);
-                b.set_style(
-                    ProgressStyle::with_template("symbolizing {bar:30} {pos}/{len} frames")
-                        .unwrap_or_else(|_| ProgressStyle::default_bar()),
-                );
-                b
-            } else {
-                ProgressBar::hidden()
-            };
-            for (i, a) in unique.iter().enumerate() {
-                table.insert(*a, sym.symbolize(*a, mappings));
-                if i % 64 == 0 {
-                    bar.set_position(i as u64);
-                }
-            }
-            bar.finish_and_clear();
-        }
-        None => {
-            for a in &unique {
-                table.insert(*a, vec![symbolize::unsymbolized(*a, mappings)]);
-            }
-        }
-    }
-    if symbolized && !opts.keep_allocator_frames {
-        sites = strip_plumbing(sites, &table);
-    } else {
-        for s in &mut sites {
-            s.frames = expand(&s.addresses, &table);
-        }
-    }
+    let sites = symbolize_sites(
+        sites,
+        mappings,
+        opts.symbolizer,
+        opts.keep_allocator_frames,
+        opts.progress,
+    );
 
     let mut dropped = BTreeMap::new();
     for r in DroppedReason::ALL {

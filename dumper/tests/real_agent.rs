@@ -202,6 +202,84 @@ fn a_live_thread_shows_under_its_current_name() {
     assert!(target.finish().success());
 }
 
+#[test]
+fn an_unsymbolized_snapshot_is_symbolized_later_by_build_id() {
+    let target = c_pattern(true);
+    let pid = target.pid();
+    let dir = TempDir::new("symbolize-later");
+    let raw = dir.str("raw.json");
+    let out = heapdump(&["snapshot", &pid.to_string(), "--no-symbolize", "-o", &raw]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(target.finish().success());
+    // "Elsewhere": the program is no longer at the path it ran from, but a
+    // copy sits under another name in a directory of binaries, next to a
+    // decoy that has the program's name and another build ID.
+    let exe = compile_c("pattern");
+    let mut j = read_json(Path::new(&raw));
+    assert_eq!(j["symbolized"], false);
+    assert!(!by_leaf(&j).contains_key("site_malloc"));
+    let moved = "/nonexistent/heapdump-test/pattern";
+    let mut found = 0;
+    for m in j["mappings"].as_array_mut().unwrap() {
+        if m["path"] == exe.to_str().unwrap() {
+            assert!(m["build_id"].is_string(), "{m}");
+            m["path"] = moved.into();
+            found += 1;
+        }
+    }
+    assert!(found > 0, "the program's mapping is recorded");
+    let elsewhere = dir.str("elsewhere.json");
+    std::fs::write(&elsewhere, serde_json::to_vec(&j).unwrap()).unwrap();
+    let bins = dir.path("bins");
+    std::fs::create_dir(&bins).unwrap();
+    std::fs::copy(&exe, bins.join("renamed-program")).unwrap();
+    std::fs::copy(compile_c("threads"), bins.join("pattern")).unwrap();
+
+    // Without the directory: the program's frames stay unsymbolized, and
+    // it says which file it could not find.
+    let plain = dir.str("plain.json");
+    let out = heapdump(&["symbolize", &elsewhere, "-o", &plain]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("no file with build ID") && stderr(&out).contains(moved),
+        "{}",
+        stderr(&out)
+    );
+    assert!(!by_leaf(&read_json(Path::new(&plain))).contains_key("site_malloc"));
+
+    // With it: the sites of the live pattern, exactly.
+    let sym = dir.str("sym.json");
+    let out = heapdump(&[
+        "symbolize",
+        &elsewhere,
+        "--binaries",
+        bins.to_str().unwrap(),
+        "-o",
+        &sym,
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let j = read_json(Path::new(&sym));
+    assert_eq!(j["symbolized"], true);
+    let leaves = by_leaf(&j);
+    for (site, want) in c_pattern_sites() {
+        assert_eq!(leaves.get(&site), Some(&want), "{site}: {leaves:#?}");
+    }
+    let pb = dir.str("sym.pb.gz");
+    let out = heapdump(&[
+        "symbolize",
+        &elsewhere,
+        "--binaries",
+        bins.to_str().unwrap(),
+        "-o",
+        &pb,
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    if go_available() {
+        let top = go_pprof(&["-top", "-sample_index=inuse_space", &pb]);
+        assert!(top.contains("site_malloc"), "{top}");
+    }
+}
+
 /// Frames of a JSON site up to (not including) the first in `crate_prefix`,
 /// and that frame's function.
 fn split_at_crate<'a>(site: &'a Value, crate_prefix: &str) -> Option<(Vec<&'a str>, &'a str)> {
