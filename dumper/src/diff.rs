@@ -10,7 +10,6 @@
 use std::collections::HashMap;
 use std::fmt::Write;
 
-use crate::json_format::{from_json, JsonSnapshot};
 use crate::maps::{self, Mapping};
 use crate::pprof::{self, InputSample};
 use crate::snapshot::Snapshot;
@@ -45,45 +44,6 @@ pub struct Diff {
     pub b: Snapshot,
     /// Changed sites, largest live growth first.
     pub sites: Vec<SiteDelta>,
-}
-
-/// Errors reading snapshots.
-#[derive(Debug, thiserror::Error)]
-pub enum DiffError {
-    /// Not readable.
-    #[error("reading {path}: {source}")]
-    Read {
-        /// File.
-        path: String,
-        /// Cause.
-        #[source]
-        source: std::io::Error,
-    },
-    /// Not heapdump JSON.
-    #[error(
-        "{path} is not a heapdump JSON snapshot ({source}); diff reads snapshots written with \
-         `heapdump snapshot PID --format json`"
-    )]
-    Parse {
-        /// File.
-        path: String,
-        /// Cause.
-        #[source]
-        source: serde_json::Error,
-    },
-}
-
-/// Reads a heapdump JSON snapshot file.
-pub fn read_snapshot(path: &str) -> Result<Snapshot, DiffError> {
-    let bytes = std::fs::read(path).map_err(|source| DiffError::Read {
-        path: path.to_string(),
-        source,
-    })?;
-    let j: JsonSnapshot = serde_json::from_slice(&bytes).map_err(|source| DiffError::Parse {
-        path: path.to_string(),
-        source,
-    })?;
-    Ok(from_json(&j))
 }
 
 fn frame_key(f: &Frame, maps: &[Mapping]) -> String {

@@ -376,6 +376,45 @@ pub fn from_json(j: &JsonSnapshot) -> Snapshot {
     }
 }
 
+/// Why a JSON snapshot file could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum ReadError {
+    /// Not readable.
+    #[error("reading {path}: {source}")]
+    Read {
+        /// File.
+        path: String,
+        /// Cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Not heapdump JSON.
+    #[error(
+        "{path} is not a heapdump JSON snapshot ({source}); write one with \
+         `heapdump snapshot PID -o FILE.json`"
+    )]
+    Parse {
+        /// File.
+        path: String,
+        /// Cause.
+        #[source]
+        source: serde_json::Error,
+    },
+}
+
+/// Reads a JSON snapshot file (for `diff`, `symbolize`).
+pub fn read_snapshot(path: &str) -> Result<Snapshot, ReadError> {
+    let bytes = std::fs::read(path).map_err(|source| ReadError::Read {
+        path: path.to_string(),
+        source,
+    })?;
+    let j: JsonSnapshot = serde_json::from_slice(&bytes).map_err(|source| ReadError::Parse {
+        path: path.to_string(),
+        source,
+    })?;
+    Ok(from_json(&j))
+}
+
 /// Renders the JSON document, pretty-printed.
 pub fn render(s: &Snapshot) -> Vec<u8> {
     let mut out = Vec::new();

@@ -570,8 +570,8 @@ fn diff_cmd(a: DiffArgs) -> Result<i32> {
         bail!("diff writes text or pprof, not {format:?}");
     }
     let d = heapdump::diff::diff(
-        heapdump::diff::read_snapshot(&a.a)?,
-        heapdump::diff::read_snapshot(&a.b)?,
+        heapdump::json_format::read_snapshot(&a.a)?,
+        heapdump::json_format::read_snapshot(&a.b)?,
     );
     let bytes = match format {
         Format::Pprof => heapdump::diff::render_pprof(&d),
@@ -588,7 +588,7 @@ fn diff_cmd(a: DiffArgs) -> Result<i32> {
 
 fn symbolize_cmd(a: SymbolizeArgs) -> Result<i32> {
     let format = a.report.format()?;
-    let mut snap = heapdump::diff::read_snapshot(&a.input)?;
+    let mut snap = heapdump::json_format::read_snapshot(&a.input)?;
     if !snap.symbolized {
         for w in maps::locate_by_build_id(&mut snap.mappings, &a.binaries) {
             eprintln!("heapdump: {w}; its frames stay unsymbolized");
