@@ -220,6 +220,11 @@ struct WatchArgs {
     /// Also take a snapshot every DURATION (e.g. 30s, 5m).
     #[arg(long, value_parser = humantime::parse_duration)]
     interval: Option<Duration>,
+    /// With --interval: keep only the newest N periodic snapshots of each
+    /// target, deleting the files of older ones (snapshots answering a
+    /// request, and the final one, are always kept).
+    #[arg(long, value_name = "N", requires = "interval", value_parser = clap::value_parser!(u64).range(1..))]
+    keep: Option<u64>,
     /// How often requests and exits are checked.
     #[arg(long, default_value = "15ms", value_parser = humantime::parse_duration)]
     poll: Duration,
@@ -503,6 +508,12 @@ fn print_written(w: &watch::Written) {
     for p in &w.paths {
         println!("wrote {}", p.display());
     }
+    for p in &w.removed {
+        println!("removed {}", p.display());
+    }
+    for (p, e) in &w.not_removed {
+        eprintln!("heapdump: cannot remove {} (--keep): {e}", p.display());
+    }
     if w.partial {
         eprintln!("heapdump: snapshot {} of pid {} is partial", w.seq, w.pid);
     }
@@ -523,6 +534,7 @@ fn watch_cmd(a: WatchArgs) -> Result<i32> {
         poll: a.poll,
         keep_allocator_frames: a.sym.keep_allocator_frames,
         answer_pending: a.answer_pending,
+        keep: a.keep.map(|n| n as usize),
     };
     let dir = opts.dir.clone();
     let watcher = watch::Watcher::open(&a.pids, opts)?;
@@ -633,6 +645,7 @@ fn run_cmd(a: RunArgs) -> Result<i32> {
                 // The program was started by us: every request it made
                 // before the watch attached is ours to answer.
                 answer_pending: true,
+                keep: None,
             };
             Some(std::thread::spawn(move || -> Result<()> {
                 watch::wait_instrumented(pid, Duration::from_secs(30))?;

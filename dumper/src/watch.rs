@@ -52,6 +52,10 @@ pub struct WatchOptions {
     pub keep_allocator_frames: bool,
     /// Answer, with one snapshot, requests made before the watch began.
     pub answer_pending: bool,
+    /// Keep only the newest this many periodic (`interval`) snapshots of
+    /// each target, deleting older ones' files; snapshots answering a
+    /// request and final ones are always kept.
+    pub keep: Option<usize>,
 }
 
 /// Why a snapshot was taken.
@@ -107,6 +111,10 @@ pub struct Written {
     pub live_bytes: u64,
     /// Whether it was partial.
     pub partial: bool,
+    /// Files of older periodic snapshots deleted to keep `keep` of them.
+    pub removed: Vec<PathBuf>,
+    /// Files that should have been deleted but could not be, and why.
+    pub not_removed: Vec<(PathBuf, String)>,
 }
 
 /// Errors of `watch`.
@@ -191,6 +199,26 @@ struct Watched {
     seq: u64,
     last_snapshot: Instant,
     done: bool,
+    /// Files of the periodic snapshots kept, oldest first.
+    periodic: std::collections::VecDeque<Vec<PathBuf>>,
+}
+
+impl Watched {
+    /// Records a periodic snapshot's files and deletes the oldest ones
+    /// beyond `keep` (a file already gone counts as deleted).
+    fn rotate(&mut self, written: &mut Written, keep: Option<usize>) {
+        let Some(keep) = keep else { return };
+        self.periodic.push_back(written.paths.clone());
+        while self.periodic.len() > keep {
+            for p in self.periodic.pop_front().unwrap_or_default() {
+                match std::fs::remove_file(&p) {
+                    Ok(()) => written.removed.push(p),
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => written.removed.push(p),
+                    Err(e) => written.not_removed.push((p, e.to_string())),
+                }
+            }
+        }
+    }
 }
 
 /// Set by SIGINT/SIGTERM while watching.
@@ -296,6 +324,8 @@ fn shoot(
         paths,
         live_bytes: snap.totals.live_bytes,
         partial: snap.partial.is_some(),
+        removed: Vec::new(),
+        not_removed: Vec::new(),
     })
 }
 
@@ -343,6 +373,7 @@ impl Watcher {
                 seq: 0,
                 last_snapshot: Instant::now(),
                 done: false,
+                periodic: Default::default(),
             });
         }
         // Open the target's files while it is alive: its final snapshot
@@ -393,13 +424,14 @@ impl Watcher {
                     on_written(&written);
                 } else if let Some(iv) = opts.interval {
                     if w.last_snapshot.elapsed() >= iv && !exited {
-                        let written = shoot(
+                        let mut written = shoot(
                             w,
                             Reason::Interval,
                             &opts,
                             &mut self.symbolizer,
                             &mut self.build_ids,
                         )?;
+                        w.rotate(&mut written, opts.keep);
                         on_written(&written);
                     }
                 }

@@ -180,6 +180,81 @@ fn run_passes_exit_status_through() {
 }
 
 #[test]
+fn watch_keep_deletes_all_but_the_newest_periodic_snapshots() {
+    let target = FakeTarget::start(&[]);
+    let dir = TempDir::new("keep");
+    let pid = target.pid().to_string();
+    let out_dir = dir.str("snaps");
+    let mut w = Running::start(&[
+        "watch",
+        &pid,
+        "--dir",
+        &out_dir,
+        "-f",
+        "json",
+        "-f",
+        "text",
+        "--interval",
+        "10ms",
+        "--poll",
+        "5ms",
+        "--keep",
+        "2",
+    ]);
+    assert!(w.lines.next().starts_with("watching "));
+    // Six periodic snapshots (two files each), read as they are announced.
+    let mut written: Vec<String> = Vec::new();
+    let mut removed: Vec<String> = Vec::new();
+    while written.len() < 12 {
+        let l = w.lines.next();
+        if let Some(p) = l.strip_prefix("wrote ") {
+            assert!(p.contains("-interval-"), "{l}");
+            written.push(p.to_string());
+        } else if let Some(p) = l.strip_prefix("removed ") {
+            removed.push(p.to_string());
+        } else {
+            panic!("unexpected line {l}");
+        }
+    }
+    let status = Command::new("kill")
+        .args(["-TERM", &w.child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let mut last = Vec::new();
+    while let Some(l) = w.lines.next_or_eof() {
+        if let Some(p) = l.strip_prefix("wrote ") {
+            if p.contains("-stop-") {
+                last.push(p.to_string());
+            } else {
+                written.push(p.to_string());
+            }
+        } else if let Some(p) = l.strip_prefix("removed ") {
+            removed.push(p.to_string());
+        }
+    }
+    assert!(w.child.wait().unwrap().success());
+    assert_eq!(last.len(), 2, "the final snapshot, in both formats");
+    // Every periodic file but the newest two snapshots' was removed, each
+    // once, oldest first; what is left on disk is exactly those and the
+    // final snapshot.
+    let n = written.len();
+    assert_eq!(removed, written[..n - 4], "removed: {removed:#?}");
+    let mut on_disk: Vec<String> = std::fs::read_dir(&out_dir)
+        .unwrap()
+        .map(|e| e.unwrap().path().display().to_string())
+        .collect();
+    on_disk.sort();
+    let mut want: Vec<String> = written[n - 4..].iter().chain(&last).cloned().collect();
+    want.sort();
+    assert_eq!(on_disk, want);
+    // --keep needs --interval.
+    let out = heapdump(&["watch", &pid, "--keep", "2"]);
+    assert!(!out.status.success());
+    assert!(stderr(&out).contains("--interval"), "{}", stderr(&out));
+}
+
+#[test]
 fn watch_interval_and_stop_by_sigterm() {
     let target = FakeTarget::start(&[]);
     let dir = TempDir::new("interval");
