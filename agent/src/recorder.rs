@@ -207,6 +207,13 @@ fn init(role: Role) -> Option<&'static Writers> {
     let missed = NOT_READY.swap(0, Ordering::Relaxed);
     w.counters.on_dropped_n(DroppedReason::NotReady, missed);
     if !ONCE_HOOKS.swap(true, Ordering::Relaxed) {
+        if !config.quiet && stack_capture::frame_pointers_kept() == Some(false) {
+            stderr(
+                b"heapdump: this build of the agent has no frame pointers, so stack traces \
+                  miss their innermost frames; rebuild with -C force-frame-pointers=yes \
+                  (a RUSTFLAGS variable replaces the workspace's setting)\n",
+            );
+        }
         crate::signal::install(config.signal, config.quiet);
         // SAFETY: registering plain `extern "C"` functions without
         // arguments; pthread_atfork may allocate, which passes through

@@ -95,6 +95,42 @@ pub fn on_alternate_stack() -> bool {
     }
 }
 
+/// Reads this function's return address through its frame pointer, if the
+/// frame pointer lies in `[sp, hi - 16]` (else `None`). Not inlined, and
+/// not a leaf (it calls `keep_non_leaf`), so a build with frame pointers,
+/// even "non-leaf" ones, gives it a frame record.
+#[inline(never)]
+fn return_address_via_frame_pointer(hi: usize) -> Option<usize> {
+    let fp = frame_pointer();
+    let sp = stack_pointer();
+    let ret = (sp <= fp && fp.is_multiple_of(8) && hi >= 16 && fp <= hi - 16).then(|| {
+        // SAFETY: [fp, fp + 16) lies in [sp, hi), the live part of this
+        // thread's stack (the caller found `hi` for it).
+        unsafe { std::ptr::read_volatile((fp + 8) as *const usize) }
+    });
+    keep_non_leaf();
+    ret
+}
+
+#[inline(never)]
+fn keep_non_leaf() {
+    std::hint::black_box(());
+}
+
+/// Whether this build keeps frame pointers, which the hooks need: each
+/// hook reads its own frame pointer, and without one it would read its
+/// caller's (traces would lose their innermost frames) or a stray value.
+/// Cargo drops the workspace's `-C force-frame-pointers=yes` when
+/// `RUSTFLAGS` is set. `None` when the stack cannot be told safely.
+#[inline(never)]
+pub fn frame_pointers_kept() -> Option<bool> {
+    let hi = thread_stack_top(stack_pointer())?;
+    let ret = return_address_via_frame_pointer(hi);
+    // With frame pointers, the return address is in this function's body.
+    let here = frame_pointers_kept as *const () as usize;
+    Some(ret.is_some_and(|r| r > here && r - here < 4096))
+}
+
 /// Whether a walk from `sp` up to `hi` stays on mapped stack.
 #[inline]
 pub fn walkable(sp: usize, hi: usize) -> bool {
@@ -169,6 +205,14 @@ mod tests {
             let r = depth(n - 1, out);
             std::hint::black_box(r)
         }
+    }
+
+    #[test]
+    fn this_build_keeps_frame_pointers() {
+        assert_eq!(frame_pointers_kept(), Some(true));
+        std::thread::spawn(|| assert_eq!(frame_pointers_kept(), Some(true)))
+            .join()
+            .unwrap();
     }
 
     #[test]
