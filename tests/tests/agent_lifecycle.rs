@@ -265,6 +265,21 @@ fn cxx_new_traces_start_at_the_caller_of_new() {
 }
 
 #[test]
+fn a_normal_start_prints_nothing_and_finds_frame_pointers() {
+    // The workspace builds the agent with frame pointers: no warning (the
+    // agent says so on stderr when they are missing), and nothing else
+    // either, from the preload library or the Rust Agent.
+    for mut cmd in [
+        preloaded(&compile_c("pattern")),
+        Command::new(env!("CARGO_BIN_EXE_rust_pattern")),
+    ] {
+        let out = cmd.stdin(std::process::Stdio::null()).output().unwrap();
+        assert!(out.status.success());
+        assert_eq!(String::from_utf8_lossy(&out.stderr), "", "{cmd:?}");
+    }
+}
+
+#[test]
 fn disabled_agent_creates_no_regions() {
     let exe = compile_c("pattern");
     let mut cmd = preloaded(&exe);
