@@ -9,6 +9,10 @@
 //! - Each next frame pointer must be strictly above the previous one and
 //!   8-aligned, so the walk ends in at most `(hi - sp) / 16` steps, and it
 //!   stops at `max` frames anyway.
+//! - A return address outside `[MIN_RETURN_ADDRESS, MAX_RETURN_ADDRESS)`
+//!   ends the walk and is not reported: no code is mapped there, so the
+//!   chain has run into a function without frame pointers (glibc's, say)
+//!   whose frame-pointer register held data.
 //! - The walk starts at the frame pointer of the agent's hook, so the first
 //!   address reported is the return address into the hook's caller: the
 //!   agent's own frames are never part of the trace.
@@ -137,6 +141,13 @@ pub fn walkable(sp: usize, hi: usize) -> bool {
     hi > sp && (hi - sp <= FAST_WINDOW || (hi - sp < MAX_STACK && !on_alternate_stack()))
 }
 
+/// Lowest return address believed: Linux maps nothing below
+/// `vm.mmap_min_addr` (64 KiB by default), so smaller values are data.
+pub const MIN_RETURN_ADDRESS: usize = 0x1_0000;
+/// Highest return address believed (exclusive): user space ends below 2^56
+/// even with 5-level page tables.
+pub const MAX_RETURN_ADDRESS: usize = 1 << 56;
+
 /// Walks the frame chain from `fp`, writing return addresses into `out`;
 /// returns how many were written and a 64-bit hash of them (never 0).
 ///
@@ -176,7 +187,8 @@ pub fn walk(fp: usize, sp: usize, hi: usize, out: &mut [u64]) -> (usize, u64) {
                 std::ptr::read_volatile((fp + 8) as *const usize),
             )
         };
-        if ret == 0 {
+        // One compare for both bounds (0 included).
+        if ret.wrapping_sub(MIN_RETURN_ADDRESS) >= MAX_RETURN_ADDRESS - MIN_RETURN_ADDRESS {
             break;
         }
         out[n] = ret as u64;
@@ -255,6 +267,40 @@ mod tests {
         assert_eq!(n2, n - 1);
         assert_ne!(h, h2);
         assert_ne!(h, 0);
+    }
+
+    #[test]
+    fn a_return_address_where_no_code_can_be_ends_the_walk() {
+        // Frame records laid out by hand, on this stack: [next, ret] pairs.
+        let mut recs = [0usize; 8];
+        let base = recs.as_ptr() as usize;
+        let mut walk_with = |second_ret: usize| {
+            recs[0] = base + 16; // -> record 1
+            recs[1] = 0x5555_0000_1000;
+            recs[2] = base + 32; // -> record 2
+            recs[3] = second_ret;
+            recs[4] = 0; // ends the chain (next below)
+            recs[5] = 0x5555_0000_3000;
+            let recs = std::hint::black_box(&recs);
+            let sp = stack_pointer();
+            let hi = thread_stack_top(sp).unwrap();
+            let mut out = [0u64; 8];
+            let n = walk(recs.as_ptr() as usize, sp, hi, &mut out).0;
+            out[..n].to_vec()
+        };
+        assert_eq!(
+            walk_with(0x5555_0000_2000),
+            [0x5555_0000_1000, 0x5555_0000_2000, 0x5555_0000_3000]
+        );
+        for garbage in [
+            0,
+            0x78,
+            MIN_RETURN_ADDRESS - 1,
+            MAX_RETURN_ADDRESS,
+            usize::MAX,
+        ] {
+            assert_eq!(walk_with(garbage), [0x5555_0000_1000], "{garbage:#x}");
+        }
     }
 
     #[test]
