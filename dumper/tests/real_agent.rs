@@ -248,16 +248,13 @@ fn an_unsymbolized_snapshot_is_symbolized_later_by_build_id() {
     assert!(!by_leaf(&read_json(Path::new(&plain))).contains_key("site_malloc"));
 
     // With it: the sites of the live pattern, exactly.
+    let symbolize_to = |path: &str| {
+        let bins = bins.to_str().unwrap();
+        let out = heapdump(&["symbolize", &elsewhere, "--binaries", bins, "-o", path]);
+        assert!(out.status.success(), "{}", stderr(&out));
+    };
     let sym = dir.str("sym.json");
-    let out = heapdump(&[
-        "symbolize",
-        &elsewhere,
-        "--binaries",
-        bins.to_str().unwrap(),
-        "-o",
-        &sym,
-    ]);
-    assert!(out.status.success(), "{}", stderr(&out));
+    symbolize_to(&sym);
     let j = read_json(Path::new(&sym));
     assert_eq!(j["symbolized"], true);
     let leaves = by_leaf(&j);
@@ -265,15 +262,7 @@ fn an_unsymbolized_snapshot_is_symbolized_later_by_build_id() {
         assert_eq!(leaves.get(&site), Some(&want), "{site}: {leaves:#?}");
     }
     let pb = dir.str("sym.pb.gz");
-    let out = heapdump(&[
-        "symbolize",
-        &elsewhere,
-        "--binaries",
-        bins.to_str().unwrap(),
-        "-o",
-        &pb,
-    ]);
-    assert!(out.status.success(), "{}", stderr(&out));
+    symbolize_to(&pb);
     if go_available() {
         let top = go_pprof(&["-top", "-sample_index=inuse_space", &pb]);
         assert!(top.contains("site_malloc"), "{top}");
