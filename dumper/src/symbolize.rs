@@ -12,6 +12,12 @@
 //! it (file offset), then to the ELF's virtual address through the PT_LOAD
 //! segment that holds that file offset. Stack frames are return addresses,
 //! so `address - 1` is looked up (the call instruction).
+//!
+//! A file without DWARF (a stripped binary or library) is symbolized from
+//! its separate debug file when one is installed where distributions put
+//! them, found by build ID: `DIR/.build-id/ab/cdef....debug` for each DIR
+//! of `HEAPDUMP_DEBUG_DIRS` (colon-separated; default `/usr/lib/debug`).
+//! Its segments still come from the mapped file.
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -68,7 +74,7 @@ struct Module {
 }
 
 impl Module {
-    fn open(path: &Path) -> Option<Module> {
+    fn open(path: &Path, debug_dirs: &[PathBuf]) -> Option<Module> {
         let file = File::open(path).ok()?;
         let cache = ReadCache::new(file);
         let obj = object::File::parse(&cache).ok()?;
@@ -79,10 +85,21 @@ impl Module {
                 (off, size, s.address())
             })
             .collect();
-        Some(Module {
-            segments,
-            loader: Loader::new(path).ok(),
-        })
+        // No DWARF here: a separate debug file, if installed, has it (and
+        // the full symbol table).
+        let separate = if obj.section_by_name(".debug_info").is_none() {
+            obj.build_id()
+                .ok()
+                .flatten()
+                .map(|id| id.iter().map(|b| format!("{b:02x}")).collect::<String>())
+                .and_then(|id| find_debug_file(&id, debug_dirs))
+        } else {
+            None
+        };
+        let loader = separate
+            .and_then(|p| Loader::new(&p).ok())
+            .or_else(|| Loader::new(path).ok());
+        Some(Module { segments, loader })
     }
 
     fn svma(&self, file_offset: u64) -> Option<u64> {
@@ -98,6 +115,27 @@ impl Module {
 #[derive(Default)]
 pub struct Symbolizer {
     modules: HashMap<PathBuf, Option<Module>>,
+    /// Roots of separate debug files (`.build-id/` trees).
+    debug_dirs: Vec<PathBuf>,
+}
+
+/// Where separate debug files are looked for unless `HEAPDUMP_DEBUG_DIRS`
+/// says otherwise.
+pub const DEFAULT_DEBUG_DIR: &str = "/usr/lib/debug";
+
+/// The separate debug file of a file with build ID `id` under one of
+/// `dirs`: `DIR/.build-id/ab/cdef....debug`.
+pub fn find_debug_file(id: &str, dirs: &[PathBuf]) -> Option<PathBuf> {
+    if id.len() < 3 || !id.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return None;
+    }
+    dirs.iter()
+        .map(|d| {
+            d.join(".build-id")
+                .join(&id[..2])
+                .join(format!("{}.debug", &id[2..]))
+        })
+        .find(|p| p.is_file())
 }
 
 impl std::fmt::Debug for Symbolizer {
@@ -118,9 +156,27 @@ pub fn unsymbolized(address: u64, maps: &[Mapping]) -> Frame {
 }
 
 impl Symbolizer {
-    /// A symbolizer with an empty cache.
+    /// A symbolizer with an empty cache, looking for separate debug files
+    /// under `HEAPDUMP_DEBUG_DIRS` (colon-separated), else
+    /// [`DEFAULT_DEBUG_DIR`].
     pub fn new() -> Self {
-        Self::default()
+        let dirs = std::env::var_os("HEAPDUMP_DEBUG_DIRS")
+            .map(|v| {
+                std::env::split_paths(&v)
+                    .filter(|p| !p.as_os_str().is_empty())
+                    .collect()
+            })
+            .unwrap_or_else(|| vec![PathBuf::from(DEFAULT_DEBUG_DIR)]);
+        Self::with_debug_dirs(dirs)
+    }
+
+    /// A symbolizer with an empty cache, looking for separate debug files
+    /// under `dirs`.
+    pub fn with_debug_dirs(dirs: Vec<PathBuf>) -> Self {
+        Symbolizer {
+            modules: HashMap::new(),
+            debug_dirs: dirs,
+        }
     }
 
     /// Opens (and caches) the file of every mapping now, so that addresses
@@ -129,9 +185,10 @@ impl Symbolizer {
     pub fn open_modules(&mut self, maps: &[Mapping]) {
         for m in maps {
             if let Some(path) = &m.local_path {
+                let dirs = &self.debug_dirs;
                 self.modules
                     .entry(path.clone())
-                    .or_insert_with(|| Module::open(path));
+                    .or_insert_with(|| Module::open(path, dirs));
             }
         }
     }
@@ -147,10 +204,11 @@ impl Symbolizer {
         let Some(path) = m.local_path.clone() else {
             return vec![base];
         };
+        let dirs = &self.debug_dirs;
         let module = self
             .modules
             .entry(path.clone())
-            .or_insert_with(|| Module::open(&path));
+            .or_insert_with(|| Module::open(&path, dirs));
         let Some(module) = module.as_ref() else {
             return vec![base];
         };
@@ -203,5 +261,28 @@ impl Symbolizer {
             out.push(base);
         }
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn debug_files_are_looked_up_by_build_id_only_for_plausible_ids() {
+        let dir = std::env::temp_dir().join(format!("heapdump-debugdir-{}", std::process::id()));
+        let place = dir.join(".build-id").join("ab");
+        std::fs::create_dir_all(&place).unwrap();
+        std::fs::write(place.join("cdef01.debug"), b"x").unwrap();
+        let dirs = [PathBuf::from("/nonexistent"), dir.clone()];
+        assert_eq!(
+            find_debug_file("abcdef01", &dirs),
+            Some(place.join("cdef01.debug"))
+        );
+        assert_eq!(find_debug_file("abcdef02", &dirs), None);
+        // Not a build ID: never turned into a path.
+        assert_eq!(find_debug_file("ab", &dirs), None);
+        assert_eq!(find_debug_file("../../etc", &dirs), None);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -269,6 +269,75 @@ fn an_unsymbolized_snapshot_is_symbolized_later_by_build_id() {
     }
 }
 
+#[test]
+fn a_stripped_program_is_symbolized_from_its_separate_debug_file() {
+    // The C pattern split the way distributions ship programs: a binary
+    // without DWARF, and its DWARF in ROOT/.build-id/ab/cdef....debug.
+    let exe = compile_c("pattern");
+    let dir = TempDir::new("debug-file");
+    let stripped = dir.path("pattern-stripped");
+    let objcopy = |args: &[&std::ffi::OsStr]| {
+        let st = Command::new("objcopy")
+            .args(args)
+            .status()
+            .expect("objcopy");
+        assert!(st.success());
+    };
+    let debug = dir.path("pattern.debug");
+    objcopy(&[
+        "--only-keep-debug".as_ref(),
+        exe.as_os_str(),
+        debug.as_os_str(),
+    ]);
+    objcopy(&[
+        "--strip-debug".as_ref(),
+        exe.as_os_str(),
+        stripped.as_os_str(),
+    ]);
+    let id = heapdump::maps::read_build_id(&stripped).expect("build ID");
+    let root = dir.path("debug-root");
+    let place = root.join(".build-id").join(&id[..2]);
+    std::fs::create_dir_all(&place).unwrap();
+    std::fs::rename(&debug, place.join(format!("{}.debug", &id[2..]))).unwrap();
+
+    let mut cmd = Command::new(&stripped);
+    cmd.env("LD_PRELOAD", preload_lib()).arg("hold");
+    let target = Target::spawn(cmd);
+    let pid = target.pid().to_string();
+    // The leaf frame of the `site_malloc` site, from a snapshot taken with
+    // HEAPDUMP_DEBUG_DIRS set to `debug_dirs`.
+    let leaf = |name: &str, debug_dirs: &Path| -> Value {
+        let path = dir.str(name);
+        let out = Command::new(bin())
+            .env("HEAPDUMP_DEBUG_DIRS", debug_dirs)
+            .args(["snapshot", &pid, "--format", "json", "-o", &path])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", stderr(&out));
+        let j = read_json(Path::new(&path));
+        let site = j["sites"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|s| function(&s["frames"][0]) == "site_malloc")
+            .cloned()
+            .unwrap_or_else(|| panic!("no site_malloc site: {j}"));
+        site["frames"][0].clone()
+    };
+    // Without the debug file: the symbol table names the function, but
+    // there is no source line.
+    let f = leaf("plain.json", &dir.path("nothing-here"));
+    assert!(f["file"].is_null() && f["line"].is_null(), "{f}");
+    // With it: file and line from its DWARF.
+    let f = leaf("debug.json", &root);
+    assert!(
+        f["file"].as_str().is_some_and(|p| p.ends_with("pattern.c")),
+        "{f}"
+    );
+    assert!(f["line"].as_u64().is_some_and(|l| l > 0), "{f}");
+    assert!(target.finish().success());
+}
+
 /// Frames of a JSON site up to (not including) the first in `crate_prefix`,
 /// and that frame's function.
 fn split_at_crate<'a>(site: &'a Value, crate_prefix: &str) -> Option<(Vec<&'a str>, &'a str)> {
