@@ -71,6 +71,11 @@ pub fn read_build_id(path: &Path) -> Option<String> {
     let file = File::open(path).ok()?;
     let cache = ReadCache::new(file);
     let obj = object::File::parse(&cache).ok()?;
+    build_id_of(&obj)
+}
+
+/// The GNU build ID of a parsed ELF file (hex), if it has one.
+pub fn build_id_of<'d, R: object::ReadRef<'d>>(obj: &object::File<'d, R>) -> Option<String> {
     let id = obj.build_id().ok()??;
     Some(id.iter().map(|b| format!("{b:02x}")).collect())
 }

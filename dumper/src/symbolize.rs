@@ -88,11 +88,7 @@ impl Module {
         // No DWARF here: a separate debug file, if installed, has it (and
         // the full symbol table).
         let separate = if obj.section_by_name(".debug_info").is_none() {
-            obj.build_id()
-                .ok()
-                .flatten()
-                .map(|id| id.iter().map(|b| format!("{b:02x}")).collect::<String>())
-                .and_then(|id| find_debug_file(&id, debug_dirs))
+            maps::build_id_of(&obj).and_then(|id| find_debug_file(&id, debug_dirs))
         } else {
             None
         };
