@@ -80,6 +80,7 @@ pub fn demo(dir: &Path, env: &AgentEnv) -> Result<DemoReport, DemoError> {
                 progress: true,
                 request: None,
                 keep_allocator_frames: false,
+                ages: Default::default(),
             },
         )?;
         output::create_private_dir(dir).map_err(|source| DemoError::Write {

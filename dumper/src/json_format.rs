@@ -13,16 +13,24 @@
 //!   "sites": [{"live_bytes", "live_blocks", "alloc_bytes", "alloc_blocks",
 //!              "frames": [{"address": "0x55...", "function", "file", "line",
 //!                          "module", "inlined"}],       // leaf first
-//!              "threads": [{"tid", "live_bytes", "live_blocks"}]}],
+//!              "threads": [{"tid", "live_bytes", "live_blocks"}],
+//!              "oldest_alloc_time": null | "RFC 3339",  // of its live blocks
+//!              "newest_alloc_time": null | "RFC 3339"}],
 //!   "mappings": [{"start": "0x..", "end": "0x..", "offset": "0x..", "path", "build_id"}],
 //!   "request": null | {"count", "name", "time"},
 //!   "symbolized": true,
-//!   "partial": null | "reason the walk was not clean"
+//!   "partial": null | "reason the walk was not clean",
+//!   "selection": null | {"older_than": null | "RFC 3339", "newer_than": null | "RFC 3339",
+//!                        "live_bytes", "live_blocks"}
 //! }
 //! ```
 //!
 //! `alloc_*` are cumulative since the process started; `live_*` are the
-//! blocks live at the snapshot. Unknown `function`/`file`/`line`/`module`
+//! blocks live at the snapshot. With a `selection` (`--older-than`,
+//! `--newer-than`), sites and threads count only the live blocks allocated
+//! in that range (`selection.live_*` sums them), while `totals` stay the
+//! whole heap's. Allocation times are read from a coarse clock: up to one
+//! kernel tick early. Unknown `function`/`file`/`line`/`module`
 //! are `null`. `frames` are leaf first (the caller of malloc first); the
 //! frames of one address that were inlined have the same `address` and
 //! `inlined: true` on all but the outermost.
@@ -33,7 +41,7 @@ use std::time::SystemTime;
 use serde::{Deserialize, Serialize};
 
 use crate::maps::Mapping;
-use crate::snapshot::{Request, Site, Snapshot, ThreadStat, Totals};
+use crate::snapshot::{Request, Selection, Site, Snapshot, ThreadStat, Totals};
 use crate::symbolize::Frame;
 
 /// Top-level JSON document.
@@ -71,6 +79,22 @@ pub struct JsonSnapshot {
     pub symbolized: bool,
     /// Why the snapshot is not clean, or null.
     pub partial: Option<String>,
+    /// The blocks selected by allocation time, or null (every live block).
+    #[serde(default)]
+    pub selection: Option<JsonSelection>,
+}
+
+/// The blocks a snapshot was restricted to by allocation time.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct JsonSelection {
+    /// RFC 3339: blocks allocated before this time.
+    pub older_than: Option<String>,
+    /// RFC 3339: blocks allocated at or after this time.
+    pub newer_than: Option<String>,
+    /// Bytes in the selected live blocks.
+    pub live_bytes: u64,
+    /// Selected live blocks.
+    pub live_blocks: u64,
 }
 
 /// Totals.
@@ -128,6 +152,12 @@ pub struct JsonSite {
     /// Live use per thread.
     #[serde(default)]
     pub threads: Vec<JsonSiteThread>,
+    /// RFC 3339: when the site's oldest live block was allocated.
+    #[serde(default)]
+    pub oldest_alloc_time: Option<String>,
+    /// RFC 3339: when the site's newest live block was allocated.
+    #[serde(default)]
+    pub newest_alloc_time: Option<String>,
 }
 
 /// One frame.
@@ -267,6 +297,8 @@ pub fn to_json(s: &Snapshot) -> JsonSnapshot {
                         live_blocks: *n,
                     })
                     .collect(),
+                oldest_alloc_time: site.oldest.map(rfc3339),
+                newest_alloc_time: site.newest.map(rfc3339),
             })
             .collect(),
         mappings: s
@@ -287,7 +319,23 @@ pub fn to_json(s: &Snapshot) -> JsonSnapshot {
         }),
         symbolized: s.symbolized,
         partial: s.partial.clone(),
+        selection: s.selection.as_ref().map(JsonSelection::from),
     }
+}
+
+impl From<&Selection> for JsonSelection {
+    fn from(s: &Selection) -> Self {
+        JsonSelection {
+            older_than: s.older_than.map(rfc3339),
+            newer_than: s.newer_than.map(rfc3339),
+            live_bytes: s.live_bytes,
+            live_blocks: s.live_blocks,
+        }
+    }
+}
+
+fn parse_time(t: Option<&str>) -> Option<SystemTime> {
+    t.and_then(|t| humantime::parse_rfc3339(t).ok())
 }
 
 /// Rebuilds a snapshot from its JSON form (for `diff` and re-rendering a
@@ -346,6 +394,8 @@ pub fn from_json(j: &JsonSnapshot) -> Snapshot {
                             Some((i, st.live_bytes, st.live_blocks))
                         })
                         .collect(),
+                    oldest: parse_time(s.oldest_alloc_time.as_deref()),
+                    newest: parse_time(s.newest_alloc_time.as_deref()),
                 }
             })
             .collect(),
@@ -366,12 +416,15 @@ pub fn from_json(j: &JsonSnapshot) -> Snapshot {
         request: j.request.as_ref().map(|r| Request {
             count: r.count,
             name: r.name.clone(),
-            time: r
-                .time
-                .as_deref()
-                .and_then(|t| humantime::parse_rfc3339(t).ok()),
+            time: parse_time(r.time.as_deref()),
         }),
         symbolized: j.symbolized,
+        selection: j.selection.as_ref().map(|s| Selection {
+            older_than: parse_time(s.older_than.as_deref()),
+            newer_than: parse_time(s.newer_than.as_deref()),
+            live_bytes: s.live_bytes,
+            live_blocks: s.live_blocks,
+        }),
         timing: Default::default(),
     }
 }
@@ -472,7 +525,7 @@ mod view {
     impl Serialize for SnapshotView<'_> {
         fn serialize<S: Serializer>(&self, ser: S) -> Result<S::Ok, S::Error> {
             let s = self.0;
-            let mut m = ser.serialize_struct("JsonSnapshot", 14)?;
+            let mut m = ser.serialize_struct("JsonSnapshot", 15)?;
             m.serialize_field("format", "heapdump-snapshot")?;
             m.serialize_field("schema_version", &1u32)?;
             m.serialize_field("pid", &s.pid)?;
@@ -518,6 +571,10 @@ mod view {
             )?;
             m.serialize_field("symbolized", &s.symbolized)?;
             m.serialize_field("partial", &s.partial)?;
+            m.serialize_field(
+                "selection",
+                &s.selection.as_ref().map(super::JsonSelection::from),
+            )?;
             m.end()
         }
     }
@@ -552,7 +609,7 @@ mod view {
     impl Serialize for SiteView<'_> {
         fn serialize<S: Serializer>(&self, ser: S) -> Result<S::Ok, S::Error> {
             let (snap, site) = (self.0, self.1);
-            let mut m = ser.serialize_struct("JsonSite", 6)?;
+            let mut m = ser.serialize_struct("JsonSite", 8)?;
             m.serialize_field("live_bytes", &site.live_bytes)?;
             m.serialize_field("live_blocks", &site.live_blocks)?;
             m.serialize_field("alloc_bytes", &site.alloc_bytes)?;
@@ -568,6 +625,8 @@ mod view {
                     })
                 }),
             )?;
+            m.serialize_field("oldest_alloc_time", &site.oldest.map(rfc3339))?;
+            m.serialize_field("newest_alloc_time", &site.newest.map(rfc3339))?;
             m.end()
         }
     }
@@ -676,6 +735,8 @@ mod tests {
                     alloc_bytes: 20,
                     alloc_blocks: 3,
                     by_thread: vec![(0, 6, 1), (7, 0, 0)],
+                    oldest: Some(t - Duration::from_secs(3600)),
+                    newest: Some(t - Duration::from_micros(5)),
                 },
                 Site::default(),
             ],
@@ -694,6 +755,12 @@ mod tests {
                 time: Some(t),
             }),
             symbolized: true,
+            selection: Some(Selection {
+                older_than: Some(t - Duration::from_secs(60)),
+                newer_than: None,
+                live_bytes: 6,
+                live_blocks: 1,
+            }),
             timing: Default::default(),
         }
     }
@@ -707,12 +774,22 @@ mod tests {
             String::from_utf8(render(&s)).unwrap(),
             String::from_utf8(owned).unwrap()
         );
+        // Selection and allocation times read back as they were.
+        let back = from_json(&serde_json::from_slice(&render(&s)).unwrap());
+        assert_eq!(back.selection, s.selection);
+        assert_eq!(
+            (back.sites[0].oldest, back.sites[0].newest),
+            (s.sites[0].oldest, s.sites[0].newest)
+        );
         // And with every optional part empty.
         s.request = None;
         s.partial = None;
         s.taken_at = None;
         s.dropped.clear();
         s.mappings[0].build_id = None;
+        s.selection = None;
+        s.sites[0].oldest = None;
+        s.sites[0].newest = None;
         let mut owned = serde_json::to_vec_pretty(&to_json(&s)).unwrap();
         owned.push(b'\n');
         assert_eq!(render(&s), owned);

@@ -18,6 +18,7 @@
 
 #![deny(missing_docs)]
 
+pub mod age;
 pub mod bench_workload;
 pub mod demo;
 pub mod dhat;

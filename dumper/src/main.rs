@@ -10,6 +10,7 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 
+use heapdump::age::{self, AgeFilter, When};
 use heapdump::discovery;
 use heapdump::fake_target::{self, Corruption, FakeOptions};
 use heapdump::maps::{self, read_maps, BuildIds};
@@ -53,6 +54,12 @@ enum Cmd {
     Watch(WatchArgs),
     /// Serve Go-compatible `GET /debug/pprof/heap` over HTTP for `go tool
     /// pprof`, Pyroscope / Grafana Alloy and Parca.
+    ///
+    /// Query parameters: `pid=N` (which target, when several are served),
+    /// `per_thread=1` (a `thread` label), `older_than=WHEN` /
+    /// `newer_than=WHEN` (only the live blocks allocated before / at or
+    /// after WHEN: a duration before the request such as `1h`, or an RFC
+    /// 3339 time). `/debug/pprof/heap.json` serves heapdump's JSON.
     Serve(ServeArgs),
     /// Growth per stack between two JSON snapshots (B minus A), as text
     /// or as pprof (-o FILE.pb.gz).
@@ -114,6 +121,32 @@ struct SymArgs {
     /// for memory.
     #[arg(long)]
     keep_allocator_frames: bool,
+}
+
+/// Which live blocks a snapshot shows, by when they were allocated.
+#[derive(Args, Debug, Clone)]
+struct AgeArgs {
+    /// Only blocks allocated before WHEN: a duration before the snapshot
+    /// (`1h`: blocks live for at least an hour, the usual leak suspects),
+    /// an RFC 3339 time (`2026-11-22T10:00:00Z`), or a JSON snapshot file
+    /// (the time it was taken). Sites, threads and every format count only
+    /// these blocks; the totals stay the whole heap's. Allocation times come
+    /// from a coarse clock: up to one kernel tick (1-10 ms) early.
+    #[arg(long, value_name = "WHEN", value_parser = age::parse_when)]
+    older_than: Option<When>,
+    /// Only blocks allocated at or after WHEN (same forms: `10m`, the last
+    /// ten minutes; `A.json`, since snapshot A was taken, still live now).
+    #[arg(long, value_name = "WHEN", value_parser = age::parse_when)]
+    newer_than: Option<When>,
+}
+
+impl AgeArgs {
+    fn filter(&self) -> AgeFilter {
+        AgeFilter {
+            older_than: self.older_than,
+            newer_than: self.newer_than,
+        }
+    }
 }
 
 /// Where a report goes and in which format (`snapshot`, `symbolize`,
@@ -203,6 +236,8 @@ struct SnapshotArgs {
     timings: bool,
     #[command(flatten)]
     sym: SymArgs,
+    #[command(flatten)]
+    ages: AgeArgs,
 }
 
 #[derive(Args, Debug)]
@@ -236,6 +271,8 @@ struct WatchArgs {
     answer_pending: bool,
     #[command(flatten)]
     sym: SymArgs,
+    #[command(flatten)]
+    ages: AgeArgs,
 }
 
 #[derive(Args, Debug)]
@@ -465,6 +502,7 @@ fn snapshot_cmd(a: SnapshotArgs) -> Result<i32> {
             progress: std::io::stderr().is_terminal(),
             request: None,
             keep_allocator_frames: a.sym.keep_allocator_frames,
+            ages: a.ages.filter(),
         },
     )
     .with_context(|| format!("taking a snapshot of pid {}", a.pid))?;
@@ -535,6 +573,7 @@ fn watch_cmd(a: WatchArgs) -> Result<i32> {
         keep_allocator_frames: a.sym.keep_allocator_frames,
         answer_pending: a.answer_pending,
         keep: a.keep.map(|n| n as usize),
+        ages: a.ages.filter(),
     };
     let dir = opts.dir.clone();
     let watcher = watch::Watcher::open(&a.pids, opts)?;
@@ -646,6 +685,7 @@ fn run_cmd(a: RunArgs) -> Result<i32> {
                 // before the watch attached is ours to answer.
                 answer_pending: true,
                 keep: None,
+                ages: AgeFilter::default(),
             };
             Some(std::thread::spawn(move || -> Result<()> {
                 watch::wait_instrumented(pid, Duration::from_secs(30))?;

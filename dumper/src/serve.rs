@@ -16,6 +16,7 @@ use std::io::Cursor;
 
 use tiny_http::{Header, Request, Response, Server};
 
+use crate::age::{self, AgeFilter, When};
 use crate::discovery::{instrumented_pids, open_target, Target};
 use crate::maps::{read_maps, BuildIds};
 use crate::snapshot;
@@ -30,6 +31,24 @@ pub struct ServeOptions {
     pub symbolize: bool,
     /// Keep allocator plumbing frames at the leaf end of stacks.
     pub keep_allocator_frames: bool,
+}
+
+/// The age filter of a request: `older_than` and `newer_than` query
+/// parameters, each a duration before the snapshot or an RFC 3339 time
+/// (never a file: a request must not name files on the server).
+fn age_filter(params: &HashMap<String, String>) -> Result<AgeFilter, Reply> {
+    let one = |name: &str| -> Result<Option<When>, Reply> {
+        params
+            .get(name)
+            .map(|v| {
+                age::parse_when_value(v, false).map_err(|e| text(400, format!("bad {name}: {e}\n")))
+            })
+            .transpose()
+    };
+    Ok(AgeFilter {
+        older_than: one("older_than")?,
+        newer_than: one("newer_than")?,
+    })
 }
 
 /// Errors starting the server.
@@ -62,16 +81,10 @@ fn text(status: u16, body: String) -> Reply {
         )
 }
 
+/// The query's parameters, percent-decoded (`+` is a space).
 fn query_params(url: &str) -> HashMap<String, String> {
     url.split_once('?')
-        .map(|(_, q)| {
-            q.split('&')
-                .map(|kv| {
-                    let (k, v) = kv.split_once('=').unwrap_or((kv, ""));
-                    (k.to_string(), v.to_string())
-                })
-                .collect()
-        })
+        .map(|(_, q)| form_urlencoded::parse(q.as_bytes()).into_owned().collect())
         .unwrap_or_default()
 }
 
@@ -110,7 +123,7 @@ impl State {
         }
     }
 
-    fn snapshot(&mut self, pid: u32) -> Result<snapshot::Snapshot, Reply> {
+    fn snapshot(&mut self, pid: u32, ages: AgeFilter) -> Result<snapshot::Snapshot, Reply> {
         if let std::collections::hash_map::Entry::Vacant(e) = self.targets.entry(pid) {
             e.insert(open_target(pid).map_err(|e| text(404, format!("{e}\n")))?);
         }
@@ -124,6 +137,7 @@ impl State {
                 progress: false,
                 request: None,
                 keep_allocator_frames: self.opts.keep_allocator_frames,
+                ages,
             },
         );
         // A target that exited is forgotten once served (its pid may be
@@ -144,7 +158,11 @@ impl State {
                     Ok(p) => p,
                     Err(r) => return r,
                 };
-                let snap = match self.snapshot(pid) {
+                let ages = match age_filter(&params) {
+                    Ok(a) => a,
+                    Err(r) => return r,
+                };
+                let snap = match self.snapshot(pid, ages) {
                     Ok(s) => s,
                     Err(r) => return r,
                 };
@@ -169,7 +187,9 @@ impl State {
             "/" | "/debug/pprof" | "/debug/pprof/" => {
                 let mut body = String::from(
                     "heapdump serve\n\nGET /debug/pprof/heap?pid=N   gzipped pprof (Go heap layout)\n\
-                     GET /debug/pprof/heap.json?pid=N   heapdump JSON\n\ntargets:\n",
+                     GET /debug/pprof/heap.json?pid=N   heapdump JSON\n\
+                     either with &older_than=WHEN or &newer_than=WHEN (1h, 10m, or an RFC 3339 time):\n\
+                     \x20 only the live blocks allocated before / at or after WHEN\n\ntargets:\n",
                 );
                 for pid in self.candidates() {
                     body.push_str(&format!(

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use heapdump_table::{AllocationsReader, DroppedReason, ResourceKey, ResourcesReader, TableError};
 use indicatif::{ProgressBar, ProgressStyle};
 
+use crate::age::{AgeFilter, Clock};
 use crate::discovery::Target;
 use crate::maps::Mapping;
 use crate::plumbing;
@@ -60,6 +61,39 @@ pub struct Site {
     pub alloc_blocks: u64,
     /// Live use per thread: (index into `Snapshot::threads`, bytes, blocks).
     pub by_thread: Vec<(usize, u64, u64)>,
+    /// When the oldest live block of this site was allocated.
+    pub oldest: Option<SystemTime>,
+    /// When the newest live block of this site was allocated.
+    pub newest: Option<SystemTime>,
+}
+
+impl Site {
+    /// Takes in the allocation times of another site's live blocks.
+    fn merge_times(&mut self, oldest: Option<SystemTime>, newest: Option<SystemTime>) {
+        self.oldest = match (self.oldest, oldest) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        self.newest = match (self.newest, newest) {
+            (Some(a), Some(b)) => Some(a.max(b)),
+            (a, b) => a.or(b),
+        };
+    }
+}
+
+/// The blocks a snapshot was restricted to by allocation time
+/// (`--older-than`, `--newer-than`): sites and threads count only these;
+/// totals stay those of the whole heap.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Selection {
+    /// Blocks allocated before this time.
+    pub older_than: Option<SystemTime>,
+    /// Blocks allocated at or after this time.
+    pub newer_than: Option<SystemTime>,
+    /// Bytes in the selected live blocks.
+    pub live_bytes: u64,
+    /// Selected live blocks.
+    pub live_blocks: u64,
 }
 
 /// The snapshot request this snapshot answers.
@@ -111,6 +145,9 @@ pub struct Snapshot {
     pub request: Option<Request>,
     /// Whether frames carry symbols.
     pub symbolized: bool,
+    /// The blocks selected by allocation time, if the snapshot was
+    /// restricted to some.
+    pub selection: Option<Selection>,
     /// Timing.
     pub timing: Timing,
 }
@@ -122,6 +159,15 @@ impl Snapshot {
         self.dropped
             .values()
             .fold(0u64, |a, b| a.saturating_add(*b))
+    }
+
+    /// Live bytes and blocks that sites and threads count: the selection's
+    /// when there is one, else the whole heap's.
+    pub fn shown_live(&self) -> (u64, u64) {
+        match &self.selection {
+            Some(s) => (s.live_bytes, s.live_blocks),
+            None => (self.totals.live_bytes, self.totals.live_blocks),
+        }
     }
 }
 
@@ -138,6 +184,8 @@ pub struct Options<'a> {
     /// `__rust_alloc`, `std::allocator<T>::allocate`, ...) at the leaf end
     /// of each stack instead of dropping them (see [`crate::plumbing`]).
     pub keep_allocator_frames: bool,
+    /// Keep only blocks allocated in this time range (see [`crate::age`]).
+    pub ages: AgeFilter,
 }
 
 /// Drops the leading allocator plumbing frames of every site and merges
@@ -183,6 +231,7 @@ fn strip_plumbing(sites: Vec<Site>, table: &HashMap<u64, Vec<Frame>>) -> Vec<Sit
                 t.alloc_bytes = t.alloc_bytes.saturating_add(s.alloc_bytes);
                 t.alloc_blocks = t.alloc_blocks.saturating_add(s.alloc_blocks);
                 t.by_thread.extend(s.by_thread);
+                t.merge_times(s.oldest, s.newest);
             }
             None => {
                 index.insert(key, out.len());
@@ -285,6 +334,34 @@ pub fn symbolize_sites(
     sites
 }
 
+/// Live blocks of one (stack, thread) pair found by the walk.
+#[derive(Clone, Copy, Debug)]
+struct KeyStats {
+    bytes: u64,
+    blocks: u64,
+    /// Record time of the oldest block.
+    oldest_us: u64,
+    /// Record time of the newest block.
+    newest_us: u64,
+}
+
+impl KeyStats {
+    const EMPTY: KeyStats = KeyStats {
+        bytes: 0,
+        blocks: 0,
+        oldest_us: u64::MAX,
+        newest_us: 0,
+    };
+
+    #[inline]
+    fn add(&mut self, size: u64, t_us: u64) {
+        self.bytes = self.bytes.saturating_add(size);
+        self.blocks += 1;
+        self.oldest_us = self.oldest_us.min(t_us);
+        self.newest_us = self.newest_us.max(t_us);
+    }
+}
+
 /// Walks made before a snapshot with records that never read consistently
 /// is reported partial.
 pub const WALK_ATTEMPTS: u32 = 3;
@@ -310,27 +387,37 @@ pub fn take(
 ) -> Result<Snapshot, TableError> {
     let allocs = AllocationsReader::new(&target.allocations)?;
     let resources = ResourcesReader::new(&target.resources)?;
-    let taken_at = SystemTime::now();
+    let clock = Clock::now(target.allocations.header().clock_monotonic_ns);
+    let taken_at = clock.now_wall().unwrap_or_else(SystemTime::now);
+    let bounds = clock.bounds(&opts.ages);
     let t0 = Instant::now();
 
     // Aggregate during the walk: per (stack key, thread key). A walk that
     // met records being modified throughout (a writer preempted mid-update
     // on a loaded machine) is retried a few times before it is reported
-    // partial; a target killed mid-update stays partial.
+    // partial; a target killed mid-update stays partial. Blocks outside the
+    // age bounds count in the totals only.
     let mut attempt = 0;
-    let (per_key, live_bytes, live_blocks, stats) = loop {
-        let mut per_key: HashMap<(ResourceKey, ResourceKey), (u64, u64)> = HashMap::new();
+    let (per_key, live_bytes, live_blocks, selected, stats) = loop {
+        let mut per_key: HashMap<(ResourceKey, ResourceKey), KeyStats> = HashMap::new();
         let (mut live_bytes, mut live_blocks) = (0u64, 0u64);
+        let mut selected = (0u64, 0u64);
         let stats = allocs.walk(|r| {
-            let e = per_key.entry((r.stack, r.thread)).or_default();
-            e.0 = e.0.saturating_add(r.size);
-            e.1 += 1;
             live_bytes = live_bytes.saturating_add(r.size);
             live_blocks += 1;
+            if !bounds.admits(r.timestamp_us) {
+                return;
+            }
+            selected.0 = selected.0.saturating_add(r.size);
+            selected.1 += 1;
+            per_key
+                .entry((r.stack, r.thread))
+                .or_insert(KeyStats::EMPTY)
+                .add(r.size, r.timestamp_us);
         });
         attempt += 1;
         if stats.unstable == 0 || attempt >= WALK_ATTEMPTS {
-            break (per_key, live_bytes, live_blocks, stats);
+            break (per_key, live_bytes, live_blocks, selected, stats);
         }
     };
     let walk_time = t0.elapsed();
@@ -390,7 +477,8 @@ pub fn take(
     let mut extra_sites: HashMap<ResourceKey, usize> = HashMap::new();
     let mut unknown_stacks = 0u64;
     let mut per_site_thread: HashMap<(usize, usize), (u64, u64)> = HashMap::new();
-    for ((stack, thread), (bytes, blocks)) in per_key {
+    for ((stack, thread), k) in per_key {
+        let (bytes, blocks) = (k.bytes, k.blocks);
         let site = match catalog.by_key.get(&stack) {
             Some(&i) => i,
             None => *extra_sites.entry(stack).or_insert_with(|| {
@@ -410,6 +498,7 @@ pub fn take(
         };
         sites[site].live_bytes = sites[site].live_bytes.saturating_add(bytes);
         sites[site].live_blocks += blocks;
+        sites[site].merge_times(clock.wall_of(k.oldest_us), clock.wall_of(k.newest_us));
         let ti = match thread_index.get(&thread) {
             Some(&i) => i,
             None => {
@@ -496,6 +585,12 @@ pub fn take(
         partial: (!partial.is_empty()).then(|| partial.join("; ")),
         request: opts.request,
         symbolized,
+        selection: opts.ages.is_set().then(|| Selection {
+            older_than: opts.ages.older_than.and_then(|w| clock.wall_of_when(w)),
+            newer_than: opts.ages.newer_than.and_then(|w| clock.wall_of_when(w)),
+            live_bytes: selected.0,
+            live_blocks: selected.1,
+        }),
         timing: Timing {
             walk: walk_time,
             symbolize: t1.elapsed(),
@@ -527,6 +622,10 @@ mod tests {
             alloc_bytes: live,
             alloc_blocks: 1,
             by_thread,
+            // Times that tell sites apart: the oldest block is `live`
+            // seconds old, the newest `live / 10`.
+            oldest: Some(UNIX_EPOCH + Duration::from_secs(1000 - live)),
+            newest: Some(UNIX_EPOCH + Duration::from_secs(1000 - live / 10)),
         }
     }
 
@@ -592,6 +691,9 @@ mod tests {
         assert_eq!(out[0].addresses, vec![10, 20]);
         assert_eq!(out[0].frames[0].function.as_deref(), Some("app::f"));
         assert_eq!(out[0].by_thread, vec![(0, 130, 2), (1, 20, 1)]);
+        // The merged site spans both sites' allocation times.
+        let at = |s| Some(UNIX_EPOCH + Duration::from_secs(s));
+        assert_eq!((out[0].oldest, out[0].newest), (at(900), at(995)));
         assert_eq!(out[1].live_bytes, 120);
         assert_eq!(out[1].addresses, vec![11, 20]);
     }

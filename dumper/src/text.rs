@@ -2,6 +2,9 @@
 //! allocation sites by live bytes.
 
 use std::fmt::Write;
+use std::time::SystemTime;
+
+use crate::age::human_age;
 
 use crate::snapshot::Snapshot;
 
@@ -76,6 +79,22 @@ pub fn render(s: &Snapshot, opts: TextOptions) -> String {
     if let Some(p) = &s.partial {
         let _ = writeln!(o, "PARTIAL snapshot: {p}");
     }
+    if let Some(sel) = &s.selection {
+        let mut range = Vec::new();
+        if let Some(t) = sel.newer_than {
+            range.push(format!("at or after {}", moment(t, s.taken_at)));
+        }
+        if let Some(t) = sel.older_than {
+            range.push(format!("before {}", moment(t, s.taken_at)));
+        }
+        let _ = writeln!(
+            o,
+            "selected: blocks allocated {}: {} in {} blocks (sites and threads below count only these)",
+            range.join(" and "),
+            human_bytes(sel.live_bytes),
+            sel.live_blocks
+        );
+    }
     let live_threads: Vec<_> = s.threads.iter().filter(|t| t.live_blocks > 0).collect();
     if !live_threads.is_empty() {
         let _ = writeln!(o, "threads with live blocks:");
@@ -103,15 +122,23 @@ pub fn render(s: &Snapshot, opts: TextOptions) -> String {
         shown.len(),
         total_sites
     );
+    let (shown_bytes, _) = s.shown_live();
     for (i, site) in shown.iter().enumerate() {
-        let pct = if t.live_bytes > 0 {
-            site.live_bytes as f64 * 100.0 / t.live_bytes as f64
+        let pct = if shown_bytes > 0 {
+            site.live_bytes as f64 * 100.0 / shown_bytes as f64
         } else {
             0.0
         };
+        let oldest = match (site.oldest, s.taken_at) {
+            (Some(old), Some(now)) => format!(
+                ", oldest {} ago",
+                human_age(now.duration_since(old).unwrap_or_default())
+            ),
+            _ => String::new(),
+        };
         let _ = writeln!(
             o,
-            "#{:<3} {:>10} {:>5.1}%  {:>7} blocks  (allocated {} in {} blocks)",
+            "#{:<3} {:>10} {:>5.1}%  {:>7} blocks  (allocated {} in {} blocks{oldest})",
             i + 1,
             human_bytes(site.live_bytes),
             pct,
@@ -156,6 +183,15 @@ pub fn render(s: &Snapshot, opts: TextOptions) -> String {
         }
     }
     o
+}
+
+/// A moment relative to the snapshot: `2026-... (1h 2m before)`.
+fn moment(t: SystemTime, now: Option<SystemTime>) -> String {
+    let at = crate::json_format::rfc3339(t);
+    match now.and_then(|n| n.duration_since(t).ok()) {
+        Some(d) => format!("{at} ({} before the snapshot)", human_age(d)),
+        None => at,
+    }
 }
 
 /// A frame whose source is Rust's standard library (`/rustc/HASH/library`)

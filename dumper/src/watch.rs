@@ -27,6 +27,7 @@ use std::time::{Duration, Instant};
 
 use heapdump_table::header::read_request;
 
+use crate::age::AgeFilter;
 use crate::discovery::{open_target, DiscoveryError, Target};
 use crate::maps::{read_maps, BuildIds, Mapping};
 use crate::output::{self, Format, RenderOptions};
@@ -56,6 +57,9 @@ pub struct WatchOptions {
     /// each target, deleting older ones' files; snapshots answering a
     /// request and final ones are always kept.
     pub keep: Option<usize>,
+    /// Keep only blocks allocated in this time range; a duration is
+    /// counted back from each snapshot.
+    pub ages: AgeFilter,
 }
 
 /// Why a snapshot was taken.
@@ -301,6 +305,7 @@ fn shoot(
             progress: false,
             request,
             keep_allocator_frames: opts.keep_allocator_frames,
+            ages: opts.ages,
         },
     )
     .map_err(|source| WatchError::Snapshot { pid, source })?;

@@ -202,6 +202,155 @@ fn a_live_thread_shows_under_its_current_name() {
     assert!(target.finish().success());
 }
 
+/// `heapdump snapshot PID --format json -o PATH ARGS...` (must succeed).
+fn snapshot_json_with(pid: u32, path: &str, args: &[&str]) -> Value {
+    let pid = pid.to_string();
+    let mut all = vec!["snapshot", &pid, "--format", "json", "-o", path];
+    all.extend_from_slice(args);
+    let out = heapdump(&all);
+    assert!(out.status.success(), "{}", stderr(&out));
+    read_json(Path::new(path))
+}
+
+/// [`by_leaf`] without the sites that have no live blocks (sites keep
+/// their cumulative counts when none of their blocks is selected).
+fn live_leaves(j: &Value) -> Vec<(String, (u64, u64))> {
+    by_leaf(j)
+        .into_iter()
+        .filter(|(_, (n, _))| *n > 0)
+        .collect()
+}
+
+fn time_of(v: &Value) -> std::time::SystemTime {
+    humantime::parse_rfc3339(v.as_str().unwrap_or_else(|| panic!("not a time: {v}")))
+        .unwrap_or_else(|e| panic!("{v}: {e}"))
+}
+
+/// The site whose leaf frame is `leaf`.
+fn site_of<'a>(j: &'a Value, leaf: &str) -> &'a Value {
+    j["sites"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["frames"][0]["function"] == leaf)
+        .unwrap_or_else(|| panic!("no site {leaf}"))
+}
+
+#[test]
+fn blocks_are_selected_by_when_they_were_allocated() {
+    // tests/c/aged.c: 40 x 700 B at site_early, the moment "mid", 25 x
+    // 1500 B at site_late; later, 9 x 333 B at site_later.
+    let mut cmd = Command::new(compile_c("aged"));
+    cmd.env("LD_PRELOAD", preload_lib());
+    let mut target = Target::spawn_until(cmd, "mid ");
+    let mid_ns: u64 = target.last_line()["mid ".len()..].parse().unwrap();
+    let mid = std::time::UNIX_EPOCH + std::time::Duration::from_nanos(mid_ns);
+    let mid_arg = humantime::format_rfc3339_nanos(mid).to_string();
+    target.wait_line("late");
+    let pid = target.pid();
+    let dir = TempDir::new("aged");
+
+    // Unselected: every site, and each site's oldest and newest block
+    // on the right side of "mid".
+    let all = snapshot_json(pid, &dir.str("all.json"));
+    assert_eq!(all["selection"], Value::Null);
+    let leaves = by_leaf(&all);
+    assert_eq!(leaves.get("site_early"), Some(&(40, 40 * 700)));
+    assert_eq!(leaves.get("site_late"), Some(&(25, 25 * 1500)));
+    let (early, late) = (site_of(&all, "site_early"), site_of(&all, "site_late"));
+    assert!(time_of(&early["oldest_alloc_time"]) <= time_of(&early["newest_alloc_time"]));
+    assert!(time_of(&early["newest_alloc_time"]) < mid, "{early}");
+    assert!(
+        time_of(&late["oldest_alloc_time"]) >= mid,
+        "{late} vs {mid_arg}"
+    );
+    assert!(time_of(&late["newest_alloc_time"]) <= time_of(&all["taken_at"]));
+
+    // Newer than "mid": exactly the late blocks.
+    let newer = snapshot_json_with(pid, &dir.str("newer.json"), &["--newer-than", &mid_arg]);
+    assert_eq!(
+        live_leaves(&newer),
+        [("site_late".to_string(), (25, 25 * 1500))]
+    );
+    assert_eq!(newer["selection"]["live_blocks"], 25);
+    assert_eq!(newer["selection"]["live_bytes"], 25 * 1500);
+    // (JSON times are in microseconds.)
+    let said = time_of(&newer["selection"]["newer_than"]);
+    assert!(said <= mid && mid.duration_since(said).unwrap().as_nanos() < 1000);
+    assert_eq!(newer["selection"]["older_than"], Value::Null);
+    // Totals stay the whole heap's (the program is idle between snapshots).
+    assert_eq!(newer["totals"], all["totals"]);
+    let threads: u64 = newer["threads"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| u(&t["live_blocks"]))
+        .sum();
+    assert_eq!(threads, 25);
+
+    // Older than "mid": everything before it, none of the late blocks.
+    let older = snapshot_json_with(pid, &dir.str("older.json"), &["--older-than", &mid_arg]);
+    let leaves = by_leaf(&older);
+    assert_eq!(leaves.get("site_early"), Some(&(40, 40 * 700)));
+    assert_eq!(leaves.get("site_late"), Some(&(0, 0)));
+    assert_eq!(
+        u(&older["selection"]["live_blocks"]) + 25,
+        u(&all["totals"]["live_blocks"])
+    );
+
+    // Durations count back from the snapshot: nothing is 1000 days old,
+    // everything is newer than that.
+    let none = snapshot_json_with(pid, &dir.str("none.json"), &["--older-than", "1000d"]);
+    assert_eq!(none["selection"]["live_blocks"], 0);
+    assert_eq!(live_leaves(&none), []);
+    let every = snapshot_json_with(pid, &dir.str("every.json"), &["--newer-than", "1000d"]);
+    assert_eq!(by_leaf(&every), by_leaf(&all));
+    assert_eq!(
+        every["selection"]["live_blocks"],
+        all["totals"]["live_blocks"]
+    );
+
+    // The text report says what it selected and shows each site's oldest
+    // block's age.
+    let out = heapdump(&["snapshot", &pid.to_string(), "--newer-than", &mid_arg]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    assert!(
+        text.contains("selected: blocks allocated at or after")
+            && text.contains("36.6 KiB in 25 blocks"),
+        "{text}"
+    );
+    assert!(
+        text.contains("site_late") && !text.contains("site_early"),
+        "{text}"
+    );
+    assert!(text.contains(" ago)"), "{text}");
+
+    // Since a saved snapshot: the blocks allocated after it, still live.
+    target.send("more");
+    target.wait_line("later");
+    let since = snapshot_json_with(
+        pid,
+        &dir.str("since.json"),
+        &["--newer-than", &dir.str("all.json")],
+    );
+    assert_eq!(
+        live_leaves(&since),
+        [("site_later".to_string(), (9, 9 * 333))]
+    );
+    assert_eq!(since["selection"]["newer_than"], all["taken_at"]);
+
+    // Bad values are refused with what is accepted.
+    let out = heapdump(&["snapshot", &pid.to_string(), "--older-than", "last tuesday"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        stderr(&out).contains("neither a duration"),
+        "{}",
+        stderr(&out)
+    );
+    assert!(target.finish().success());
+}
+
 #[test]
 fn an_unsymbolized_snapshot_is_symbolized_later_by_build_id() {
     let target = c_pattern(true);

@@ -140,6 +140,27 @@ fn serve_gives_go_compatible_heap_profiles() {
     let want: u64 = PLAN.iter().map(|p| p.live * p.size).sum();
     assert_eq!(inuse, want as i64);
 
+    // Blocks by age: none is a thousand hours old (`+` is a space in a
+    // query), all are newer than a thousand days; a bad value is refused.
+    let inuse_of = |query: &str| {
+        let (head, body) = http_get(&addr, &format!("/debug/pprof/heap?pid={p1}&{query}"));
+        assert!(head.contains(" 200 "), "{query}: {head}");
+        let p = heapdump::pprof::decode(&body).expect("pprof body");
+        p.sample.iter().map(|s| s.value[3]).sum::<i64>()
+    };
+    assert_eq!(inuse_of("older_than=1000h+30m"), 0);
+    assert_eq!(inuse_of("newer_than=1000d"), want as i64);
+    let (head, body) = http_get(
+        &addr,
+        &format!("/debug/pprof/heap?pid={p1}&older_than=soon"),
+    );
+    assert!(head.contains(" 400 "), "{head}");
+    let body = String::from_utf8_lossy(&body);
+    assert!(
+        body.contains("bad older_than") && !body.contains("snapshot file"),
+        "{body}"
+    );
+
     if go_available() {
         let top = go_pprof(&[
             "-top",
