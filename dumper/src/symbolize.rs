@@ -16,8 +16,11 @@
 //! A file without DWARF (a stripped binary or library) is symbolized from
 //! its separate debug file when one is installed where distributions put
 //! them, found by build ID: `DIR/.build-id/ab/cdef....debug` for each DIR
-//! of `HEAPDUMP_DEBUG_DIRS` (colon-separated; default `/usr/lib/debug`).
-//! Its segments still come from the mapped file.
+//! of `HEAPDUMP_DEBUG_DIRS` (colon-separated; default `/usr/lib/debug`);
+//! else through its `.gnu_debuglink` (a file name and a CRC-32), looked for
+//! where GDB looks: next to the file, in `.debug/` next to it, and under
+//! each DIR followed by the file's directory; only a file with the recorded
+//! CRC is taken. Its segments still come from the mapped file.
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -88,7 +91,12 @@ impl Module {
         // No DWARF here: a separate debug file, if installed, has it (and
         // the full symbol table).
         let separate = if obj.section_by_name(".debug_info").is_none() {
-            maps::build_id_of(&obj).and_then(|id| find_debug_file(&id, debug_dirs))
+            maps::build_id_of(&obj)
+                .and_then(|id| find_debug_file(&id, debug_dirs))
+                .or_else(|| {
+                    let (name, crc) = obj.gnu_debuglink().ok()??;
+                    find_debuglink(path, name, crc, debug_dirs)
+                })
         } else {
             None
         };
@@ -132,6 +140,65 @@ pub fn find_debug_file(id: &str, dirs: &[PathBuf]) -> Option<PathBuf> {
                 .join(format!("{}.debug", &id[2..]))
         })
         .find(|p| p.is_file())
+}
+
+/// The debug file a `.gnu_debuglink` of the file at `path` names: `name`
+/// (a bare file name) next to it, in `.debug/` next to it, or under each of
+/// `dirs` followed by the file's directory (without a `/proc/PID/root`
+/// prefix), whichever comes first with CRC-32 `crc`.
+pub fn find_debuglink(path: &Path, name: &[u8], crc: u32, dirs: &[PathBuf]) -> Option<PathBuf> {
+    let name = std::str::from_utf8(name).ok()?;
+    if name.is_empty() || name.contains('/') || name == "." || name == ".." {
+        return None;
+    }
+    let dir = path.parent()?;
+    // Inside a container's root, the debug directories' layout follows the
+    // file's own path there.
+    let own_dir = strip_proc_root(dir);
+    let mut candidates = vec![dir.join(name), dir.join(".debug").join(name)];
+    for d in dirs {
+        candidates.push(
+            d.join(own_dir.strip_prefix("/").unwrap_or(own_dir))
+                .join(name),
+        );
+    }
+    candidates
+        .into_iter()
+        .find(|c| c != path && c.is_file() && crc32_of(c) == Some(crc))
+}
+
+/// `/proc/PID/root/usr/bin` -> `/usr/bin`; other paths unchanged.
+fn strip_proc_root(dir: &Path) -> &Path {
+    let Some(rest) = dir.to_str().and_then(|s| s.strip_prefix("/proc/")) else {
+        return dir;
+    };
+    let Some((pid, tail)) = rest.split_once('/') else {
+        return dir;
+    };
+    if pid.is_empty() || !pid.bytes().all(|b| b.is_ascii_digit()) {
+        return dir;
+    }
+    match tail.strip_prefix("root") {
+        Some("") => Path::new("/"),
+        Some(t) if t.starts_with('/') => Path::new(t),
+        _ => dir,
+    }
+}
+
+/// CRC-32 (the zlib polynomial, as `.gnu_debuglink` records it) of a file.
+fn crc32_of(path: &Path) -> Option<u32> {
+    use std::io::Read;
+    let mut f = File::open(path).ok()?;
+    let mut crc = flate2::Crc::new();
+    let mut buf = vec![0u8; 1 << 16];
+    loop {
+        match f.read(&mut buf) {
+            Ok(0) => return Some(crc.sum()),
+            Ok(n) => crc.update(&buf[..n]),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(_) => return None,
+        }
+    }
 }
 
 impl std::fmt::Debug for Symbolizer {
@@ -280,5 +347,65 @@ mod tests {
         assert_eq!(find_debug_file("ab", &dirs), None);
         assert_eq!(find_debug_file("../../etc", &dirs), None);
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn debuglinks_are_found_where_gdb_looks_and_only_with_their_crc() {
+        assert_eq!(
+            strip_proc_root(Path::new("/proc/42/root/usr/bin")),
+            Path::new("/usr/bin")
+        );
+        assert_eq!(strip_proc_root(Path::new("/proc/42/root")), Path::new("/"));
+        assert_eq!(
+            strip_proc_root(Path::new("/proc/self/root/x")),
+            Path::new("/proc/self/root/x")
+        );
+        assert_eq!(
+            strip_proc_root(Path::new("/usr/bin")),
+            Path::new("/usr/bin")
+        );
+        let base = std::env::temp_dir().join(format!("heapdump-debuglink-{}", std::process::id()));
+        let bin_dir = base.join("opt/app");
+        std::fs::create_dir_all(bin_dir.join(".debug")).unwrap();
+        let exe = bin_dir.join("app");
+        std::fs::write(&exe, b"binary").unwrap();
+        let content = b"debug info";
+        let crc = {
+            let mut c = flate2::Crc::new();
+            c.update(content);
+            c.sum()
+        };
+        let root = base.join("debug-root");
+        let under_root = root.join(bin_dir.strip_prefix("/").unwrap());
+        std::fs::create_dir_all(&under_root).unwrap();
+        let dirs = vec![root.clone()];
+        let find = |name: &[u8], crc| find_debuglink(&exe, name, crc, &dirs);
+        // Under a debug root, following the file's own directory.
+        std::fs::write(under_root.join("app.debug"), content).unwrap();
+        assert_eq!(find(b"app.debug", crc), Some(under_root.join("app.debug")));
+        // `.debug/` next to the file comes before it, the file's own
+        // directory first of all.
+        std::fs::write(bin_dir.join(".debug/app.debug"), content).unwrap();
+        assert_eq!(
+            find(b"app.debug", crc),
+            Some(bin_dir.join(".debug/app.debug"))
+        );
+        std::fs::write(bin_dir.join("app.debug"), content).unwrap();
+        assert_eq!(find(b"app.debug", crc), Some(bin_dir.join("app.debug")));
+        // Another CRC: none of them is the file the link names; a damaged
+        // one is skipped for an intact one further on.
+        assert_eq!(find(b"app.debug", crc ^ 1), None);
+        std::fs::write(bin_dir.join("app.debug"), b"debug info, rebuilt").unwrap();
+        assert_eq!(
+            find(b"app.debug", crc),
+            Some(bin_dir.join(".debug/app.debug"))
+        );
+        // Names that are paths, or the file itself, are never taken.
+        for name in [&b"../app/app.debug"[..], b"", b".", b"..", b"/etc/passwd"] {
+            assert_eq!(find(name, crc), None, "{name:?}");
+        }
+        let crc_of_exe = crc32_of(&exe).unwrap();
+        assert_eq!(find(b"app", crc_of_exe), None);
+        std::fs::remove_dir_all(&base).unwrap();
     }
 }

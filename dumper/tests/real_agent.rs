@@ -449,13 +449,37 @@ fn a_stripped_program_is_symbolized_from_its_separate_debug_file() {
     std::fs::create_dir_all(&place).unwrap();
     std::fs::rename(&debug, place.join(format!("{}.debug", &id[2..]))).unwrap();
 
-    let mut cmd = Command::new(&stripped);
-    cmd.env("LD_PRELOAD", preload_lib()).arg("hold");
-    let target = Target::spawn(cmd);
-    let pid = target.pid().to_string();
-    // The leaf frame of the `site_malloc` site, from a snapshot taken with
-    // HEAPDUMP_DEBUG_DIRS set to `debug_dirs`.
-    let leaf = |name: &str, debug_dirs: &Path| -> Value {
+    // And split the way many builds ship: the binary names its debug file
+    // in a `.gnu_debuglink` (file name and CRC), kept in `.debug/` next to
+    // it.
+    let linked_dir = dir.path("linked");
+    std::fs::create_dir_all(linked_dir.join(".debug")).unwrap();
+    let linked_debug = linked_dir.join(".debug").join("pattern-linked.debug");
+    objcopy(&[
+        "--only-keep-debug".as_ref(),
+        exe.as_os_str(),
+        linked_debug.as_os_str(),
+    ]);
+    let linked = linked_dir.join("pattern-linked");
+    let link_arg = format!("--add-gnu-debuglink={}", linked_debug.display());
+    objcopy(&[
+        "--strip-debug".as_ref(),
+        link_arg.as_ref(),
+        exe.as_os_str(),
+        linked.as_os_str(),
+    ]);
+
+    let spawn = |exe: &Path| {
+        let mut cmd = Command::new(exe);
+        cmd.env("LD_PRELOAD", preload_lib()).arg("hold");
+        Target::spawn(cmd)
+    };
+    let target = spawn(&stripped);
+    let linked_target = spawn(&linked);
+    // The leaf frame of the `site_malloc` site of `target`, from a snapshot
+    // taken with HEAPDUMP_DEBUG_DIRS set to `debug_dirs`.
+    let leaf_of = |target: &Target, name: &str, debug_dirs: &Path| -> Value {
+        let pid = target.pid().to_string();
         let path = dir.str(name);
         let out = Command::new(bin())
             .env("HEAPDUMP_DEBUG_DIRS", debug_dirs)
@@ -473,6 +497,7 @@ fn a_stripped_program_is_symbolized_from_its_separate_debug_file() {
             .unwrap_or_else(|| panic!("no site_malloc site: {j}"));
         site["frames"][0].clone()
     };
+    let leaf = |name: &str, debug_dirs: &Path| leaf_of(&target, name, debug_dirs);
     // Without the debug file: the symbol table names the function, but
     // there is no source line.
     let f = leaf("plain.json", &dir.path("nothing-here"));
@@ -485,6 +510,21 @@ fn a_stripped_program_is_symbolized_from_its_separate_debug_file() {
     );
     assert!(f["line"].as_u64().is_some_and(|l| l > 0), "{f}");
     assert!(target.finish().success());
+
+    // Through the debuglink (no debug directory has it by build ID).
+    let nothing = dir.path("nothing-here");
+    let f = leaf_of(&linked_target, "linked.json", &nothing);
+    assert!(
+        f["file"].as_str().is_some_and(|p| p.ends_with("pattern.c")),
+        "{f}"
+    );
+    // A debug file that is not the one linked (another CRC) is not used.
+    let mut bytes = std::fs::read(&linked_debug).unwrap();
+    bytes.extend_from_slice(b"rebuilt");
+    std::fs::write(&linked_debug, bytes).unwrap();
+    let f = leaf_of(&linked_target, "mismatch.json", &nothing);
+    assert!(f["file"].is_null() && f["line"].is_null(), "{f}");
+    assert!(linked_target.finish().success());
 }
 
 /// Frames of a JSON site up to (not including) the first in `crate_prefix`,
