@@ -56,7 +56,9 @@ fn frame_key(f: &Frame, maps: &[Mapping]) -> String {
     }
 }
 
-fn site_key(frames: &[Frame], maps: &[Mapping]) -> String {
+/// The key that matches a site across snapshots: its frames by function
+/// name, else by module and offset (see the module doc).
+pub fn site_key(frames: &[Frame], maps: &[Mapping]) -> String {
     frames
         .iter()
         .map(|f| frame_key(f, maps))

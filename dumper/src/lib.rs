@@ -36,4 +36,5 @@ pub mod serve;
 pub mod snapshot;
 pub mod symbolize;
 pub mod text;
+pub mod top;
 pub mod watch;

@@ -19,6 +19,7 @@ use heapdump::run::{self, AgentEnv};
 use heapdump::snapshot;
 use heapdump::symbolize::Symbolizer;
 use heapdump::text::{human_bytes, TextOptions};
+use heapdump::top::{self, Baseline, SortBy, TopOptions};
 use heapdump::watch::{self, WatchOptions};
 
 /// heapdump: heap snapshots of running Linux processes.
@@ -52,6 +53,10 @@ enum Cmd {
     /// or API), optionally every --interval, and a final one when a target
     /// exits (even when killed).
     Watch(WatchArgs),
+    /// A live view of a process's heap, refreshed like `top`: the sites
+    /// holding most memory now, how much each grew since the view started,
+    /// the age of each site's oldest block, and the allocation rate.
+    Top(TopArgs),
     /// Serve Go-compatible `GET /debug/pprof/heap` over HTTP for `go tool
     /// pprof`, Pyroscope / Grafana Alloy and Parca.
     ///
@@ -276,6 +281,32 @@ struct WatchArgs {
 }
 
 #[derive(Args, Debug)]
+struct TopArgs {
+    /// Process id of the instrumented process.
+    pid: u32,
+    /// Time between reports (e.g. 2s, 500ms).
+    #[arg(short, long, default_value = "2s", value_parser = humantime::parse_duration)]
+    interval: Duration,
+    /// Sites shown.
+    #[arg(short = 'n', long, default_value_t = 15)]
+    top: usize,
+    /// Frames shown per site, on one line (callee < caller).
+    #[arg(long, default_value_t = 3)]
+    depth: usize,
+    /// Order of the sites.
+    #[arg(long, value_enum, default_value_t = SortBy::Live)]
+    sort: SortBy,
+    /// Stop after N reports (default: when the target exits, after a last
+    /// report of its heap at exit, or on Ctrl-C).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    iterations: Option<u64>,
+    /// Keep the allocator plumbing frames at the leaf end of each stack
+    /// (see `snapshot --help`).
+    #[arg(long)]
+    keep_allocator_frames: bool,
+}
+
+#[derive(Args, Debug)]
 struct ServeArgs {
     /// Address to listen on, e.g. 127.0.0.1:6060 (port 0: any free port).
     #[arg(short, long, default_value = "127.0.0.1:6060")]
@@ -420,6 +451,7 @@ fn dispatch(cli: Cli) -> Result<i32> {
         Cmd::List => list(),
         Cmd::Snapshot(a) => snapshot_cmd(a),
         Cmd::Watch(a) => watch_cmd(a),
+        Cmd::Top(a) => top_cmd(a),
         Cmd::Serve(a) => serve_cmd(a),
         Cmd::Diff(a) => diff_cmd(a),
         Cmd::Symbolize(a) => symbolize_cmd(a),
@@ -591,6 +623,89 @@ fn watch_cmd(a: WatchArgs) -> Result<i32> {
     std::io::stdout().flush()?;
     watcher.run(&AtomicBool::new(false), print_written)?;
     Ok(0)
+}
+
+fn top_cmd(a: TopArgs) -> Result<i32> {
+    watch::install_stop_handlers();
+    let target = discovery::open_target(a.pid)?;
+    let exit = watch::ExitWatch::new(a.pid);
+    let mut build_ids = BuildIds::default();
+    let mut maps = read_maps(a.pid, &mut build_ids)
+        .with_context(|| format!("reading /proc/{}/maps", a.pid))?;
+    let mut sym = Symbolizer::new();
+    let tty = std::io::stdout().is_terminal();
+    let opts = TopOptions {
+        top: a.top,
+        depth: a.depth,
+        sort: a.sort,
+    };
+    let mut baseline = None;
+    let mut previous: Option<snapshot::Snapshot> = None;
+    let mut seq = 0u64;
+    loop {
+        let exited = exit.exited();
+        if !exited {
+            // New libraries may have been loaded; a dead target keeps the
+            // last mappings read (its files stay open in the symbolizer).
+            if let Ok(m) = read_maps(a.pid, &mut build_ids) {
+                maps = m;
+            }
+            sym.open_modules(&maps);
+        }
+        let snap = snapshot::take(
+            &target,
+            &maps,
+            snapshot::Options {
+                symbolizer: Some(&mut sym),
+                progress: tty && seq == 0,
+                request: None,
+                keep_allocator_frames: a.keep_allocator_frames,
+                ages: AgeFilter::default(),
+            },
+        )
+        .with_context(|| format!("taking a snapshot of pid {}", a.pid))?;
+        seq += 1;
+        let base = baseline.get_or_insert_with(|| Baseline::of(&snap));
+        let before = previous
+            .as_ref()
+            .and_then(|p| top::between(p, &snap).map(|d| (p, d)));
+        let report = top::render(&snap, base, before, seq, opts);
+        let mut out = std::io::stdout().lock();
+        if tty {
+            // Home and clear, then the report: a screen that refreshes.
+            let report = match top::terminal_width() {
+                Some(w) => top::fit(&report, w),
+                None => report,
+            };
+            write!(out, "\x1b[H\x1b[2J{report}")?;
+        } else {
+            writeln!(out, "{report}")?;
+        }
+        if exited {
+            writeln!(out, "pid {} exited: this is its heap at exit", a.pid)?;
+        }
+        out.flush()?;
+        drop(out);
+        if exited || a.iterations.is_some_and(|n| seq >= n) || watch::stop_requested() {
+            return Ok(0);
+        }
+        previous = Some(snap);
+        // Wait for the next report, waking early for an exit or Ctrl-C.
+        let until = std::time::Instant::now() + a.interval;
+        while std::time::Instant::now() < until {
+            if watch::stop_requested() {
+                return Ok(0);
+            }
+            if exit.exited() {
+                break;
+            }
+            std::thread::sleep(
+                until
+                    .saturating_duration_since(std::time::Instant::now())
+                    .min(Duration::from_millis(20)),
+            );
+        }
+    }
 }
 
 fn serve_cmd(a: ServeArgs) -> Result<i32> {

@@ -197,7 +197,7 @@ fn moment(t: SystemTime, now: Option<SystemTime>) -> String {
 /// A frame whose source is Rust's standard library (`/rustc/HASH/library`)
 /// or a crate from a registry (cargo's `registry/src`, or rustc's vendored
 /// `/rust/deps`).
-fn is_library_frame(f: &crate::symbolize::Frame) -> bool {
+pub fn is_library_frame(f: &crate::symbolize::Frame) -> bool {
     f.file.as_deref().is_some_and(|file| {
         file.starts_with("/rustc/")
             || file.starts_with("/rust/deps/")

@@ -352,6 +352,56 @@ fn blocks_are_selected_by_when_they_were_allocated() {
 }
 
 #[test]
+fn top_shows_live_sites_with_growth_and_a_last_report_at_exit() {
+    let target = c_pattern(true);
+    let pid = target.pid().to_string();
+    let out = heapdump(&[
+        "top",
+        &pid,
+        "--iterations",
+        "2",
+        "--interval",
+        "10ms",
+        "-n",
+        "40",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    let reports: Vec<&str> = text.split("heapdump top: ").skip(1).collect();
+    assert_eq!(reports.len(), 2, "{text}");
+    for r in &reports {
+        // site_malloc: 100 blocks of 1000 bytes, unchanged (the pattern
+        // is idle while it holds them).
+        let line = r
+            .lines()
+            .find(|l| l.contains(" site_malloc ("))
+            .unwrap_or_else(|| panic!("no site_malloc line: {r}"));
+        let cols: Vec<&str> = line.split_whitespace().collect();
+        assert_eq!(cols[..5], ["97.7", "KiB", "+0", "B", "100"], "{line}");
+        assert!(line.contains("pattern.c:"), "{line}");
+    }
+    assert!(reports[1].contains("report 2") && reports[1].contains("allocating "));
+
+    // Without --iterations it runs until the target exits, then shows the
+    // heap at exit.
+    let mut child = Command::new(bin())
+        .args(["top", &pid, "--interval", "20ms"])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let lines = Lines::new(child.stdout.take().unwrap());
+    while !lines.next().starts_with("heapdump top: ") {}
+    assert!(target.finish().success());
+    let want = format!("pid {pid} exited: this is its heap at exit");
+    while lines
+        .next_or_eof()
+        .expect("top ended without its exit line")
+        != want
+    {}
+    assert!(child.wait().unwrap().success());
+}
+
+#[test]
 fn an_unsymbolized_snapshot_is_symbolized_later_by_build_id() {
     let target = c_pattern(true);
     let pid = target.pid();
