@@ -66,7 +66,8 @@ pub fn site_key(frames: &[Frame], maps: &[Mapping]) -> String {
         .join(";")
 }
 
-fn delta(b: u64, a: u64) -> i64 {
+/// `b - a` as a signed count, saturating at the ends of `i64`.
+pub fn delta(b: u64, a: u64) -> i64 {
     (i128::from(b) - i128::from(a)).clamp(i128::from(i64::MIN), i128::from(i64::MAX)) as i64
 }
 

@@ -17,7 +17,7 @@ use std::fmt::Write;
 use std::time::{Duration, SystemTime};
 
 use crate::age::human_age;
-use crate::diff::site_key;
+use crate::diff::{delta, site_key};
 use crate::snapshot::{Site, Snapshot};
 use crate::text::{human_bytes, human_delta, is_library_frame};
 
@@ -64,10 +64,6 @@ impl Baseline {
             live_blocks: s.totals.live_blocks,
         }
     }
-}
-
-fn delta(b: u64, a: u64) -> i64 {
-    (i128::from(b) - i128::from(a)).clamp(i128::from(i64::MIN), i128::from(i64::MAX)) as i64
 }
 
 /// One line's worth of frames: the first `depth` frames of the program's
