@@ -382,9 +382,76 @@ pub fn instrumented_pids() -> Vec<u32> {
         .collect()
 }
 
+/// The pid `spec` names: a number, or the name of exactly one instrumented
+/// process (its name, or its executable's file name from the command line;
+/// names are cut to 15 bytes by the kernel, so both are tried).
+pub fn resolve_target(spec: &str) -> Result<u32, String> {
+    if let Ok(pid) = spec.parse::<u32>() {
+        return Ok(pid);
+    }
+    let candidates: Vec<(u32, Vec<String>)> = scan()
+        .0
+        .into_iter()
+        .filter(|e| e.state.is_ok())
+        .map(|e| {
+            let mut names = vec![e.name];
+            if let Some(arg0) = cmdline(e.pid).into_iter().next() {
+                names.push(arg0.rsplit('/').next().unwrap_or(&arg0).to_string());
+            }
+            (e.pid, names)
+        })
+        .collect();
+    pick_by_name(spec, &candidates)
+}
+
+/// The one pid among `candidates` (pid, names) that has the name `spec`.
+fn pick_by_name(spec: &str, candidates: &[(u32, Vec<String>)]) -> Result<u32, String> {
+    let found: Vec<u32> = candidates
+        .iter()
+        .filter(|(_, names)| names.iter().any(|n| n == spec))
+        .map(|(pid, _)| *pid)
+        .collect();
+    match found.as_slice() {
+        [one] => Ok(*one),
+        [] => Err(format!(
+            "no instrumented process is named {spec:?} (`heapdump list` shows them; \
+             a pid works too)"
+        )),
+        many => Err(format!(
+            "{} instrumented processes are named {spec:?} (pids {}): give one pid",
+            many.len(),
+            many.iter()
+                .map(u32::to_string)
+                .collect::<Vec<_>>()
+                .join(", ")
+        )),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_target_is_picked_by_its_name_or_its_program_only_when_unique() {
+        let c = |pid, names: &[&str]| (pid, names.iter().map(|n| n.to_string()).collect());
+        let all = vec![
+            c(10, &["api-server", "api-server"]),
+            c(11, &["worker", "python3"]),
+            c(12, &["worker", "python3"]),
+            c(13, &["very-long-name-", "very-long-name-of-a-daemon"]),
+        ];
+        assert_eq!(pick_by_name("api-server", &all), Ok(10));
+        assert_eq!(pick_by_name("very-long-name-of-a-daemon", &all), Ok(13));
+        let e = pick_by_name("worker", &all).unwrap_err();
+        assert!(
+            e.contains("2 instrumented processes") && e.contains("11, 12"),
+            "{e}"
+        );
+        let e = pick_by_name("nginx", &all).unwrap_err();
+        assert!(e.contains("no instrumented process is named"), "{e}");
+        assert_eq!(resolve_target("4242"), Ok(4242));
+    }
 
     #[test]
     fn start_time_is_field_22_even_when_the_name_has_spaces_and_parentheses() {

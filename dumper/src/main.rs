@@ -231,7 +231,9 @@ impl ReportArgs {
 
 #[derive(Args, Debug)]
 struct SnapshotArgs {
-    /// Process id of the instrumented process.
+    /// The instrumented process: its pid, or its name if only one
+    /// instrumented process has it.
+    #[arg(value_name = "PID|NAME", value_parser = discovery::resolve_target)]
     pid: u32,
     #[command(flatten)]
     report: ReportArgs,
@@ -247,8 +249,9 @@ struct SnapshotArgs {
 
 #[derive(Args, Debug)]
 struct WatchArgs {
-    /// Process ids to watch.
-    #[arg(required = true)]
+    /// Processes to watch: pids, or names each of only one instrumented
+    /// process.
+    #[arg(required = true, value_name = "PID|NAME", value_parser = discovery::resolve_target)]
     pids: Vec<u32>,
     /// Directory for the snapshot files (created with mode 0700). Files are
     /// named heapdump-PID-SEQ-REASON-TIME.EXT.
@@ -282,7 +285,9 @@ struct WatchArgs {
 
 #[derive(Args, Debug)]
 struct TopArgs {
-    /// Process id of the instrumented process.
+    /// The instrumented process: its pid, or its name if only one
+    /// instrumented process has it.
+    #[arg(value_name = "PID|NAME", value_parser = discovery::resolve_target)]
     pid: u32,
     /// Time between reports (e.g. 2s, 500ms).
     #[arg(short, long, default_value = "2s", value_parser = humantime::parse_duration)]

@@ -240,7 +240,8 @@ fn site_of<'a>(j: &'a Value, leaf: &str) -> &'a Value {
 fn blocks_are_selected_by_when_they_were_allocated() {
     // tests/c/aged.c: 40 x 700 B at site_early, the moment "mid", 25 x
     // 1500 B at site_late; later, 9 x 333 B at site_later.
-    let mut cmd = Command::new(compile_c("aged"));
+    let exe = compile_c("aged");
+    let mut cmd = Command::new(&exe);
     cmd.env("LD_PRELOAD", preload_lib());
     let mut target = Target::spawn_until(cmd, "mid ");
     let mid_ns: u64 = target.last_line()["mid ".len()..].parse().unwrap();
@@ -339,6 +340,20 @@ fn blocks_are_selected_by_when_they_were_allocated() {
         [("site_later".to_string(), (9, 9 * 333))]
     );
     assert_eq!(since["selection"]["newer_than"], all["taken_at"]);
+
+    // The process can be named instead of numbered (it is the only one
+    // with its name); a name no instrumented process has is refused.
+    let name = exe.file_name().unwrap().to_str().unwrap();
+    let out = heapdump(&["snapshot", name, "-n", "1"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(stdout(&out).starts_with(&format!("heapdump snapshot of pid {pid} (")));
+    let out = heapdump(&["snapshot", "no-such-program-here"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        stderr(&out).contains("no instrumented process is named"),
+        "{}",
+        stderr(&out)
+    );
 
     // Bad values are refused with what is accepted.
     let out = heapdump(&["snapshot", &pid.to_string(), "--older-than", "last tuesday"]);
