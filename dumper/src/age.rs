@@ -79,6 +79,10 @@ fn rfc3339_with_offset(s: &str) -> Result<SystemTime, ()> {
         _ => return Err(()),
     };
     let (h, m) = off.split_once(':').ok_or(())?;
+    let two_digits = |v: &str| v.len() == 2 && v.bytes().all(|b| b.is_ascii_digit());
+    if !two_digits(h) || !two_digits(m) {
+        return Err(());
+    }
     let (h, m): (u64, u64) = (h.parse().map_err(|_| ())?, m.parse().map_err(|_| ())?);
     if h > 23 || m > 59 {
         return Err(());
@@ -320,6 +324,28 @@ mod tests {
         let e = parse_when("yesterday-ish").unwrap_err();
         assert!(e.contains("neither a duration"), "{e}");
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn odd_values_are_refused_not_panicked_on() {
+        for s in [
+            "",
+            "+01:00",
+            "-",
+            "\u{e9}\u{e9}\u{e9}+01:00",
+            "2026-11-22T10:00:00+24:00",
+            "2026-11-22T10:00:00+01:60",
+            "2026-11-22T10:00:00+\u{e9}:0",
+            "x-99:99",
+            "2026-11-22T10:00:00+1:000",
+            "\u{1F600}\u{1F600}",
+            "/",
+            "/nonexistent/a.json",
+        ] {
+            assert!(parse_when(s).is_err(), "{s:?}");
+        }
+        // A directory is not a snapshot file.
+        assert!(parse_when(std::env::temp_dir().to_str().unwrap()).is_err());
     }
 
     #[test]
