@@ -176,8 +176,10 @@ pub fn parse_header(view: &SharedView, expected: RegionKind) -> Result<StaticHea
             ),
         });
     }
-    let mut bytes = Vec::with_capacity(STATIC_HEADER_LEN);
-    view.copy_bytes(0, STATIC_HEADER_LEN, &mut bytes)
+    // On the stack: the agent parses its own header from inside `malloc`
+    // (`stats()`), where allocating would count itself.
+    let mut bytes = [0u8; STATIC_HEADER_LEN];
+    view.copy_into(0, &mut bytes)
         .ok_or_else(|| TableError::Truncated {
             what: "header".into(),
         })?;

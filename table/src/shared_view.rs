@@ -119,20 +119,33 @@ impl SharedView {
         if end > self.len as u64 {
             return None;
         }
-        out.reserve(len);
+        out.resize(len, 0);
+        self.copy_into(offset, out)
+    }
+
+    /// Copies `out.len()` bytes starting at `offset` into `out`, with
+    /// relaxed atomic loads and without allocating (the agent reads its
+    /// own header this way from inside `malloc`). `None` when the range
+    /// leaves the view (then `out` may be partly written).
+    pub fn copy_into(&self, offset: u64, out: &mut [u8]) -> Option<()> {
+        let end = offset.checked_add(out.len() as u64)?;
+        if end > self.len as u64 {
+            return None;
+        }
         let mut pos = offset;
+        let mut i = 0;
         // Word-at-a-time while aligned, bytes for the ragged ends.
         while pos < end && pos % 8 != 0 {
-            out.push(self.load_u8(pos)?);
-            pos += 1;
+            out[i] = self.load_u8(pos)?;
+            (pos, i) = (pos + 1, i + 1);
         }
         while pos + 8 <= end {
-            out.extend_from_slice(&self.load_u64(pos)?.to_le_bytes());
-            pos += 8;
+            out[i..i + 8].copy_from_slice(&self.load_u64(pos)?.to_le_bytes());
+            (pos, i) = (pos + 8, i + 8);
         }
         while pos < end {
-            out.push(self.load_u8(pos)?);
-            pos += 1;
+            out[i] = self.load_u8(pos)?;
+            (pos, i) = (pos + 1, i + 1);
         }
         Some(())
     }
@@ -163,5 +176,9 @@ mod tests {
         assert!(v.copy_bytes(30, 3, &mut out).is_none());
         assert!(v.copy_bytes(3, 20, &mut out).is_some());
         assert_eq!(out.len(), 20);
+        let mut fixed = [7u8; 20];
+        assert!(v.copy_into(3, &mut fixed).is_some());
+        assert_eq!(fixed, [0u8; 20]);
+        assert!(v.copy_into(13, &mut fixed).is_none());
     }
 }

@@ -70,8 +70,15 @@ fn compile_c_uncached(name: &str) -> PathBuf {
             "-fno-omit-frame-pointer",
             "-no-pie",
             "-pthread",
-            "-o",
         ])
+        // The preload agent's C header (heapdump.h).
+        .arg(format!(
+            "-I{}",
+            Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("../agent/preload/include")
+                .display()
+        ))
+        .arg("-o")
         .arg(&out)
         .arg(&src)
         .status()

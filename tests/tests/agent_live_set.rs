@@ -129,3 +129,30 @@ fn rust_program_without_agent_under_preload() {
     assert_eq!(per_thread, want);
     assert!(target.finish().success());
 }
+
+#[test]
+fn c_programs_read_exact_heap_numbers_through_the_header() {
+    let exe = compile_c("stats");
+    let run = |preload: bool| {
+        let mut cmd = Command::new(&exe);
+        if preload {
+            cmd.env("LD_PRELOAD", preload_lib());
+        }
+        let out = cmd.output().expect("run stats");
+        assert!(out.status.success(), "{out:?}");
+        String::from_utf8(out.stdout).unwrap()
+    };
+    assert_eq!(
+        run(true),
+        "start\n\
+         returned 0 enabled 1 dropped 0\n\
+         grew 10000 bytes 10 blocks\n\
+         shrank 10000 bytes 10 blocks\n\
+         allocated 10000 bytes 10 blocks\n\
+         peak covers live 1\n\
+         short 1\n\
+         null -1\n"
+    );
+    // Built with the header, it runs without the agent too.
+    assert_eq!(run(false), "start\nno agent\n");
+}

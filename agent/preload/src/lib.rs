@@ -243,4 +243,51 @@ pub unsafe extern "C" fn heapdump_request_snapshot(name: *const c_char) {
     heapdump_agent::request_snapshot(s);
 }
 
+/// `struct heapdump_stats` of `include/heapdump.h` (fields only ever
+/// added at the end).
+#[repr(C)]
+struct CStats {
+    live_bytes: u64,
+    live_blocks: u64,
+    peak_live_bytes: u64,
+    total_allocs: u64,
+    total_bytes: u64,
+    dropped: u64,
+    enabled: u32,
+    reserved: u32,
+}
+
+/// `heapdump_stats(out, size)`: writes the first `size` bytes of the
+/// process's heap numbers to `out`. Returns 0 when the agent records, 1
+/// when it does not (all zeros), -1 when `out` is NULL. Never allocates.
+#[no_mangle]
+pub unsafe extern "C" fn heapdump_stats(out: *mut c_void, size: usize) -> c_int {
+    if out.is_null() {
+        return -1;
+    }
+    let s = heapdump_agent::stats();
+    let c = CStats {
+        live_bytes: s.live_bytes,
+        live_blocks: s.live_blocks,
+        peak_live_bytes: s.peak_live_bytes,
+        total_allocs: s.total_allocs,
+        total_bytes: s.total_bytes,
+        dropped: s.dropped,
+        enabled: u32::from(s.enabled),
+        reserved: 0,
+    };
+    let n = size.min(std::mem::size_of::<CStats>());
+    // SAFETY: the caller provides `size` writable bytes at `out` (the
+    // header's contract); `n <= size` bytes are copied from a local value,
+    // and the two never overlap.
+    unsafe {
+        std::ptr::copy_nonoverlapping((&c as *const CStats).cast::<u8>(), out.cast::<u8>(), n)
+    };
+    if s.enabled {
+        0
+    } else {
+        1
+    }
+}
+
 mod cxx;
