@@ -90,6 +90,43 @@ fn watch_answers_requests_and_dumps_at_sigkill() {
     assert!(status.success());
 }
 
+#[test]
+fn watch_selects_blocks_by_age_in_every_snapshot() {
+    let mut target = FakeTarget::start(&[]);
+    let dir = TempDir::new("watch-ages");
+    let pid = target.pid().to_string();
+    let out_dir = dir.str("snaps");
+    // Blocks allocated in the last thousand days: all of them, counted
+    // from each snapshot.
+    let mut w = Running::start(&[
+        "watch",
+        &pid,
+        "--dir",
+        &out_dir,
+        "-f",
+        "json",
+        "--poll",
+        "5ms",
+        "--newer-than",
+        "1000d",
+    ]);
+    assert!(w.lines.next().starts_with("watching "));
+    target.cmd("request aged");
+    let a = w.lines.next();
+    let j = read_json(std::path::Path::new(a.strip_prefix("wrote ").unwrap()));
+    let live: u64 = PLAN.iter().map(|p| p.live).sum();
+    assert_eq!(j["selection"]["live_blocks"], live);
+    assert_eq!(j["totals"]["live_blocks"], live);
+    let since = humantime::parse_rfc3339(j["selection"]["newer_than"].as_str().unwrap()).unwrap();
+    let taken = humantime::parse_rfc3339(j["taken_at"].as_str().unwrap()).unwrap();
+    let back = taken.duration_since(since).unwrap().as_secs();
+    assert!(
+        (1000 * 86_400 - 1..=1000 * 86_400 + 1).contains(&back),
+        "{back}"
+    );
+    assert_eq!(j["selection"]["older_than"], serde_json::Value::Null);
+}
+
 fn http_get(addr: &str, path: &str) -> (String, Vec<u8>) {
     let mut s = TcpStream::connect(addr).expect("connect");
     s.set_read_timeout(Some(HANG_GUARD)).unwrap();
