@@ -98,7 +98,7 @@ fn watch_selects_blocks_by_age_in_every_snapshot() {
     let out_dir = dir.str("snaps");
     // Blocks allocated in the last thousand days: all of them, counted
     // from each snapshot.
-    let mut w = Running::start(&[
+    let w = Running::start(&[
         "watch",
         &pid,
         "--dir",
