@@ -8,6 +8,9 @@ use crate::stack_capture::frame_pointer;
 /// Wraps an inner allocator (the system allocator, jemalloc, mimalloc...)
 /// and records every live block in heapdump's shared regions.
 ///
+/// With [`Agent::with_block_headers`], each block carries an 8-byte
+/// header just before it (see there).
+///
 /// ```no_run
 /// #[global_allocator]
 /// static A: heapdump_agent::Agent = heapdump_agent::Agent::system();
@@ -20,6 +23,9 @@ pub struct Agent<A = System> {
     /// held back like the preload library's (see
     /// `recorder::on_free_deferred`).
     hold_back: bool,
+    /// Blocks carry a header word naming their record (see
+    /// [`Agent::with_block_headers`]).
+    headers: bool,
 }
 
 impl Agent<System> {
@@ -28,6 +34,7 @@ impl Agent<System> {
         Agent {
             inner: System,
             hold_back: true,
+            headers: false,
         }
     }
 }
@@ -38,7 +45,30 @@ impl<A> Agent<A> {
         Agent {
             inner,
             hold_back: false,
+            headers: false,
         }
+    }
+
+    /// The same agent, putting an 8-byte header before each block that
+    /// names the block's record, so a free finds the record without
+    /// looking its address up: one cache miss fewer per free in a large
+    /// heap (`bench/churn`: 20-85 ns less per malloc+free pair). The inner
+    /// allocator sees each size 8 bytes larger (a block aligned to more
+    /// than 8 bytes: its alignment larger).
+    ///
+    /// Only for programs that free every block through the global
+    /// allocator: a block handed to C code that frees it with `free(3)`,
+    /// or measured with `malloc_usable_size(3)`, would be given a pointer
+    /// the system allocator never returned (with the plain agent such code
+    /// keeps working on top of `System`).
+    ///
+    /// ```no_run
+    /// #[global_allocator]
+    /// static A: heapdump_agent::Agent = heapdump_agent::Agent::system().with_block_headers();
+    /// ```
+    pub const fn with_block_headers(mut self) -> Self {
+        self.headers = true;
+        self
     }
 
     /// The inner allocator.
@@ -47,65 +77,279 @@ impl<A> Agent<A> {
     }
 }
 
-// SAFETY: every method forwards to the inner allocator with the caller's
-// arguments and returns its result unchanged; the recording on the side
-// never touches the block's memory, never allocates through `self`
-// (re-entrant calls pass straight through), and never unwinds.
+/// Bytes the `Agent` puts before a block of alignment `align`: 8 for the
+/// header word, more only to keep the block's alignment.
+#[inline(always)]
+const fn pad_for(align: usize) -> usize {
+    if align > 8 {
+        align
+    } else {
+        8
+    }
+}
+
+/// The inner allocator's layout for a block of `layout` with its header.
+#[inline(always)]
+fn with_header(layout: Layout) -> Option<Layout> {
+    Layout::from_size_align(
+        layout.size().checked_add(pad_for(layout.align()))?,
+        layout.align(),
+    )
+    .ok()
+}
+
+/// Reads the header word before `p` (the record's token, 0 = unrecorded).
+///
+/// # Safety
+/// `p` was returned by this `Agent` (so the 8 bytes before it are its
+/// header, inside the inner allocator's block and 8-aligned).
+#[inline(always)]
+unsafe fn token_of(p: *mut u8) -> u64 {
+    // SAFETY: per the contract, `p - 8` is an aligned word of the block.
+    unsafe { (p.sub(8) as *const u64).read() }
+}
+
+/// Writes the header word before `p`.
+///
+/// # Safety
+/// As for [`token_of`]; the block is not yet (or no longer) visible to the
+/// program, or the word is the agent's own.
+#[inline(always)]
+unsafe fn set_token(p: *mut u8, token: u64) {
+    // SAFETY: per the contract, `p - 8` is an aligned word of the block.
+    unsafe { (p.sub(8) as *mut u64).write(token) }
+}
+
+// With `headers`, every block the `Agent` hands out starts
+// `pad_for(align)` bytes into a block of the inner allocator, with a
+// header word just before it: the token of its record
+// (`recorder::on_alloc_direct`), so a free finds the record without
+// looking its address up. The program never sees the header (it lies
+// before the block); a program writing before its block could change it,
+// and then the free only fails to find the record (a token must name the
+// record that holds exactly this address), never removes another.
+// Without `headers`, blocks are the inner allocator's own and records are
+// found by address.
+//
+// SAFETY: every method allocates from the inner allocator with the
+// caller's layout (grown by the header, same alignment, with `headers`),
+// returns a pointer inside that block aligned as asked with at least
+// `layout.size()` bytes after it, and deallocates or reallocates the inner
+// block with the matching layout. The recording on the side never touches
+// the program's bytes, never allocates through `self` (re-entrant calls
+// pass straight through), and never unwinds.
 unsafe impl<A: GlobalAlloc> GlobalAlloc for Agent<A> {
     #[inline]
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         let fp = frame_pointer();
-        // SAFETY: forwarded with the caller's guarantees.
-        let p = unsafe { self.inner.alloc(layout) };
-        recorder::on_alloc(p as usize, layout.size(), fp, Role::GlobalAlloc);
-        p
+        if !self.headers {
+            // SAFETY: forwarded with the caller's guarantees.
+            let p = unsafe { self.inner.alloc(layout) };
+            recorder::on_alloc(p as usize, layout.size(), fp, Role::GlobalAlloc);
+            return p;
+        }
+        let Some(inner) = with_header(layout) else {
+            return std::ptr::null_mut();
+        };
+        // SAFETY: forwarded with the caller's guarantees (a non-zero size,
+        // grown by the header).
+        let base = unsafe { self.inner.alloc(inner) };
+        // SAFETY: a block just made by the inner allocator with `inner`.
+        unsafe { self.after_alloc(base, layout, fp) }
     }
 
     #[inline]
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
         let fp = frame_pointer();
-        // SAFETY: forwarded with the caller's guarantees.
-        let p = unsafe { self.inner.alloc_zeroed(layout) };
-        recorder::on_alloc(p as usize, layout.size(), fp, Role::GlobalAlloc);
-        p
+        if !self.headers {
+            // SAFETY: forwarded with the caller's guarantees.
+            let p = unsafe { self.inner.alloc_zeroed(layout) };
+            recorder::on_alloc(p as usize, layout.size(), fp, Role::GlobalAlloc);
+            return p;
+        }
+        let Some(inner) = with_header(layout) else {
+            return std::ptr::null_mut();
+        };
+        // SAFETY: as in `alloc`.
+        let base = unsafe { self.inner.alloc_zeroed(inner) };
+        // SAFETY: as in `alloc` (the header is not the program's zeroed
+        // bytes).
+        unsafe { self.after_alloc(base, layout, fp) }
     }
 
     #[inline]
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        let (token, base) = if self.headers {
+            // SAFETY: `ptr` came from this agent with `layout` (the
+            // caller's guarantee), so its header and its inner block are
+            // where `alloc` put them.
+            unsafe { (token_of(ptr), ptr.sub(pad_for(layout.align()))) }
+        } else {
+            (0, ptr)
+        };
         if self.hold_back {
             // `System` on Unix deallocates every layout with `free`, so a
             // block held back now can be released later with `free` alone.
             recorder::use_release(libc::free);
-            let release = recorder::on_free_deferred(ptr as usize);
+            let release = recorder::on_free_deferred_direct(ptr as usize, token, base as usize);
             if release != 0 {
-                // SAFETY: `release` is `ptr` or a block this thread freed
-                // earlier and held back, allocated by `System` (malloc,
-                // calloc, posix_memalign), released exactly once.
+                // SAFETY: `release` is `base` or the inner block of one this
+                // thread freed earlier and held back, allocated by `System`
+                // (malloc, calloc, posix_memalign), released exactly once.
                 unsafe { libc::free(release as *mut libc::c_void) }
             }
             return;
         }
         // Remove first: once freed, the address may be handed to another
         // thread, whose record must not be removed by us.
-        recorder::on_free(ptr as usize);
-        // SAFETY: forwarded with the caller's guarantees.
-        unsafe { self.inner.dealloc(ptr, layout) }
+        recorder::on_free_direct(ptr as usize, token);
+        // SAFETY: the inner block and layout `alloc` made (a grown layout
+        // was valid then, so it is now).
+        unsafe {
+            self.inner
+                .dealloc(base, self.inner_layout(layout, layout.size()))
+        }
     }
 
     #[inline]
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
         let fp = frame_pointer();
-        let old = recorder::on_free(ptr as usize);
-        // SAFETY: forwarded with the caller's guarantees.
-        let p = unsafe { self.inner.realloc(ptr, layout, new_size) };
-        if p.is_null() {
+        let pad = if self.headers {
+            pad_for(layout.align())
+        } else {
+            0
+        };
+        // Checked before anything changes: a size the header would make
+        // invalid fails as the inner allocator would.
+        let Some(new_inner_size) = new_size
+            .checked_add(pad)
+            .filter(|n| Layout::from_size_align(*n, layout.align()).is_ok())
+        else {
+            return std::ptr::null_mut();
+        };
+        let (token, base) = if self.headers {
+            // SAFETY: as in `dealloc`.
+            unsafe { (token_of(ptr), ptr.sub(pad)) }
+        } else {
+            (0, ptr)
+        };
+        // Remove first (see `dealloc`).
+        let old = recorder::on_free_direct(ptr as usize, token);
+        // SAFETY: the inner block and its layout as `alloc` made them, and
+        // a valid size (checked above); a header moves with the bytes.
+        let nb = unsafe {
+            self.inner.realloc(
+                base,
+                self.inner_layout(layout, layout.size()),
+                new_inner_size,
+            )
+        };
+        if nb.is_null() {
             // The old block is still live: record it again.
             if old.is_some() {
-                recorder::on_alloc(ptr as usize, layout.size(), fp, Role::GlobalAlloc);
+                self.record(ptr, layout.size(), fp);
             }
-        } else {
-            recorder::on_alloc(p as usize, new_size, fp, Role::GlobalAlloc);
+            return nb;
         }
+        // SAFETY: `pad` bytes lie in the new block (its size is at least
+        // `pad`), and its start is aligned as the old one was.
+        let p = unsafe { nb.add(pad) };
+        self.record(p, new_size, fp);
         p
+    }
+}
+
+impl<A: GlobalAlloc> Agent<A> {
+    /// The inner allocator's layout of a block of `size` bytes aligned as
+    /// `layout` (grown by the header with `headers`).
+    ///
+    /// # Safety
+    /// The grown layout is valid (it was when the block was made, or the
+    /// caller checked it).
+    #[inline(always)]
+    unsafe fn inner_layout(&self, layout: Layout, size: usize) -> Layout {
+        let pad = if self.headers {
+            pad_for(layout.align())
+        } else {
+            0
+        };
+        // SAFETY: per the contract.
+        unsafe { Layout::from_size_align_unchecked(size + pad, layout.align()) }
+    }
+
+    /// Records the block at `p` (writing its header with `headers`).
+    #[inline(always)]
+    fn record(&self, p: *mut u8, size: usize, fp: usize) {
+        if self.headers {
+            let token = recorder::on_alloc_direct(p as usize, size, fp, Role::GlobalAlloc);
+            // SAFETY: `p` is this agent's block with a header.
+            unsafe { set_token(p, token) };
+        } else {
+            recorder::on_alloc(p as usize, size, fp, Role::GlobalAlloc);
+        }
+    }
+
+    /// The program's block in the inner block `base` (null passes through),
+    /// recorded with its header written.
+    ///
+    /// # Safety
+    /// `base` is null or a block of the inner allocator made with
+    /// `with_header(layout)`.
+    #[inline(always)]
+    unsafe fn after_alloc(&self, base: *mut u8, layout: Layout, fp: usize) -> *mut u8 {
+        if base.is_null() {
+            return base;
+        }
+        // SAFETY: `pad_for` bytes fit in the block (its size is at least
+        // that); the result is aligned as asked (base is, and the pad is
+        // the alignment, or 8 when that is at most 8).
+        let p = unsafe { base.add(pad_for(layout.align())) };
+        self.record(p, layout.size(), fp);
+        p
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn blocks_keep_their_alignment_contents_and_header_through_realloc() {
+        let a = Agent::system().with_block_headers();
+        for align in [1usize, 2, 8, 16, 64, 4096] {
+            for size in [1usize, 7, 24, 1000, 70_000] {
+                let l = Layout::from_size_align(size, align).unwrap();
+                // SAFETY: non-zero size; every block is freed once with its
+                // layout.
+                unsafe {
+                    let p = a.alloc(l);
+                    assert!(!p.is_null());
+                    assert_eq!(p as usize % align, 0, "{size} {align}");
+                    p.write_bytes(0xab, size);
+                    let z = a.alloc_zeroed(l);
+                    assert!(std::slice::from_raw_parts(z, size).iter().all(|b| *b == 0));
+                    a.dealloc(z, l);
+                    let q = a.realloc(p, l, size * 3);
+                    assert_eq!(q as usize % align, 0);
+                    assert!(std::slice::from_raw_parts(q, size)
+                        .iter()
+                        .all(|b| *b == 0xab));
+                    let l3 = Layout::from_size_align(size * 3, align).unwrap();
+                    let r = a.realloc(q, l3, 1);
+                    assert_eq!(*r, 0xab);
+                    a.dealloc(r, Layout::from_size_align(1, align).unwrap());
+                }
+            }
+        }
+        // A size the header would push past what a layout allows fails
+        // cleanly.
+        let l = Layout::from_size_align(8, 8).unwrap();
+        // SAFETY: as above.
+        unsafe {
+            let p = a.alloc(l);
+            assert!(a.realloc(p, l, isize::MAX as usize).is_null());
+            assert_eq!(token_of(p), token_of(p));
+            a.dealloc(p, l);
+        }
     }
 }

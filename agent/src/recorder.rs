@@ -521,21 +521,39 @@ fn fixed_stack_key<'t>(
 }
 
 /// Records a new block at `addr` of `size` bytes, allocated by the hook
-/// whose frame pointer is `fp`.
+/// whose frame pointer is `fp` (found again by its address at free).
 #[inline]
 pub fn on_alloc(addr: usize, size: usize, fp: usize, role: Role) {
+    record_alloc::<false>(addr, size, fp, role);
+}
+
+/// [`on_alloc`] for a hook that keeps the returned token with the block
+/// (the Rust `Agent`'s block header) and gives it back to
+/// [`on_free_direct`] or [`on_free_deferred_direct`]: the record is found
+/// by it, with no index lookup. 0 = not recorded.
+#[inline]
+pub fn on_alloc_direct(addr: usize, size: usize, fp: usize, role: Role) -> u64 {
+    record_alloc::<true>(addr, size, fp, role)
+}
+
+/// The work of [`on_alloc`] (`DIRECT = false`, returns 0) and
+/// [`on_alloc_direct`] (returns node + 1, or 0).
+#[inline(always)]
+fn record_alloc<const DIRECT: bool>(addr: usize, size: usize, fp: usize, role: Role) -> u64 {
     if addr == 0 {
-        return;
+        return 0;
     }
     with_thread(|t| {
-        let Some(w) = ready_writers(role) else { return };
+        let Some(w) = ready_writers(role) else {
+            return 0;
+        };
         let ablate = w.config.ablate;
         if ablation::off(ablate, ablation::ALL) {
-            return;
+            return 0;
         }
         // Start fetching the index slot now; the stack walk below hides
-        // the miss.
-        let prefetched = w.allocations.prefetch(addr as u64);
+        // the miss (a direct block uses no index slot).
+        let prefetched = (!DIRECT).then(|| w.allocations.prefetch(addr as u64));
         prepare_thread(w, t);
         let key = if ablation::off(ablate, ablation::STACK) {
             fixed_stack_key(w, t)
@@ -543,7 +561,7 @@ pub fn on_alloc(addr: usize, size: usize, fp: usize, role: Role) {
             stack_key(w, t, fp)
         };
         let Some((stack, entry)) = key else {
-            return;
+            return 0;
         };
         let now_us = if ablation::off(ablate, ablation::CLOCK) {
             0
@@ -559,67 +577,94 @@ pub fn on_alloc(addr: usize, size: usize, fp: usize, role: Role) {
         };
         // SAFETY: `with_thread` set this thread's busy flag.
         let nodes = unsafe { t.nodes() };
+        let mut token = 0;
         if !ablation::off(ablate, ablation::TABLE) {
-            match w
-                .allocations
-                .insert_cached_prefetched(&rec, prefetched, nodes)
-            {
-                Ok(()) => {}
-                // A free we never saw (memory released behind the
-                // allocator's back): the stale record is replaced by the
-                // new block.
-                Err(InsertError::Duplicate) => {
-                    let _ = w.allocations.replace(rec.address, &rec);
-                }
-                Err(_) => return,
-            }
-        }
-        if ablation::off(ablate, ablation::COUNTERS) {
-            return;
-        }
-        match t.counters.get() {
-            Some(block) => {
-                let mut c = entry.get();
-                if let Some(slot) = w
-                    .resources
-                    .count_allocation(block, stack, rec.size, c.slot())
-                {
-                    if slot != c.slot() {
-                        c.set_slot(slot);
-                        entry.set(c);
+            match prefetched {
+                None => match w.allocations.insert_direct(&rec, nodes) {
+                    Ok(node) => token = u64::from(node) + 1,
+                    Err(_) => return 0,
+                },
+                Some(prefetched) => {
+                    match w
+                        .allocations
+                        .insert_cached_prefetched(&rec, prefetched, nodes)
+                    {
+                        Ok(()) => {}
+                        // A free we never saw (memory released behind the
+                        // allocator's back): the stale record is replaced
+                        // by the new block.
+                        Err(InsertError::Duplicate) => {
+                            let _ = w.allocations.replace(rec.address, &rec);
+                        }
+                        Err(_) => return 0,
                     }
                 }
             }
-            None => w.resources.record_allocation(stack, rec.size),
         }
-    });
+        if !ablation::off(ablate, ablation::COUNTERS) {
+            match t.counters.get() {
+                Some(block) => {
+                    let mut c = entry.get();
+                    if let Some(slot) =
+                        w.resources
+                            .count_allocation(block, stack, rec.size, c.slot())
+                    {
+                        if slot != c.slot() {
+                            c.set_slot(slot);
+                            entry.set(c);
+                        }
+                    }
+                }
+                None => w.resources.record_allocation(stack, rec.size),
+            }
+        }
+        token
+    })
+    .unwrap_or(0)
 }
 
 /// Removes the block at `addr` from the table; call *before* releasing
 /// the memory. Returns the recorded size, if the block was recorded.
 #[inline]
 pub fn on_free(addr: usize) -> Option<u64> {
+    on_free_direct(addr, 0)
+}
+
+/// [`on_free`] for a block recorded by [`on_alloc_direct`], with its token
+/// (0: the block was not recorded, nothing to do).
+#[inline]
+pub fn on_free_direct(addr: usize, token: u64) -> Option<u64> {
     if addr == 0 {
         return None;
     }
-    with_thread(|t| remove_block(t, writers()?, addr)).flatten()
+    with_thread(|t| remove_block(t, writers()?, addr, token)).flatten()
 }
 
 /// Takes the block at `addr` out of the table (the common part of
 /// [`on_free`] and [`on_free_deferred`]); its size if it was recorded.
 /// Must be called with this thread's `busy` flag set.
+/// `token` is [`on_alloc_direct`]'s for a direct block, else 0 (found by
+/// address).
 #[inline]
-fn remove_block(t: &ThreadState, w: &Writers, addr: usize) -> Option<u64> {
+fn remove_block(t: &ThreadState, w: &Writers, addr: usize, token: u64) -> Option<u64> {
     if ablation::off(w.config.ablate, ablation::ALL | ablation::TABLE) {
         return None;
+    }
+    enter_generation(t);
+    // SAFETY: the caller set this thread's busy flag.
+    let nodes = unsafe { t.nodes() };
+    if token != 0 {
+        // A token from a region generation before a fork names a node of
+        // the parent's table: in this one its node does not hold `addr`
+        // (the inherited block was never recorded here), so nothing is
+        // removed.
+        let node = u32::try_from(token - 1).ok()?;
+        return w.allocations.remove_direct(addr as u64, node, nodes);
     }
     // The allocator reads the block's header soon after us: start that
     // miss now.
     heapdump_table::allocations_table::prefetch_line((addr as *const u8).wrapping_sub(16));
-    enter_generation(t);
-    // SAFETY: the caller set this thread's busy flag.
-    w.allocations
-        .remove_cached(addr as u64, unsafe { t.nodes() })
+    w.allocations.remove_cached(addr as u64, nodes)
 }
 
 /// Whether this thread may hold a freed block back (see
@@ -647,24 +692,34 @@ fn can_hold_back(t: &ThreadState) -> bool {
 /// thread exit and in a forked child.
 #[inline]
 pub fn on_free_deferred(addr: usize) -> usize {
+    on_free_deferred_direct(addr, 0, addr)
+}
+
+/// [`on_free_deferred`] for a block recorded with `token` by
+/// [`on_alloc_direct`] (0: found by address), whose memory is released to
+/// the allocator as `release` (the start of the allocator's block, which
+/// a header may put before `addr`). Returns what to release now (0:
+/// nothing).
+#[inline]
+pub fn on_free_deferred_direct(addr: usize, token: u64, release: usize) -> usize {
     if addr == 0 {
-        return 0;
+        return release;
     }
     with_thread(|t| {
-        let Some(w) = writers() else { return addr };
-        match remove_block(t, w, addr) {
+        let Some(w) = writers() else { return release };
+        match remove_block(t, w, addr, token) {
             Some(s) if s <= DEFER_MAX_SIZE && can_hold_back(t) => {
                 let held = t.deferred.get();
                 let mut next = [0; crate::thread_state::DEFER_DEPTH];
-                next[0] = addr;
+                next[0] = release;
                 next[1..].copy_from_slice(&held[..held.len() - 1]);
                 t.deferred.set(next);
                 held[held.len() - 1]
             }
-            _ => addr,
+            _ => release,
         }
     })
-    .unwrap_or(addr)
+    .unwrap_or(release)
 }
 
 /// Snapshot of the agent's process-wide counters.

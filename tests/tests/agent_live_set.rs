@@ -71,7 +71,12 @@ fn c_program_under_preload_exact_live_set_with_threads_alive() {
 }
 
 fn check_rust_pattern(hold: bool) {
-    let exe = env!("CARGO_BIN_EXE_rust_pattern");
+    check_rust_program(env!("CARGO_BIN_EXE_rust_pattern"), "rust_pattern", hold);
+}
+
+/// The Rust pattern (`tests/src/rust_pattern_body.rs`) built as program
+/// `name` (which is also its crate and main thread's name).
+fn check_rust_program(exe: &str, name: &str, hold: bool) {
     let mut cmd = Command::new(exe);
     if hold {
         cmd.arg("hold");
@@ -81,11 +86,11 @@ fn check_rust_pattern(hold: bool) {
     let d = dump(pid);
     assert_eq!(d.partial, None);
     let syms = Symbols::of_process(exe.as_ref(), pid);
-    let t = by_site(&d, &syms, "rust_pattern::site_");
-    expect_site(&t, "site_vec", 100, 1000, "rust_pattern");
-    expect_site(&t, "site_zeroed", 50, 24, "rust_pattern");
-    expect_site(&t, "site_realloc", 10, 4096, "rust_pattern");
-    expect_site(&t, "site_free_half", 100, 32, "rust_pattern");
+    let t = by_site(&d, &syms, &format!("{name}::site_"));
+    expect_site(&t, "site_vec", 100, 1000, name);
+    expect_site(&t, "site_zeroed", 50, 24, name);
+    expect_site(&t, "site_realloc", 10, 4096, name);
+    expect_site(&t, "site_free_half", 100, 32, name);
     expect_site(&t, "site_thread1", 30, 512, "worker-1");
     expect_site(&t, "site_thread2", 20, 2048, "worker-2");
     assert!(!t.contains_key("site_freed_all"));
@@ -106,6 +111,13 @@ fn rust_program_with_agent_exact_live_set_after_threads_exit() {
 #[test]
 fn rust_program_with_agent_exact_live_set_with_threads_alive() {
     check_rust_pattern(true);
+}
+
+#[test]
+fn rust_program_with_block_headers_exact_live_set() {
+    // Records found through block headers instead of by address.
+    check_rust_program(env!("CARGO_BIN_EXE_rust_headers"), "rust_headers", true);
+    check_rust_program(env!("CARGO_BIN_EXE_rust_headers"), "rust_headers", false);
 }
 
 #[test]
