@@ -139,7 +139,12 @@ unsafe fn set_token(p: *mut u8, token: u64) {
 // the program's bytes, never allocates through `self` (re-entrant calls
 // pass straight through), and never unwinds.
 unsafe impl<A: GlobalAlloc> GlobalAlloc for Agent<A> {
-    #[inline]
+    // Never inlined: the stack walk starts at this function's own frame, so
+    // the first address reported is the return into its caller. Inlined
+    // (into `__rust_alloc`, and that into the allocating function, as a
+    // release build may do), the walk would start one frame too far out
+    // and lose the frame that allocated.
+    #[inline(never)]
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         let fp = frame_pointer();
         if !self.headers {
@@ -158,7 +163,12 @@ unsafe impl<A: GlobalAlloc> GlobalAlloc for Agent<A> {
         unsafe { self.after_alloc(base, layout, fp) }
     }
 
-    #[inline]
+    // Never inlined: the stack walk starts at this function's own frame, so
+    // the first address reported is the return into its caller. Inlined
+    // (into `__rust_alloc`, and that into the allocating function, as a
+    // release build may do), the walk would start one frame too far out
+    // and lose the frame that allocated.
+    #[inline(never)]
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
         let fp = frame_pointer();
         if !self.headers {
@@ -211,7 +221,12 @@ unsafe impl<A: GlobalAlloc> GlobalAlloc for Agent<A> {
         }
     }
 
-    #[inline]
+    // Never inlined: the stack walk starts at this function's own frame, so
+    // the first address reported is the return into its caller. Inlined
+    // (into `__rust_alloc`, and that into the allocating function, as a
+    // release build may do), the walk would start one frame too far out
+    // and lose the frame that allocated.
+    #[inline(never)]
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
         let fp = frame_pointer();
         let pad = if self.headers {
