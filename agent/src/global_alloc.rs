@@ -52,7 +52,8 @@ impl<A> Agent<A> {
     /// The same agent, putting an 8-byte header before each block that
     /// names the block's record, so a free finds the record without
     /// looking its address up: one cache miss fewer per free in a large
-    /// heap (`bench/churn`: 20-85 ns less per malloc+free pair). The inner
+    /// heap (`bench/churn`: 80-130 ns less per malloc+free pair at 100 000
+    /// live blocks on this project's 2.1 GHz machine). The inner
     /// allocator sees each size 8 bytes larger (a block aligned to more
     /// than 8 bytes: its alignment larger).
     ///
