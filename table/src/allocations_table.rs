@@ -1769,18 +1769,22 @@ mod tests {
         assert_eq!(walk_map(&r).len(), 8);
     }
 
+    /// A small deterministic random sequence (xorshift64) from `seed`.
+    fn xorshift(mut x: u64) -> impl FnMut() -> u64 {
+        move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        }
+    }
+
     #[test]
     fn many_operations_match_a_model() {
         let r = region(1 << 15, 8);
         let w = AllocationsWriter::new(&r).unwrap();
         let mut m = Model::default();
-        let mut x = 0x1234_5678_9abc_def0u64;
-        let mut next = || {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x
-        };
+        let mut next = xorshift(0x1234_5678_9abc_def0u64);
         // Grow to ~20k live (index windows grow), churn, then shrink to a
         // few hundred (windows shrink), checking against the model.
         for round in 0..3 {
@@ -1833,13 +1837,7 @@ mod tests {
         let mut cache = NodeCache::new();
         let mut m = Model::default();
         let mut direct: HashMap<u64, u32> = HashMap::new();
-        let mut x = 0x9e37_79b9_7f4a_7c15u64;
-        let mut next = || {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x
-        };
+        let mut next = xorshift(0x9e37_79b9_7f4a_7c15u64);
         for round in 0..3 {
             for _ in 0..20_000 {
                 let addr = 0x7777_0000_0000 + (next() % 30_000) * 16;
