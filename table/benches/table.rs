@@ -194,6 +194,17 @@ fn bench_insert_remove(c: &mut Criterion) {
                 black_box(allocs.remove_cached(black_box(addr), &mut cache))
             })
         });
+        // Direct blocks (found by node, no index slot: the Rust agent's
+        // block-header mode).
+        g.bench_function(format!("{name}_direct"), |b| {
+            b.iter(|| {
+                i = (i + 1) % extra.len();
+                let (addr, size) = extra[i];
+                let r = record(addr, size, ResourceKey(8192), ResourceKey(8192));
+                let node = allocs.insert_direct(&r, &mut cache).unwrap();
+                black_box(allocs.remove_direct(black_box(addr), node, &mut cache))
+            })
+        });
         allocs.flush_cache(&mut cache);
     }
     // Two threads at once on the 1M-live table, each on its own blocks:
