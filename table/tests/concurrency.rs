@@ -1,4 +1,5 @@
-//! Several writer threads insert, remove and replace (in place and moving)
+//! Several writer threads insert, remove and replace (in place and moving;
+//! one of them keeps its blocks direct, found by node)
 //! while a reader walks the table over and over through a read-only
 //! mapping. Every record's fields are functions of its address and size,
 //! so a torn read (fields of two versions or two blocks) is detected.
@@ -121,8 +122,13 @@ fn exercise(cfg: AllocationsConfig, addrs: &Addresses) -> u64 {
                         writer.insert(&r).unwrap();
                         model.insert(r.address, r);
                     }
-                    // One writer goes through a per-thread node cache.
+                    // One writer goes through a per-thread node cache; one
+                    // keeps its churn blocks direct (found by node, as the
+                    // Rust agent's block headers do), never through the
+                    // index.
                     let cached = t == 1;
+                    let direct = t == 2;
+                    let mut nodes: HashMap<u64, u32> = HashMap::new();
                     let mut cache = NodeCache::new();
                     barrier.wait();
                     let mut x = mix(t + 1);
@@ -143,6 +149,17 @@ fn exercise(cfg: AllocationsConfig, addrs: &Addresses) -> u64 {
                                 model.insert(a, r);
                             }
                             // Insert a churn block.
+                            2..=7 if direct => {
+                                let a = churn_addr(t, (x >> 8) % CHURN_ADDRS);
+                                let r = record(a, gen);
+                                // A direct writer never inserts a live
+                                // address twice (no duplicate check).
+                                if let Entry::Vacant(v) = model.entry(a) {
+                                    let node = writer.insert_direct(&r, &mut cache).unwrap();
+                                    nodes.insert(a, node);
+                                    v.insert(r);
+                                }
+                            }
                             2..=7 => {
                                 let a = churn_addr(t, (x >> 8) % CHURN_ADDRS);
                                 let r = record(a, gen);
@@ -160,6 +177,14 @@ fn exercise(cfg: AllocationsConfig, addrs: &Addresses) -> u64 {
                                 }
                             }
                             // Remove a churn block.
+                            8..=12 if direct => {
+                                let a = churn_addr(t, (x >> 8) % CHURN_ADDRS);
+                                let want = model.remove(&a).map(|r| r.size);
+                                // Not live: whatever node is named (here the
+                                // last one this address had), nothing goes.
+                                let node = nodes.remove(&a).unwrap_or(0);
+                                assert_eq!(writer.remove_direct(a, node, &mut cache), want);
+                            }
                             8..=12 => {
                                 let a = churn_addr(t, (x >> 8) % CHURN_ADDRS);
                                 let want = model.remove(&a).map(|r| r.size);
@@ -170,6 +195,9 @@ fn exercise(cfg: AllocationsConfig, addrs: &Addresses) -> u64 {
                                 };
                                 assert_eq!(got, want);
                             }
+                            // Direct: no replacing (the agent removes and
+                            // inserts around a realloc).
+                            _ if direct => {}
                             // Replace a churn block, moving or in place.
                             _ => {
                                 let a = churn_addr(t, (x >> 8) % CHURN_ADDRS);
