@@ -89,16 +89,6 @@ const fn pad_for(align: usize) -> usize {
     }
 }
 
-/// The inner allocator's layout for a block of `layout` with its header.
-#[inline(always)]
-fn with_header(layout: Layout) -> Option<Layout> {
-    Layout::from_size_align(
-        layout.size().checked_add(pad_for(layout.align()))?,
-        layout.align(),
-    )
-    .ok()
-}
-
 /// Reads the header word before `p` (the record's token, 0 = unrecorded).
 ///
 /// # Safety
@@ -139,65 +129,45 @@ unsafe fn set_token(p: *mut u8, token: u64) {
 // block with the matching layout. The recording on the side never touches
 // the program's bytes, never allocates through `self` (re-entrant calls
 // pass straight through), and never unwinds.
+//
+// The allocating methods are never inlined: the stack walk starts at the
+// method's own frame, so the first address reported is the return into its
+// caller. Inlined (into `__rust_alloc`, and that into the allocating
+// function, as a release build may do), the walk would start one frame too
+// far out and lose the frame that allocated (`bench/check-sites` checks
+// this on release builds).
 unsafe impl<A: GlobalAlloc> GlobalAlloc for Agent<A> {
-    // Never inlined: the stack walk starts at this function's own frame, so
-    // the first address reported is the return into its caller. Inlined
-    // (into `__rust_alloc`, and that into the allocating function, as a
-    // release build may do), the walk would start one frame too far out
-    // and lose the frame that allocated.
     #[inline(never)]
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         let fp = frame_pointer();
-        if !self.headers {
-            // SAFETY: forwarded with the caller's guarantees.
-            let p = unsafe { self.inner.alloc(layout) };
-            recorder::on_alloc(p as usize, layout.size(), fp, Role::GlobalAlloc);
-            return p;
-        }
-        let Some(inner) = with_header(layout) else {
+        let Some(inner) = self.inner_layout(layout, layout.size()) else {
             return std::ptr::null_mut();
         };
         // SAFETY: forwarded with the caller's guarantees (a non-zero size,
-        // grown by the header).
+        // grown by the header if any).
         let base = unsafe { self.inner.alloc(inner) };
         // SAFETY: a block just made by the inner allocator with `inner`.
-        unsafe { self.after_alloc(base, layout, fp) }
+        unsafe { self.after_alloc(base, layout.align(), layout.size(), fp) }
     }
 
-    // Never inlined: the stack walk starts at this function's own frame, so
-    // the first address reported is the return into its caller. Inlined
-    // (into `__rust_alloc`, and that into the allocating function, as a
-    // release build may do), the walk would start one frame too far out
-    // and lose the frame that allocated.
     #[inline(never)]
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
         let fp = frame_pointer();
-        if !self.headers {
-            // SAFETY: forwarded with the caller's guarantees.
-            let p = unsafe { self.inner.alloc_zeroed(layout) };
-            recorder::on_alloc(p as usize, layout.size(), fp, Role::GlobalAlloc);
-            return p;
-        }
-        let Some(inner) = with_header(layout) else {
+        let Some(inner) = self.inner_layout(layout, layout.size()) else {
             return std::ptr::null_mut();
         };
         // SAFETY: as in `alloc`.
         let base = unsafe { self.inner.alloc_zeroed(inner) };
-        // SAFETY: as in `alloc` (the header is not the program's zeroed
+        // SAFETY: as in `alloc` (a header is not the program's zeroed
         // bytes).
-        unsafe { self.after_alloc(base, layout, fp) }
+        unsafe { self.after_alloc(base, layout.align(), layout.size(), fp) }
     }
 
     #[inline]
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        let (token, base) = if self.headers {
-            // SAFETY: `ptr` came from this agent with `layout` (the
-            // caller's guarantee), so its header and its inner block are
-            // where `alloc` put them.
-            unsafe { (token_of(ptr), ptr.sub(pad_for(layout.align()))) }
-        } else {
-            (0, ptr)
-        };
+        // SAFETY: `ptr` came from this agent with `layout` (the caller's
+        // guarantee).
+        let (token, base) = unsafe { self.split(ptr, layout) };
         if self.hold_back {
             // `System` on Unix deallocates every layout with `free`, so a
             // block held back now can be released later with `free` alone.
@@ -214,51 +184,27 @@ unsafe impl<A: GlobalAlloc> GlobalAlloc for Agent<A> {
         // Remove first: once freed, the address may be handed to another
         // thread, whose record must not be removed by us.
         recorder::on_free_direct(ptr as usize, token);
-        // SAFETY: the inner block and layout `alloc` made (a grown layout
-        // was valid then, so it is now).
-        unsafe {
-            self.inner
-                .dealloc(base, self.inner_layout(layout, layout.size()))
-        }
+        // SAFETY: the inner block and the layout `alloc` made it with.
+        unsafe { self.inner.dealloc(base, self.made_layout(layout)) }
     }
 
-    // Never inlined: the stack walk starts at this function's own frame, so
-    // the first address reported is the return into its caller. Inlined
-    // (into `__rust_alloc`, and that into the allocating function, as a
-    // release build may do), the walk would start one frame too far out
-    // and lose the frame that allocated.
     #[inline(never)]
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
         let fp = frame_pointer();
-        let pad = if self.headers {
-            pad_for(layout.align())
-        } else {
-            0
-        };
         // Checked before anything changes: a size the header would make
         // invalid fails as the inner allocator would.
-        let Some(new_inner_size) = new_size
-            .checked_add(pad)
-            .filter(|n| Layout::from_size_align(*n, layout.align()).is_ok())
-        else {
+        let Some(new_inner) = self.inner_layout(layout, new_size) else {
             return std::ptr::null_mut();
         };
-        let (token, base) = if self.headers {
-            // SAFETY: as in `dealloc`.
-            unsafe { (token_of(ptr), ptr.sub(pad)) }
-        } else {
-            (0, ptr)
-        };
+        // SAFETY: as in `dealloc`.
+        let (token, base) = unsafe { self.split(ptr, layout) };
         // Remove first (see `dealloc`).
         let old = recorder::on_free_direct(ptr as usize, token);
-        // SAFETY: the inner block and its layout as `alloc` made them, and
-        // a valid size (checked above); a header moves with the bytes.
+        // SAFETY: the inner block and the layout `alloc` made it with, and
+        // a valid new size (checked above); a header moves with the bytes.
         let nb = unsafe {
-            self.inner.realloc(
-                base,
-                self.inner_layout(layout, layout.size()),
-                new_inner_size,
-            )
+            self.inner
+                .realloc(base, self.made_layout(layout), new_inner.size())
         };
         if nb.is_null() {
             // The old block is still live: record it again.
@@ -267,30 +213,59 @@ unsafe impl<A: GlobalAlloc> GlobalAlloc for Agent<A> {
             }
             return nb;
         }
-        // SAFETY: `pad` bytes lie in the new block (its size is at least
-        // `pad`), and its start is aligned as the old one was.
-        let p = unsafe { nb.add(pad) };
-        self.record(p, new_size, fp);
-        p
+        // SAFETY: a block of the inner allocator, made with `new_inner`.
+        unsafe { self.after_alloc(nb, layout.align(), new_size, fp) }
     }
 }
 
 impl<A: GlobalAlloc> Agent<A> {
-    /// The inner allocator's layout of a block of `size` bytes aligned as
-    /// `layout` (grown by the header with `headers`).
-    ///
-    /// # Safety
-    /// The grown layout is valid (it was when the block was made, or the
-    /// caller checked it).
+    /// Bytes before each block: the header's (see [`pad_for`]), or none.
     #[inline(always)]
-    unsafe fn inner_layout(&self, layout: Layout, size: usize) -> Layout {
-        let pad = if self.headers {
-            pad_for(layout.align())
+    fn pad(&self, align: usize) -> usize {
+        if self.headers {
+            pad_for(align)
         } else {
             0
-        };
+        }
+    }
+
+    /// The inner allocator's layout for `size` bytes aligned as `layout`,
+    /// grown by the header if any; `None` if that is no valid layout.
+    #[inline(always)]
+    fn inner_layout(&self, layout: Layout, size: usize) -> Option<Layout> {
+        Layout::from_size_align(size.checked_add(self.pad(layout.align()))?, layout.align()).ok()
+    }
+
+    /// The inner allocator's layout of a block this agent made for
+    /// `layout`.
+    ///
+    /// # Safety
+    /// The block was made (so the grown layout was valid then, and is now).
+    #[inline(always)]
+    unsafe fn made_layout(&self, layout: Layout) -> Layout {
         // SAFETY: per the contract.
-        unsafe { Layout::from_size_align_unchecked(size + pad, layout.align()) }
+        unsafe {
+            Layout::from_size_align_unchecked(
+                layout.size() + self.pad(layout.align()),
+                layout.align(),
+            )
+        }
+    }
+
+    /// The record's token (0 without headers) and the inner block of the
+    /// agent's block `ptr`.
+    ///
+    /// # Safety
+    /// `ptr` came from this agent with `layout`, so its header and its inner
+    /// block are where `alloc` put them.
+    #[inline(always)]
+    unsafe fn split(&self, ptr: *mut u8, layout: Layout) -> (u64, *mut u8) {
+        if self.headers {
+            // SAFETY: per the contract.
+            unsafe { (token_of(ptr), ptr.sub(pad_for(layout.align()))) }
+        } else {
+            (0, ptr)
+        }
     }
 
     /// Records the block at `p` (writing its header with `headers`).
@@ -305,22 +280,22 @@ impl<A: GlobalAlloc> Agent<A> {
         }
     }
 
-    /// The program's block in the inner block `base` (null passes through),
-    /// recorded with its header written.
+    /// The program's block of `size` bytes in the inner block `base` (null
+    /// passes through), recorded (with its header written, if any).
     ///
     /// # Safety
     /// `base` is null or a block of the inner allocator made with
-    /// `with_header(layout)`.
+    /// `inner_layout` of `size` bytes aligned to `align`.
     #[inline(always)]
-    unsafe fn after_alloc(&self, base: *mut u8, layout: Layout, fp: usize) -> *mut u8 {
+    unsafe fn after_alloc(&self, base: *mut u8, align: usize, size: usize, fp: usize) -> *mut u8 {
         if base.is_null() {
             return base;
         }
-        // SAFETY: `pad_for` bytes fit in the block (its size is at least
-        // that); the result is aligned as asked (base is, and the pad is
-        // the alignment, or 8 when that is at most 8).
-        let p = unsafe { base.add(pad_for(layout.align())) };
-        self.record(p, layout.size(), fp);
+        // SAFETY: the pad fits in the block (its size is at least that);
+        // the result is aligned as asked (base is, and the pad is 0, the
+        // alignment, or 8 when that is at most 8).
+        let p = unsafe { base.add(self.pad(align)) };
+        self.record(p, size, fp);
         p
     }
 }
