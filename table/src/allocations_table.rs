@@ -1135,8 +1135,24 @@ impl<'a> AllocationsWriter<'a> {
         let cap = 1u64 << self.cap_log2(shard);
         let win = self.window(shard);
         let (i, node) = self.find(shard, win, cap, h, addr)?;
-        let size = self.node_word(node, 2).load(Ordering::Relaxed) & SIZE_MASK;
         self.clear_slot(shard, win, cap, i);
+        let (size, kept) = self.free_node_locked(shard, node, keep_node);
+        let len = self.index_len(shard);
+        if cap > 1 << MIN_CAP_LOG2 && len * 8 < cap {
+            // Shrink so index memory follows the live count.
+            self.rehash(shard, len);
+        }
+        Some((size, kept))
+    }
+
+    /// Empties the live block in `node` of `shard` (its index slot, if it
+    /// has one, is the caller's business): marks the node free, keeps it
+    /// for the caller (`keep_node`, returned) or puts it on the shard's
+    /// free list, and takes the block out of the shard's live counts.
+    /// Returns the block's size. Caller holds the lock.
+    #[inline(always)]
+    fn free_node_locked(&self, shard: u64, node: u32, keep_node: bool) -> (u64, Option<u32>) {
+        let size = self.node_word(node, 2).load(Ordering::Relaxed) & SIZE_MASK;
         let kept = if keep_node {
             self.write_node(node, 0, 0, 0, 0);
             Some(node)
@@ -1148,12 +1164,7 @@ impl<'a> AllocationsWriter<'a> {
         };
         self.add_live_locked(shard, 0, size);
         self.bump_locked(shard, S_LEN, u32::wrapping_sub);
-        let len = self.index_len(shard);
-        if cap > 1 << MIN_CAP_LOG2 && len * 8 < cap {
-            // Shrink so index memory follows the live count.
-            self.rehash(shard, len);
-        }
-        Some((size, kept))
+        (size, kept)
     }
 
     /// Entries of the shard's index: its live blocks less the direct ones.
@@ -1216,29 +1227,17 @@ impl<'a> AllocationsWriter<'a> {
         }
         let home = self.home_shard(addr, hash(addr));
         let keep = cache.len < NODE_CACHE;
-        let size = {
+        let (size, kept) = {
             let _g = self.lock(home);
             // Under the home shard's lock: a direct block of `addr` was
             // written under this lock, and no other live block has `addr`.
-            if self.node_addr(node) != addr
-                || self.shard_field(home, S_DIRECT).load(Ordering::Relaxed) == 0
-            {
+            if self.node_addr(node) != addr {
                 return None;
             }
-            let size = self.node_word(node, 2).load(Ordering::Relaxed) & SIZE_MASK;
-            if keep {
-                self.write_node(node, 0, 0, 0, 0);
-            } else {
-                let free = self.shard_field(home, S_FREE);
-                self.write_node(node, 0, 0, 0, u64::from(free.load(Ordering::Relaxed)));
-                free.store(node + 1, Ordering::Relaxed);
-            }
-            self.add_live_locked(home, 0, size);
-            self.bump_locked(home, S_LEN, u32::wrapping_sub);
             self.bump_locked(home, S_DIRECT, u32::wrapping_sub);
-            size
+            self.free_node_locked(home, node, keep)
         };
-        if keep {
+        if let Some(node) = kept {
             cache.push(node);
         }
         self.live_changed(Some(cache), -(size as i64));
