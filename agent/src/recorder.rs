@@ -22,7 +22,7 @@ use std::cell::{Cell, UnsafeCell};
 use std::mem::MaybeUninit;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 
-use heapdump_table::header::{read_counters, DroppedReason, HeaderCounters};
+use heapdump_table::header::{DroppedReason, HeaderCounters};
 use heapdump_table::stack_compression::{encode_into, MAX_ENCODED_LEN, MAX_FRAMES};
 use heapdump_table::{
     AllocationRecord, AllocationsConfig, AllocationsWriter, InsertError, RegionWriter, ResourceKey,
@@ -631,7 +631,8 @@ pub fn on_free(addr: usize) -> Option<u64> {
 }
 
 /// [`on_free`] for a block recorded by [`on_alloc_direct`], with its token
-/// (0: the block was not recorded, nothing to do).
+/// (0: not recorded that way; the block is looked up by address, as by
+/// [`on_free`]).
 #[inline]
 pub fn on_free_direct(addr: usize, token: u64) -> Option<u64> {
     if addr == 0 {
@@ -746,10 +747,7 @@ pub fn stats() -> Stats {
     let Some(w) = writers() else {
         return Stats::default();
     };
-    // SAFETY: READY was observed, so the region slot is initialised.
-    let view = unsafe { (*ALLOCATIONS_REGION.0.get()).assume_init_ref() }.view();
-    let c = read_counters(&view);
-    let _ = w;
+    let c = w.allocations.stats();
     Stats {
         live_bytes: c.live_bytes,
         live_blocks: c.live_blocks,
