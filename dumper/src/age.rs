@@ -221,6 +221,11 @@ impl Clock {
         wall(self.base_mono_ns + i128::from(t_us) * 1000 + self.offset_ns)
     }
 
+    /// The wall time of `CLOCK_MONOTONIC` reading `ns` (a request's time).
+    pub fn wall_of_monotonic(&self, ns: u64) -> Option<SystemTime> {
+        wall(i128::from(ns) + self.offset_ns)
+    }
+
     /// The wall time a bound stands for.
     pub fn wall_of_when(&self, w: When) -> Option<SystemTime> {
         wall(self.mono_of(w) + self.offset_ns)
@@ -374,6 +379,7 @@ mod tests {
         });
         assert_eq!((b.from_us, b.below_us), (10_000_000, 30_500_000));
         assert_eq!(c.wall_of(30_500_000), Some(at));
+        assert_eq!(c.wall_of_monotonic(130_500_000_000), Some(at));
         assert_eq!(c.wall_of_when(When::At(at)), Some(at));
         // Before the clock base: older selects nothing, newer everything.
         let b = c.bounds(&AgeFilter {

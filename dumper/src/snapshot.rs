@@ -5,7 +5,7 @@
 //! live record names was already published when the catalog is read.
 
 use std::collections::{BTreeMap, HashMap};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime};
 
 use heapdump_table::{AllocationsReader, DroppedReason, ResourceKey, ResourcesReader, TableError};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -68,6 +68,12 @@ pub struct Site {
 }
 
 impl Site {
+    /// How long before `at` (the snapshot's time) the site's oldest live
+    /// block was allocated, if both are known.
+    pub fn oldest_age(&self, at: Option<SystemTime>) -> Option<Duration> {
+        Some(at?.duration_since(self.oldest?).unwrap_or_default())
+    }
+
     /// Takes in the allocation times of another site's live blocks.
     fn merge_times(&mut self, oldest: Option<SystemTime>, newest: Option<SystemTime>) {
         self.oldest = match (self.oldest, oldest) {
@@ -161,13 +167,12 @@ impl Snapshot {
             .fold(0u64, |a, b| a.saturating_add(*b))
     }
 
-    /// Live bytes and blocks that sites and threads count: the selection's
-    /// when there is one, else the whole heap's.
-    pub fn shown_live(&self) -> (u64, u64) {
-        match &self.selection {
-            Some(s) => (s.live_bytes, s.live_blocks),
-            None => (self.totals.live_bytes, self.totals.live_blocks),
-        }
+    /// Live bytes that sites and threads count: the selection's when there
+    /// is one, else the whole heap's.
+    pub fn shown_live_bytes(&self) -> u64 {
+        self.selection
+            .as_ref()
+            .map_or(self.totals.live_bytes, |s| s.live_bytes)
     }
 }
 
@@ -366,16 +371,13 @@ impl KeyStats {
 /// is reported partial.
 pub const WALK_ATTEMPTS: u32 = 3;
 
-/// Converts a monotonic timestamp of the target into wall time.
+/// Converts a monotonic timestamp of the target (0: none) into wall time,
+/// the way block times are converted (see [`crate::age`]).
 pub fn wall_time(target: &Target, monotonic_ns: u64) -> Option<SystemTime> {
-    let h = target.allocations.header();
     if monotonic_ns == 0 {
         return None;
     }
-    let ns = h
-        .clock_realtime_ns
-        .checked_add(monotonic_ns.checked_sub(h.clock_monotonic_ns)?)?;
-    Some(UNIX_EPOCH + Duration::from_nanos(ns))
+    Clock::now(target.allocations.header().clock_monotonic_ns).wall_of_monotonic(monotonic_ns)
 }
 
 /// Takes a snapshot of `target`, symbolizing against `mappings` (read from
@@ -601,6 +603,8 @@ pub fn take(
 
 #[cfg(test)]
 mod tests {
+    use std::time::UNIX_EPOCH;
+
     use super::*;
 
     fn site(frames: &[(u64, &str)], live: u64, by_thread: Vec<(usize, u64, u64)>) -> Site {

@@ -122,20 +122,16 @@ pub fn render(s: &Snapshot, opts: TextOptions) -> String {
         shown.len(),
         total_sites
     );
-    let (shown_bytes, _) = s.shown_live();
+    let shown_bytes = s.shown_live_bytes();
     for (i, site) in shown.iter().enumerate() {
         let pct = if shown_bytes > 0 {
             site.live_bytes as f64 * 100.0 / shown_bytes as f64
         } else {
             0.0
         };
-        let oldest = match (site.oldest, s.taken_at) {
-            (Some(old), Some(now)) => format!(
-                ", oldest {} ago",
-                human_age(now.duration_since(old).unwrap_or_default())
-            ),
-            _ => String::new(),
-        };
+        let oldest = site
+            .oldest_age(s.taken_at)
+            .map_or(String::new(), |d| format!(", oldest {} ago", human_age(d)));
         let _ = writeln!(
             o,
             "#{:<3} {:>10} {:>5.1}%  {:>7} blocks  (allocated {} in {} blocks{oldest})",

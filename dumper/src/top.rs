@@ -177,10 +177,9 @@ pub fn render(
         "LIVE", "GROWTH", "BLOCKS", "OLDEST"
     );
     for (site, growth) in rows.iter().take(opts.top) {
-        let oldest = match (site.oldest, now.taken_at) {
-            (Some(old), Some(at)) => human_age(at.duration_since(old).unwrap_or_default()),
-            _ => "-".to_string(),
-        };
+        let oldest = site
+            .oldest_age(now.taken_at)
+            .map_or("-".to_string(), human_age);
         let _ = writeln!(
             o,
             "{:>10} {:>11} {:>8} {:>8}  {}",
