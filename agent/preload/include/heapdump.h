@@ -12,8 +12,8 @@
  *     if (heapdump_stats && heapdump_stats(&s, sizeof s) == 0)
  *         assert(s.live_bytes < 64 << 20);
  *
- * Both are async-signal-safe, never allocate, and may be called from any
- * thread. */
+ * Both may be called from any thread; heapdump_stats() never allocates
+ * (a test checks that reading the numbers does not move them). */
 #ifndef HEAPDUMP_H
 #define HEAPDUMP_H
 
