@@ -662,9 +662,14 @@ fn remove_block(t: &ThreadState, w: &Writers, addr: usize, token: u64) -> Option
         let node = u32::try_from(token - 1).ok()?;
         return w.allocations.remove_direct(addr as u64, node, nodes);
     }
-    // The allocator reads the block's header soon after us: start that
-    // miss now.
-    heapdump_table::allocations_table::prefetch_line((addr as *const u8).wrapping_sub(16));
+    // With held-back frees (glibc only, see `set_release`), glibc reads
+    // the chunk header just below the block when the block is finally
+    // released: start that miss now. Other allocators keep their metadata
+    // elsewhere, and a prefetch can never fault, but it would only cost a
+    // useless line fetch there.
+    if RELEASE.load(Ordering::Relaxed) != 0 {
+        heapdump_table::allocations_table::prefetch_line((addr as *const u8).wrapping_sub(16));
+    }
     w.allocations.remove_cached(addr as u64, nodes)
 }
 
@@ -721,6 +726,41 @@ pub fn on_free_deferred_direct(addr: usize, token: u64, release: usize) -> usize
         }
     })
     .unwrap_or(release)
+}
+
+/// Runs `f`, a call into the next allocator that may call back into the
+/// hooks (libstdc++'s `operator new` calls `malloc`), with this thread's
+/// events passed through unrecorded and not counted as dropped: the caller
+/// records the block itself, once. Nests; restores the thread's state
+/// also when `f` unwinds (a C++ `new` throwing `std::bad_alloc`).
+#[inline]
+pub fn forwarding<R>(f: impl FnOnce() -> R) -> R {
+    struct Restore<'a>(Option<&'a ThreadState>);
+    impl Drop for Restore<'_> {
+        fn drop(&mut self) {
+            if let Some(t) = self.0 {
+                t.internal.set(false);
+                t.busy.set(false);
+            }
+        }
+    }
+    let mut f = Some(f);
+    let r = THREAD.try_with(|t| {
+        let _restore = if t.busy.get() {
+            // Already inside the agent or an outer forwarding call.
+            Restore(None)
+        } else {
+            t.busy.set(true);
+            t.internal.set(true);
+            Restore(Some(t))
+        };
+        (f.take().expect("called once"))()
+    });
+    match r {
+        Ok(r) => r,
+        // This thread's TLS is gone: the hooks pass through anyway.
+        Err(_) => (f.take().expect("not called"))(),
+    }
 }
 
 /// Snapshot of the agent's process-wide counters.

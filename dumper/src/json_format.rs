@@ -21,7 +21,8 @@
 //!   "symbolized": true,
 //!   "partial": null | "reason the walk was not clean",
 //!   "selection": null | {"older_than": null | "RFC 3339", "newer_than": null | "RFC 3339",
-//!                        "live_bytes", "live_blocks"}
+//!                        "live_bytes", "live_blocks"},
+//!   "notes": ["what the snapshot cannot show, e.g. no allocation recorded and why"]
 //! }
 //! ```
 //!
@@ -82,6 +83,10 @@ pub struct JsonSnapshot {
     /// The blocks selected by allocation time, or null (every live block).
     #[serde(default)]
     pub selection: Option<JsonSelection>,
+    /// What the snapshot cannot show, in words ("no allocation recorded",
+    /// a statically linked allocator...); empty when nothing is known.
+    #[serde(default)]
+    pub notes: Vec<String>,
 }
 
 /// The blocks a snapshot was restricted to by allocation time.
@@ -320,6 +325,7 @@ pub fn to_json(s: &Snapshot) -> JsonSnapshot {
         symbolized: s.symbolized,
         partial: s.partial.clone(),
         selection: s.selection.as_ref().map(JsonSelection::from),
+        notes: s.notes.clone(),
     }
 }
 
@@ -425,6 +431,7 @@ pub fn from_json(j: &JsonSnapshot) -> Snapshot {
             live_bytes: s.live_bytes,
             live_blocks: s.live_blocks,
         }),
+        notes: j.notes.clone(),
         timing: Default::default(),
     }
 }
@@ -525,7 +532,7 @@ mod view {
     impl Serialize for SnapshotView<'_> {
         fn serialize<S: Serializer>(&self, ser: S) -> Result<S::Ok, S::Error> {
             let s = self.0;
-            let mut m = ser.serialize_struct("JsonSnapshot", 15)?;
+            let mut m = ser.serialize_struct("JsonSnapshot", 16)?;
             m.serialize_field("format", "heapdump-snapshot")?;
             m.serialize_field("schema_version", &1u32)?;
             m.serialize_field("pid", &s.pid)?;
@@ -575,6 +582,7 @@ mod view {
                 "selection",
                 &s.selection.as_ref().map(super::JsonSelection::from),
             )?;
+            m.serialize_field("notes", &s.notes)?;
             m.end()
         }
     }
@@ -761,6 +769,7 @@ mod tests {
                 live_bytes: 6,
                 live_blocks: 1,
             }),
+            notes: vec!["the program has mimalloc linked in statically".into()],
             timing: Default::default(),
         }
     }
@@ -777,6 +786,7 @@ mod tests {
         // Selection and allocation times read back as they were.
         let back = from_json(&serde_json::from_slice(&render(&s)).unwrap());
         assert_eq!(back.selection, s.selection);
+        assert_eq!(back.notes, s.notes);
         assert_eq!(
             (back.sites[0].oldest, back.sites[0].newest),
             (s.sites[0].oldest, s.sites[0].newest)
@@ -788,6 +798,7 @@ mod tests {
         s.dropped.clear();
         s.mappings[0].build_id = None;
         s.selection = None;
+        s.notes.clear();
         s.sites[0].oldest = None;
         s.sites[0].newest = None;
         let mut owned = serde_json::to_vec_pretty(&to_json(&s)).unwrap();

@@ -37,4 +37,5 @@ pub mod snapshot;
 pub mod symbolize;
 pub mod text;
 pub mod top;
+pub mod visibility;
 pub mod watch;

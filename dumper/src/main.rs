@@ -514,6 +514,13 @@ fn list() -> Result<i32> {
                 Err(err) => writeln!(out, "{:>8}  {:<16} ({err})", e.pid, e.name)?,
             }
         }
+        for e in &entries {
+            if let Ok((c, _)) = &e.state {
+                for note in heapdump::snapshot::notes(e.pid, c.total_allocs) {
+                    writeln!(out, "{:>8}: {note}", e.pid)?;
+                }
+            }
+        }
     }
     if denied > 0 {
         writeln!(

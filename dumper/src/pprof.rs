@@ -445,6 +445,7 @@ pub fn from_snapshot(s: &Snapshot, per_thread: bool) -> Profile {
     if let Some(p) = &s.partial {
         comments.push(format!("partial: {p}"));
     }
+    comments.extend(s.notes.iter().map(|n| format!("note: {n}")));
     let time_nanos = s
         .taken_at
         .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())

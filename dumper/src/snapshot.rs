@@ -154,6 +154,9 @@ pub struct Snapshot {
     /// The blocks selected by allocation time, if the snapshot was
     /// restricted to some.
     pub selection: Option<Selection>,
+    /// What the snapshot cannot show, in words (see
+    /// [`crate::visibility`]); empty when nothing is known.
+    pub notes: Vec<String>,
     /// Timing.
     pub timing: Timing,
 }
@@ -593,12 +596,31 @@ pub fn take(
             live_bytes: selected.0,
             live_blocks: selected.1,
         }),
+        notes: notes(target.pid, counters.total_allocs),
         timing: Timing {
             walk: walk_time,
             symbolize: t1.elapsed(),
             nodes: stats.nodes,
         },
     })
+}
+
+/// What a snapshot of `pid` cannot show: "no allocation recorded" when
+/// the agent saw none, and what the program's files say it cannot see.
+pub fn notes(pid: u32, total_allocs: u64) -> Vec<String> {
+    let info = crate::visibility::inspect_process(pid);
+    let mut notes: Vec<String> = info.blind_spots.iter().map(|b| b.to_string()).collect();
+    if total_allocs == 0 {
+        let why = if notes.is_empty() {
+            "the program has not allocated through malloc or C++ new since the agent started; \
+             if it should have, it may use an allocator linked in statically, or one preloaded \
+             before the agent"
+        } else {
+            "see below"
+        };
+        notes.insert(0, format!("no allocation recorded: {why}"));
+    }
+    notes
 }
 
 #[cfg(test)]

@@ -79,6 +79,9 @@ pub fn render(s: &Snapshot, opts: TextOptions) -> String {
     if let Some(p) = &s.partial {
         let _ = writeln!(o, "PARTIAL snapshot: {p}");
     }
+    for n in &s.notes {
+        let _ = writeln!(o, "note: {n}");
+    }
     if let Some(sel) = &s.selection {
         let mut range = Vec::new();
         if let Some(t) = sel.newer_than {

@@ -1,189 +1,212 @@
-//! C++ global `operator new` / `operator delete` (Itanium ABI names).
+//! C++ global `operator new` / `operator delete`, every variant (plain,
+//! array, nothrow, sized, aligned and their combinations; Itanium ABI
+//! names).
 //!
-//! libstdc++'s own operators have no frame pointers, so a trace taken
-//! inside `malloc` would skip the function that called `new`. Interposing
-//! them here starts the walk at that function. On allocation failure the
-//! *next* definition (libstdc++'s) is called, which runs the new-handler
-//! and throws `std::bad_alloc` as the language requires (its internal
-//! `malloc` is recorded by our `malloc`).
+//! Invariants:
+//! - Each forwards to the next definition of the same operator
+//!   (libstdc++'s, or jemalloc's / tcmalloc's where the program links
+//!   them), so the program keeps the `new` it would have without us,
+//!   including its new-handler and `std::bad_alloc`.
+//! - The forwarded call runs under [`forwarding`]: libstdc++'s `new` calls
+//!   `malloc` and its `delete` calls `free`, which pass through our hooks
+//!   unrecorded, so each block is counted once, by the operator, with a
+//!   stack that starts at the code that called `new` (libstdc++ has no
+//!   frame pointers: a walk from inside its `malloc` would skip that
+//!   function).
+//! - A throwing `new` unwinds through our frame (`extern "C-unwind"`);
+//!   [`forwarding`] restores the thread's state on the way out.
+//! - Without a next definition (only while the next allocator is being
+//!   bound, or in a process with no C++ runtime), `new` uses the next
+//!   `malloc` / `memalign` and aborts on failure, as a C++ runtime without
+//!   exceptions would; `delete` uses the next `free`.
 
-use std::ffi::{c_void, CStr};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::ffi::c_void;
 
-use heapdump_agent::recorder::{on_alloc, Role};
+use heapdump_agent::recorder::{forwarding, on_alloc, on_free, Role};
 use heapdump_agent::stack_capture::frame_pointer;
 
-use crate::{__libc_malloc, __libc_memalign};
+use crate::bootstrap_arena as arena;
+use crate::malloc_family::{raw_free, raw_malloc, raw_memalign};
+use crate::next_allocator as next;
 
-struct Next {
-    name: &'static CStr,
-    addr: AtomicUsize,
-}
-
-impl Next {
-    const fn new(name: &'static CStr) -> Self {
-        Next {
-            name,
-            addr: AtomicUsize::new(0),
-        }
-    }
-
-    fn get(&self) -> usize {
-        let mut f = self.addr.load(Ordering::Relaxed);
-        if f == 0 {
-            // SAFETY: dlsym with a valid NUL-terminated name.
-            f = unsafe { libc::dlsym(libc::RTLD_NEXT, self.name.as_ptr()) } as usize;
-            self.addr.store(f, Ordering::Relaxed);
-        }
-        f
-    }
-}
-
-static NEW: Next = Next::new(c"_Znwm");
-static NEW_ARRAY: Next = Next::new(c"_Znam");
-static NEW_ALIGNED: Next = Next::new(c"_ZnwmSt11align_val_t");
-static NEW_ARRAY_ALIGNED: Next = Next::new(c"_ZnamSt11align_val_t");
-
+/// Records the block a `new` returned (null for a failed nothrow `new`).
 #[inline(always)]
-fn new_impl(size: usize, fp: usize, next: &Next) -> *mut c_void {
-    // SAFETY: glibc's malloc; operator new(0) must return a unique pointer,
-    // which malloc(0) does in glibc.
-    let p = unsafe { __libc_malloc(size) };
-    if p.is_null() {
-        return fail(size, next);
+fn recorded(p: *mut c_void, size: usize, fp: usize) -> *mut c_void {
+    if !arena::contains(p as usize) {
+        on_alloc(p as usize, size, fp, Role::Preload);
     }
-    on_alloc(p as usize, size, fp, Role::Preload);
     p
 }
 
+/// The no-next-definition path of a throwing `new`.
 #[cold]
-fn fail(size: usize, next: &Next) -> *mut c_void {
-    let f = next.get();
-    if f == 0 {
-        // No libstdc++ (cannot happen in a C++ program): behave like
-        // std::terminate would.
+fn new_without_runtime(size: usize, align: usize) -> *mut c_void {
+    let p = if align == 0 {
+        raw_malloc(size)
+    } else {
+        raw_memalign(align, size)
+    };
+    if p.is_null() {
+        // No C++ runtime to throw std::bad_alloc: what
+        // std::terminate would do.
         // SAFETY: abort has no preconditions.
         unsafe { libc::abort() }
     }
-    // SAFETY: `f` is libstdc++'s operator new of this signature; it either
-    // returns memory or throws through our frame (extern "C-unwind").
-    let real: unsafe extern "C-unwind" fn(usize) -> *mut c_void = unsafe { std::mem::transmute(f) };
-    // SAFETY: same contract.
-    unsafe { real(size) }
+    p
 }
 
-#[inline(always)]
-fn new_aligned_impl(size: usize, align: usize, fp: usize, next: &Next) -> *mut c_void {
-    // SAFETY: glibc's memalign; `align` is a power of two per C++.
-    let p = unsafe { __libc_memalign(align, size) };
-    if p.is_null() {
-        let f = next.get();
-        if f == 0 {
-            // SAFETY: abort has no preconditions.
-            unsafe { libc::abort() }
-        }
-        // SAFETY: libstdc++'s aligned operator new of this signature.
-        let real: unsafe extern "C-unwind" fn(usize, usize) -> *mut c_void =
-            unsafe { std::mem::transmute(f) };
-        // SAFETY: same contract.
-        return unsafe { real(size, align) };
+/// The no-next-definition path of a nothrow `new`.
+#[cold]
+fn nothrow_without_runtime(size: usize, align: usize) -> *mut c_void {
+    if align == 0 {
+        raw_malloc(size)
+    } else {
+        raw_memalign(align, size)
     }
-    on_alloc(p as usize, size, fp, Role::Preload);
-    p
 }
 
+/// Takes `p` out of the table before `release` hands it back.
 #[inline(always)]
-fn nothrow(size: usize, align: usize, fp: usize) -> *mut c_void {
-    // SAFETY: glibc allocators; null is a valid nothrow result.
-    let p = unsafe {
-        if align == 0 {
-            __libc_malloc(size)
-        } else {
-            __libc_memalign(align, size)
-        }
-    };
-    on_alloc(p as usize, size, fp, Role::Preload);
-    p
-}
-
-/// The pointer came from one of the operators above (or libstdc++'s,
-/// which use malloc), so glibc's free releases it.
-#[inline(always)]
-fn delete(p: *mut c_void) {
-    crate::free_block(p)
+fn delete_with(p: *mut c_void, release: impl FnOnce()) {
+    if p.is_null() || arena::contains(p as usize) {
+        return;
+    }
+    on_free(p as usize);
+    forwarding(release);
 }
 
 /// `operator new(size_t)`.
 #[no_mangle]
 pub extern "C-unwind" fn _Znwm(size: usize) -> *mut c_void {
-    new_impl(size, frame_pointer(), &NEW)
+    let fp = frame_pointer();
+    let p = match next::new() {
+        // SAFETY: the next operator new, same contract (may throw).
+        Some(f) => forwarding(|| unsafe { f(size) }),
+        None => new_without_runtime(size, 0),
+    };
+    recorded(p, size, fp)
 }
+
 /// `operator new[](size_t)`.
 #[no_mangle]
 pub extern "C-unwind" fn _Znam(size: usize) -> *mut c_void {
-    new_impl(size, frame_pointer(), &NEW_ARRAY)
+    let fp = frame_pointer();
+    let p = match next::new_array() {
+        // SAFETY: the next operator new[], same contract (may throw).
+        Some(f) => forwarding(|| unsafe { f(size) }),
+        None => new_without_runtime(size, 0),
+    };
+    recorded(p, size, fp)
 }
+
 /// `operator new(size_t, align_val_t)`.
 #[no_mangle]
 pub extern "C-unwind" fn _ZnwmSt11align_val_t(size: usize, align: usize) -> *mut c_void {
-    new_aligned_impl(size, align, frame_pointer(), &NEW_ALIGNED)
+    let fp = frame_pointer();
+    let p = match next::new_aligned() {
+        // SAFETY: the next aligned operator new, same contract.
+        Some(f) => forwarding(|| unsafe { f(size, align) }),
+        None => new_without_runtime(size, align),
+    };
+    recorded(p, size, fp)
 }
+
 /// `operator new[](size_t, align_val_t)`.
 #[no_mangle]
 pub extern "C-unwind" fn _ZnamSt11align_val_t(size: usize, align: usize) -> *mut c_void {
-    new_aligned_impl(size, align, frame_pointer(), &NEW_ARRAY_ALIGNED)
-}
-/// `operator new(size_t, nothrow_t const&)`.
-#[no_mangle]
-pub extern "C" fn _ZnwmRKSt9nothrow_t(size: usize, _nt: *const c_void) -> *mut c_void {
-    nothrow(size, 0, frame_pointer())
-}
-/// `operator new[](size_t, nothrow_t const&)`.
-#[no_mangle]
-pub extern "C" fn _ZnamRKSt9nothrow_t(size: usize, _nt: *const c_void) -> *mut c_void {
-    nothrow(size, 0, frame_pointer())
-}
-/// `operator new(size_t, align_val_t, nothrow_t const&)`.
-#[no_mangle]
-pub extern "C" fn _ZnwmSt11align_val_tRKSt9nothrow_t(
-    size: usize,
-    align: usize,
-    _nt: *const c_void,
-) -> *mut c_void {
-    nothrow(size, align.max(1), frame_pointer())
-}
-/// `operator new[](size_t, align_val_t, nothrow_t const&)`.
-#[no_mangle]
-pub extern "C" fn _ZnamSt11align_val_tRKSt9nothrow_t(
-    size: usize,
-    align: usize,
-    _nt: *const c_void,
-) -> *mut c_void {
-    nothrow(size, align.max(1), frame_pointer())
+    let fp = frame_pointer();
+    let p = match next::new_array_aligned() {
+        // SAFETY: the next aligned operator new[], same contract.
+        Some(f) => forwarding(|| unsafe { f(size, align) }),
+        None => new_without_runtime(size, align),
+    };
+    recorded(p, size, fp)
 }
 
+/// `operator new(size_t, nothrow_t const&)`.
+#[no_mangle]
+pub unsafe extern "C-unwind" fn _ZnwmRKSt9nothrow_t(size: usize, nt: *const c_void) -> *mut c_void {
+    let fp = frame_pointer();
+    let p = match next::new_nothrow() {
+        // SAFETY: the next nothrow operator new, same contract.
+        Some(f) => forwarding(|| unsafe { f(size, nt) }),
+        None => nothrow_without_runtime(size, 0),
+    };
+    recorded(p, size, fp)
+}
+
+/// `operator new[](size_t, nothrow_t const&)`.
+#[no_mangle]
+pub unsafe extern "C-unwind" fn _ZnamRKSt9nothrow_t(size: usize, nt: *const c_void) -> *mut c_void {
+    let fp = frame_pointer();
+    let p = match next::new_array_nothrow() {
+        // SAFETY: the next nothrow operator new[], same contract.
+        Some(f) => forwarding(|| unsafe { f(size, nt) }),
+        None => nothrow_without_runtime(size, 0),
+    };
+    recorded(p, size, fp)
+}
+
+/// `operator new(size_t, align_val_t, nothrow_t const&)`.
+#[no_mangle]
+pub unsafe extern "C-unwind" fn _ZnwmSt11align_val_tRKSt9nothrow_t(
+    size: usize,
+    align: usize,
+    nt: *const c_void,
+) -> *mut c_void {
+    let fp = frame_pointer();
+    let p = match next::new_aligned_nothrow() {
+        // SAFETY: the next aligned nothrow operator new, same contract.
+        Some(f) => forwarding(|| unsafe { f(size, align, nt) }),
+        None => nothrow_without_runtime(size, align.max(1)),
+    };
+    recorded(p, size, fp)
+}
+
+/// `operator new[](size_t, align_val_t, nothrow_t const&)`.
+#[no_mangle]
+pub unsafe extern "C-unwind" fn _ZnamSt11align_val_tRKSt9nothrow_t(
+    size: usize,
+    align: usize,
+    nt: *const c_void,
+) -> *mut c_void {
+    let fp = frame_pointer();
+    let p = match next::new_array_aligned_nothrow() {
+        // SAFETY: the next aligned nothrow operator new[], same contract.
+        Some(f) => forwarding(|| unsafe { f(size, align, nt) }),
+        None => nothrow_without_runtime(size, align.max(1)),
+    };
+    recorded(p, size, fp)
+}
+
+/// Defines `operator delete` overloads that forward to the next
+/// definition of the same overload (`$next`), or to the next `free`.
 macro_rules! deletes {
-    ($($name:ident ( $($arg:ident : $ty:ty),* );)*) => {$(
+    ($($name:ident = $next:ident ( $($arg:ident : $ty:ty),* );)*) => {$(
         /// A C++ global `operator delete` overload.
         #[no_mangle]
-        pub extern "C" fn $name(p: *mut c_void $(, $arg: $ty)*) {
-            $(let _ = $arg;)*
-            delete(p)
+        pub unsafe extern "C-unwind" fn $name(p: *mut c_void $(, $arg: $ty)*) {
+            delete_with(p, || match next::$next() {
+                // SAFETY: the next definition of this operator delete, on
+                // a block the matching operator new returned.
+                Some(f) => unsafe { f(p $(, $arg)*) },
+                None => raw_free(p),
+            })
         }
     )*};
 }
 
 deletes! {
-    _ZdlPv();
-    _ZdaPv();
-    _ZdlPvm(size: usize);
-    _ZdaPvm(size: usize);
-    _ZdlPvSt11align_val_t(align: usize);
-    _ZdaPvSt11align_val_t(align: usize);
-    _ZdlPvmSt11align_val_t(size: usize, align: usize);
-    _ZdaPvmSt11align_val_t(size: usize, align: usize);
-    _ZdlPvRKSt9nothrow_t(nt: *const c_void);
-    _ZdaPvRKSt9nothrow_t(nt: *const c_void);
-    _ZdlPvSt11align_val_tRKSt9nothrow_t(align: usize, nt: *const c_void);
-    _ZdaPvSt11align_val_tRKSt9nothrow_t(align: usize, nt: *const c_void);
+    _ZdlPv = delete();
+    _ZdaPv = delete_array();
+    _ZdlPvm = delete_sized(size: usize);
+    _ZdaPvm = delete_array_sized(size: usize);
+    _ZdlPvSt11align_val_t = delete_aligned(align: usize);
+    _ZdaPvSt11align_val_t = delete_array_aligned(align: usize);
+    _ZdlPvmSt11align_val_t = delete_sized_aligned(size: usize, align: usize);
+    _ZdaPvmSt11align_val_t = delete_array_sized_aligned(size: usize, align: usize);
+    _ZdlPvRKSt9nothrow_t = delete_nothrow(nt: *const c_void);
+    _ZdaPvRKSt9nothrow_t = delete_array_nothrow(nt: *const c_void);
+    _ZdlPvSt11align_val_tRKSt9nothrow_t = delete_aligned_nothrow(align: usize, nt: *const c_void);
+    _ZdaPvSt11align_val_tRKSt9nothrow_t = delete_array_aligned_nothrow(align: usize, nt: *const c_void);
 }

@@ -1,234 +1,110 @@
 //! `libheapdump_preload.so`: heapdump's agent for any dynamically linked
 //! program (C, C++, Rust), loaded with `LD_PRELOAD`.
 //!
-//! It interposes the malloc family (`malloc`, `free`, `calloc`, `realloc`,
-//! `reallocarray`, `memalign`, `posix_memalign`, `aligned_alloc`, `valloc`,
-//! `pvalloc`, `malloc_usable_size`) and the C++ global `operator new` /
-//! `operator delete` (so the stack trace starts at the code that called
-//! `new`, not inside libstdc++, which has no frame pointers), and records
-//! each event with `heapdump-agent`'s recorder.
+//! It exports the malloc family ([`malloc_family`]) and every C++ global
+//! `operator new` / `operator delete` ([`cxx`]), records each event with
+//! `heapdump-agent`'s recorder, and forwards the call to the allocator the
+//! program would use without it: the next definition in the dynamic lookup
+//! order ([`next_allocator`]: glibc, jemalloc, tcmalloc, mimalloc, or a
+//! library preloaded after this one), bound once with `dlsym(RTLD_NEXT)`.
+//! Allocations made while binding come from a static
+//! [`bootstrap_arena`]. A block stays exactly the allocator's (no header,
+//! no tail), so allocator-specific calls this library does not export
+//! (`mallctl`, `sallocx`, `tc_*`, `mi_*`...) keep working on it.
+//! jemalloc's non-standard `*allocx` calls are recorded by a companion
+//! library, `libheapdump_jemalloc.so`, through [`internal_api`].
 //!
-//! The real allocator is reached through glibc's `__libc_*` entry points,
-//! which the dynamic linker binds at load time: there is no `dlsym`
-//! bootstrap during which an allocation could recurse. (Only
-//! `malloc_usable_size` and the C++ failure paths are looked up with
-//! `dlsym(RTLD_NEXT)`, lazily, outside any allocation.) Consequence: under
-//! this library the program uses glibc's malloc even if another malloc was
-//! preloaded before it. Every entry point has a frame pointer (the
-//! workspace builds with `-C force-frame-pointers=yes`), which the stack
-//! walk starts from, so none of this library's frames are reported.
+//! Every entry point has a frame pointer (the workspace builds with
+//! `-C force-frame-pointers=yes`), which the stack walk starts from, so
+//! none of this library's frames are reported.
 
 #![allow(clippy::missing_safety_doc)]
 
 use std::ffi::{c_char, c_int, c_void, CStr};
-use std::sync::atomic::{AtomicUsize, Ordering};
 
-use heapdump_agent::recorder::{on_alloc, on_free, on_free_deferred, Role};
-use heapdump_agent::stack_capture::frame_pointer;
+pub mod bootstrap_arena;
+pub mod cxx;
+pub mod internal_api;
+pub mod malloc_family;
+pub mod next_allocator;
 
-extern "C" {
-    fn __libc_malloc(size: usize) -> *mut c_void;
-    fn __libc_free(p: *mut c_void);
-    fn __libc_calloc(n: usize, size: usize) -> *mut c_void;
-    fn __libc_realloc(p: *mut c_void, size: usize) -> *mut c_void;
-    fn __libc_memalign(align: usize, size: usize) -> *mut c_void;
-}
-
-fn set_errno(e: c_int) {
-    // SAFETY: __errno_location returns this thread's errno slot.
-    unsafe { *libc::__errno_location() = e };
-}
-
-fn page_size() -> usize {
-    // SAFETY: sysconf has no preconditions.
-    let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-    if p <= 0 {
-        4096
-    } else {
-        p as usize
+fn stderr(msg: &[u8]) {
+    // SAFETY: write(2) on fd 2 with a valid buffer; the result is ignored
+    // (a closed stderr must not matter).
+    unsafe {
+        libc::write(2, msg.as_ptr().cast(), msg.len());
     }
 }
 
-/// Runs at load time: start the agent (regions, signal handler) before
-/// `main`, so a snapshot signal never finds it absent.
+/// Runs at load time: binds the next allocator, starts the agent (regions,
+/// signal handler) before `main` so a snapshot signal never finds it
+/// absent, and says once on stderr when the program's `malloc` is not
+/// ours (so nothing would be recorded).
 extern "C" fn preload_init() {
-    heapdump_agent::recorder::set_release(__libc_free);
+    use heapdump_agent::recorder::forwarding;
+    // `forwarding`: what the loader allocates for these look-ups is the
+    // agent's own doing, not the program's, and is not recorded.
+    forwarding(|| {
+        next_allocator::bind();
+        // Held-back frees (see `recorder::on_free_deferred`) were designed
+        // and measured for glibc: its free reads the chunk header just below
+        // the block, which the recorder prefetches while the release waits.
+        // Other allocators keep their metadata elsewhere, and their own
+        // statistics (jemalloc's `stats.allocated`, which programs such as
+        // redis report) should move when the program frees, so every other
+        // allocator gets each free at once.
+        if next_allocator::next_is_glibc() {
+            if let Some(f) = next_allocator::free() {
+                heapdump_agent::recorder::set_release(f);
+            }
+        }
+    });
     heapdump_agent::start();
+    let (config, _) = heapdump_agent::config::Config::from_env();
+    if !config.quiet && !config.disabled {
+        forwarding(warn_if_not_first);
+    }
+}
+
+/// Says on stderr when `malloc` resolves, for the program, to a definition
+/// found before this library (the executable's own, or a library preloaded
+/// before it): then the program's allocations never reach the agent.
+fn warn_if_not_first() {
+    // SAFETY: dlsym with a NUL-terminated name; used for this diagnosis
+    // only, never to forward a call.
+    let global = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"malloc".as_ptr()) } as usize;
+    // Compared by defining object, not by address: inside this library the
+    // address of our own `malloc` is read through the GOT, so it is the
+    // interposed one too.
+    let here = &INIT as *const _ as usize;
+    if global == 0 || next_allocator::object_base_of(global) == next_allocator::object_base_of(here)
+    {
+        return;
+    }
+    let mut name = [0u8; 512];
+    let n = next_allocator::object_name_of(global, &mut name);
+    let mut msg = [0u8; 1024];
+    let mut cur = std::io::Cursor::new(&mut msg[..]);
+    let _ = std::io::Write::write_fmt(
+        &mut cur,
+        format_args!(
+            "heapdump: this process's malloc comes from {} (found before \
+             libheapdump_preload.so), so the agent sees none of its allocations; \
+             put libheapdump_preload.so first in LD_PRELOAD (heapdump run does)\n",
+            if n == 0 {
+                "the executable"
+            } else {
+                std::str::from_utf8(&name[..n]).unwrap_or("another library")
+            }
+        ),
+    );
+    let len = cur.position() as usize;
+    stderr(&msg[..len]);
 }
 
 #[used]
 #[link_section = ".init_array"]
 static INIT: extern "C" fn() = preload_init;
-
-/// `malloc(3)`.
-#[no_mangle]
-pub unsafe extern "C" fn malloc(size: usize) -> *mut c_void {
-    let fp = frame_pointer();
-    // SAFETY: glibc's malloc, same contract.
-    let p = unsafe { __libc_malloc(size) };
-    on_alloc(p as usize, size, fp, Role::Preload);
-    p
-}
-
-/// `free(3)`: the block leaves the table before the memory is released.
-#[no_mangle]
-pub unsafe extern "C" fn free(p: *mut c_void) {
-    free_block(p)
-}
-
-/// Takes `p` (a glibc block, or null) out of the table and hands it, or
-/// a block this thread held back earlier, to glibc (`free` and C++
-/// `delete`).
-#[inline(always)]
-fn free_block(p: *mut c_void) {
-    if p.is_null() {
-        return;
-    }
-    let release = on_free_deferred(p as usize);
-    if release != 0 {
-        // SAFETY: glibc's free, same contract: `release` is `p` or a block
-        // this thread freed earlier and held back (never released twice),
-        // and every block here came from glibc.
-        unsafe { __libc_free(release as *mut c_void) }
-    }
-}
-
-/// `calloc(3)`.
-#[no_mangle]
-pub unsafe extern "C" fn calloc(n: usize, size: usize) -> *mut c_void {
-    let fp = frame_pointer();
-    // SAFETY: glibc's calloc (it checks n * size for overflow).
-    let p = unsafe { __libc_calloc(n, size) };
-    on_alloc(p as usize, n.wrapping_mul(size), fp, Role::Preload);
-    p
-}
-
-#[inline(always)]
-unsafe fn realloc_impl(p: *mut c_void, size: usize, fp: usize) -> *mut c_void {
-    if p.is_null() {
-        // SAFETY: glibc's malloc.
-        let q = unsafe { __libc_malloc(size) };
-        on_alloc(q as usize, size, fp, Role::Preload);
-        return q;
-    }
-    // The block may move (and its address be reused by another thread at
-    // once): take it out of the table first.
-    let old = on_free(p as usize);
-    // SAFETY: glibc's realloc, same contract as ours.
-    let q = unsafe { __libc_realloc(p, size) };
-    if q.is_null() {
-        if size != 0 {
-            // Failed: the old block is untouched and still live.
-            if let Some(old_size) = old {
-                on_alloc(p as usize, old_size as usize, fp, Role::Preload);
-            }
-        }
-    } else {
-        on_alloc(q as usize, size, fp, Role::Preload);
-    }
-    q
-}
-
-/// `realloc(3)`.
-#[no_mangle]
-pub unsafe extern "C" fn realloc(p: *mut c_void, size: usize) -> *mut c_void {
-    let fp = frame_pointer();
-    // SAFETY: same contract as realloc.
-    unsafe { realloc_impl(p, size, fp) }
-}
-
-/// `reallocarray(3)`.
-#[no_mangle]
-pub unsafe extern "C" fn reallocarray(p: *mut c_void, n: usize, size: usize) -> *mut c_void {
-    let fp = frame_pointer();
-    let Some(total) = n.checked_mul(size) else {
-        set_errno(libc::ENOMEM);
-        return std::ptr::null_mut();
-    };
-    // SAFETY: same contract as realloc.
-    unsafe { realloc_impl(p, total, fp) }
-}
-
-#[inline(always)]
-fn aligned(align: usize, size: usize, fp: usize) -> *mut c_void {
-    // SAFETY: glibc's memalign accepts any alignment (rounding it up to a
-    // power of two) and any size.
-    let p = unsafe { __libc_memalign(align, size) };
-    on_alloc(p as usize, size, fp, Role::Preload);
-    p
-}
-
-/// `memalign(3)`.
-#[no_mangle]
-pub unsafe extern "C" fn memalign(align: usize, size: usize) -> *mut c_void {
-    aligned(align, size, frame_pointer())
-}
-
-/// `aligned_alloc(3)`: alignment must be a power of two.
-#[no_mangle]
-pub unsafe extern "C" fn aligned_alloc(align: usize, size: usize) -> *mut c_void {
-    let fp = frame_pointer();
-    if !align.is_power_of_two() {
-        set_errno(libc::EINVAL);
-        return std::ptr::null_mut();
-    }
-    aligned(align, size, fp)
-}
-
-/// `posix_memalign(3)`.
-#[no_mangle]
-pub unsafe extern "C" fn posix_memalign(out: *mut *mut c_void, align: usize, size: usize) -> c_int {
-    let fp = frame_pointer();
-    if !align.is_power_of_two() || !align.is_multiple_of(std::mem::size_of::<*mut c_void>()) {
-        return libc::EINVAL;
-    }
-    let p = aligned(align, size, fp);
-    if p.is_null() {
-        return libc::ENOMEM;
-    }
-    // SAFETY: the caller passes a valid out-pointer (posix_memalign's
-    // contract).
-    unsafe { *out = p };
-    0
-}
-
-/// `valloc(3)`.
-#[no_mangle]
-pub unsafe extern "C" fn valloc(size: usize) -> *mut c_void {
-    aligned(page_size(), size, frame_pointer())
-}
-
-/// `pvalloc(3)`: page-aligned, size rounded up to whole pages.
-#[no_mangle]
-pub unsafe extern "C" fn pvalloc(size: usize) -> *mut c_void {
-    let fp = frame_pointer();
-    let page = page_size();
-    let Some(rounded) = size.max(1).checked_next_multiple_of(page) else {
-        set_errno(libc::ENOMEM);
-        return std::ptr::null_mut();
-    };
-    aligned(page, rounded, fp)
-}
-
-static REAL_USABLE_SIZE: AtomicUsize = AtomicUsize::new(0);
-
-/// `malloc_usable_size(3)`: forwarded to glibc (blocks are not altered).
-#[no_mangle]
-pub unsafe extern "C" fn malloc_usable_size(p: *mut c_void) -> usize {
-    let mut f = REAL_USABLE_SIZE.load(Ordering::Relaxed);
-    if f == 0 {
-        // SAFETY: dlsym with a valid NUL-terminated name.
-        f = unsafe { libc::dlsym(libc::RTLD_NEXT, c"malloc_usable_size".as_ptr()) } as usize;
-        REAL_USABLE_SIZE.store(f, Ordering::Relaxed);
-    }
-    if f == 0 {
-        return 0;
-    }
-    // SAFETY: `f` is glibc's malloc_usable_size, of this exact signature.
-    let real: unsafe extern "C" fn(*mut c_void) -> usize = unsafe { std::mem::transmute(f) };
-    // SAFETY: same contract as ours.
-    unsafe { real(p) }
-}
 
 /// `heapdump_request_snapshot(name)`: asks a watching dumper for a
 /// snapshot. `name` may be NULL.
@@ -289,5 +165,3 @@ pub unsafe extern "C" fn heapdump_stats(out: *mut c_void, size: usize) -> c_int 
         1
     }
 }
-
-mod cxx;

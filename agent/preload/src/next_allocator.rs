@@ -1,0 +1,236 @@
+//! The allocator the program would use without heapdump: for each entry
+//! point the preload library exports, the definition that comes after it
+//! in the dynamic lookup order (glibc, jemalloc, tcmalloc, mimalloc, or a
+//! library preloaded after ours), found with `dlsym(RTLD_NEXT, name)`.
+//!
+//! Invariants:
+//! - Every entry point is looked up once, by the one thread that wins the
+//!   `UNBOUND -> BINDING` CAS, and stored in an atomic slot; `BOUND` is
+//!   published with Release after every slot is written. A hook never looks
+//!   a name up itself, and never through `RTLD_DEFAULT`.
+//! - While binding is under way, on any thread (the binder's own `dlsym`
+//!   allocates; another thread may race into its first `malloc`), the
+//!   accessors return `None` and the hooks serve the call from the
+//!   [`bootstrap_arena`](crate::bootstrap_arena). Nobody waits for the
+//!   binder, so no lock the binder needs (the loader's) can be held by a
+//!   thread that waits on it: no deadlock.
+//! - A slot holds 0 only before binding or when the next allocator has no
+//!   such entry point (jemalloc has no `pvalloc`, glibc 2.36 no
+//!   `free_sized`); the hooks then fall back to an equivalent call. The
+//!   core five (`malloc`, `free`, `calloc`, `realloc`, `memalign`) fall back
+//!   to glibc's `__libc_*` names if the plain ones are missing.
+//! - Relaxed loads of a slot suffice on the hot path: a non-zero slot is
+//!   the address of code in a library that is already loaded and is never
+//!   unloaded while the process allocates (the allocator), so no other data
+//!   is published through it.
+
+use std::ffi::{c_int, c_void, CStr};
+use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
+
+const UNBOUND: u8 = 0;
+const BINDING: u8 = 1;
+const BOUND: u8 = 2;
+
+static STATE: AtomicU8 = AtomicU8::new(UNBOUND);
+
+/// Looks `name` up after this library.
+fn lookup(name: &CStr) -> usize {
+    // SAFETY: dlsym with RTLD_NEXT and a NUL-terminated name; it may
+    // allocate, which the hooks serve from the arena while BINDING.
+    unsafe { libc::dlsym(libc::RTLD_NEXT, name.as_ptr()) as usize }
+}
+
+macro_rules! next_functions {
+    ($( $(#[$doc:meta])* $field:ident = $sym:literal $(or $fallback:literal)? : $ty:ty; )*) => {
+        /// One slot per entry point of the next allocator.
+        struct Slots {
+            $( $field: AtomicUsize, )*
+        }
+
+        static SLOTS: Slots = Slots {
+            $( $field: AtomicUsize::new(0), )*
+        };
+
+        fn bind_all() {
+            $(
+                #[allow(unused_mut)]
+                let mut f = lookup($sym);
+                $( if f == 0 { f = lookup($fallback); } )?
+                SLOTS.$field.store(f, Ordering::Relaxed);
+            )*
+        }
+
+        $(
+            $(#[$doc])*
+            /// `None` while binding is under way, or if the next allocator
+            /// has no such entry point.
+            #[inline(always)]
+            pub fn $field() -> Option<$ty> {
+                let mut f = SLOTS.$field.load(Ordering::Relaxed);
+                if f == 0 {
+                    f = slow_load(&SLOTS.$field);
+                    if f == 0 {
+                        return None;
+                    }
+                }
+                // SAFETY: the slot holds the address `dlsym` gave for this
+                // exact symbol, whose C (or C++ ABI) signature is `$ty`.
+                Some(unsafe { std::mem::transmute::<usize, $ty>(f) })
+            }
+        )*
+    };
+}
+
+next_functions! {
+    /// `malloc`.
+    malloc = c"malloc" or c"__libc_malloc": unsafe extern "C" fn(usize) -> *mut c_void;
+    /// `free`.
+    free = c"free" or c"__libc_free": unsafe extern "C" fn(*mut c_void);
+    /// `calloc`.
+    calloc = c"calloc" or c"__libc_calloc": unsafe extern "C" fn(usize, usize) -> *mut c_void;
+    /// `realloc`.
+    realloc = c"realloc" or c"__libc_realloc":
+        unsafe extern "C" fn(*mut c_void, usize) -> *mut c_void;
+    /// `memalign`.
+    memalign = c"memalign" or c"__libc_memalign":
+        unsafe extern "C" fn(usize, usize) -> *mut c_void;
+    /// `reallocarray`.
+    reallocarray = c"reallocarray":
+        unsafe extern "C" fn(*mut c_void, usize, usize) -> *mut c_void;
+    /// `posix_memalign`.
+    posix_memalign = c"posix_memalign":
+        unsafe extern "C" fn(*mut *mut c_void, usize, usize) -> c_int;
+    /// `aligned_alloc`.
+    aligned_alloc = c"aligned_alloc": unsafe extern "C" fn(usize, usize) -> *mut c_void;
+    /// `valloc`.
+    valloc = c"valloc": unsafe extern "C" fn(usize) -> *mut c_void;
+    /// `pvalloc`.
+    pvalloc = c"pvalloc": unsafe extern "C" fn(usize) -> *mut c_void;
+    /// `malloc_usable_size`.
+    malloc_usable_size = c"malloc_usable_size": unsafe extern "C" fn(*mut c_void) -> usize;
+    /// C23 `free_sized`.
+    free_sized = c"free_sized": unsafe extern "C" fn(*mut c_void, usize);
+    /// C23 `free_aligned_sized`.
+    free_aligned_sized = c"free_aligned_sized": unsafe extern "C" fn(*mut c_void, usize, usize);
+    /// `operator new(size_t)`.
+    new = c"_Znwm": unsafe extern "C-unwind" fn(usize) -> *mut c_void;
+    /// `operator new[](size_t)`.
+    new_array = c"_Znam": unsafe extern "C-unwind" fn(usize) -> *mut c_void;
+    /// `operator new(size_t, align_val_t)`.
+    new_aligned = c"_ZnwmSt11align_val_t": unsafe extern "C-unwind" fn(usize, usize) -> *mut c_void;
+    /// `operator new[](size_t, align_val_t)`.
+    new_array_aligned = c"_ZnamSt11align_val_t":
+        unsafe extern "C-unwind" fn(usize, usize) -> *mut c_void;
+    /// `operator new(size_t, nothrow_t const&)`.
+    new_nothrow = c"_ZnwmRKSt9nothrow_t":
+        unsafe extern "C-unwind" fn(usize, *const c_void) -> *mut c_void;
+    /// `operator new[](size_t, nothrow_t const&)`.
+    new_array_nothrow = c"_ZnamRKSt9nothrow_t":
+        unsafe extern "C-unwind" fn(usize, *const c_void) -> *mut c_void;
+    /// `operator new(size_t, align_val_t, nothrow_t const&)`.
+    new_aligned_nothrow = c"_ZnwmSt11align_val_tRKSt9nothrow_t":
+        unsafe extern "C-unwind" fn(usize, usize, *const c_void) -> *mut c_void;
+    /// `operator new[](size_t, align_val_t, nothrow_t const&)`.
+    new_array_aligned_nothrow = c"_ZnamSt11align_val_tRKSt9nothrow_t":
+        unsafe extern "C-unwind" fn(usize, usize, *const c_void) -> *mut c_void;
+    /// `operator delete(void*)`.
+    delete = c"_ZdlPv": unsafe extern "C-unwind" fn(*mut c_void);
+    /// `operator delete[](void*)`.
+    delete_array = c"_ZdaPv": unsafe extern "C-unwind" fn(*mut c_void);
+    /// `operator delete(void*, size_t)`.
+    delete_sized = c"_ZdlPvm": unsafe extern "C-unwind" fn(*mut c_void, usize);
+    /// `operator delete[](void*, size_t)`.
+    delete_array_sized = c"_ZdaPvm": unsafe extern "C-unwind" fn(*mut c_void, usize);
+    /// `operator delete(void*, align_val_t)`.
+    delete_aligned = c"_ZdlPvSt11align_val_t": unsafe extern "C-unwind" fn(*mut c_void, usize);
+    /// `operator delete[](void*, align_val_t)`.
+    delete_array_aligned = c"_ZdaPvSt11align_val_t": unsafe extern "C-unwind" fn(*mut c_void, usize);
+    /// `operator delete(void*, size_t, align_val_t)`.
+    delete_sized_aligned = c"_ZdlPvmSt11align_val_t":
+        unsafe extern "C-unwind" fn(*mut c_void, usize, usize);
+    /// `operator delete[](void*, size_t, align_val_t)`.
+    delete_array_sized_aligned = c"_ZdaPvmSt11align_val_t":
+        unsafe extern "C-unwind" fn(*mut c_void, usize, usize);
+    /// `operator delete(void*, nothrow_t const&)`.
+    delete_nothrow = c"_ZdlPvRKSt9nothrow_t": unsafe extern "C-unwind" fn(*mut c_void, *const c_void);
+    /// `operator delete[](void*, nothrow_t const&)`.
+    delete_array_nothrow = c"_ZdaPvRKSt9nothrow_t":
+        unsafe extern "C-unwind" fn(*mut c_void, *const c_void);
+    /// `operator delete(void*, align_val_t, nothrow_t const&)`.
+    delete_aligned_nothrow = c"_ZdlPvSt11align_val_tRKSt9nothrow_t":
+        unsafe extern "C-unwind" fn(*mut c_void, usize, *const c_void);
+    /// `operator delete[](void*, align_val_t, nothrow_t const&)`.
+    delete_array_aligned_nothrow = c"_ZdaPvSt11align_val_tRKSt9nothrow_t":
+        unsafe extern "C-unwind" fn(*mut c_void, usize, *const c_void);
+}
+
+/// The slot's value once binding is done (0: absent), or 0 while binding
+/// is under way on some thread (the caller serves from the arena).
+#[cold]
+#[inline(never)]
+fn slow_load(slot: &AtomicUsize) -> usize {
+    if bind() {
+        slot.load(Ordering::Relaxed)
+    } else {
+        0
+    }
+}
+
+/// Binds every entry point if nobody has; true once they are bound, false
+/// while another call (on this thread or another) is binding.
+pub fn bind() -> bool {
+    match STATE.load(Ordering::Acquire) {
+        BOUND => return true,
+        BINDING => return false,
+        _ => {}
+    }
+    if STATE
+        .compare_exchange(UNBOUND, BINDING, Ordering::Acquire, Ordering::Acquire)
+        .is_err()
+    {
+        return STATE.load(Ordering::Acquire) == BOUND;
+    }
+    bind_all();
+    // Release: every slot is written before any thread reads BOUND.
+    STATE.store(BOUND, Ordering::Release);
+    true
+}
+
+/// The file name of the object that defines code address `f` (`dladdr`),
+/// written into `buf`; its length, or 0 if unknown. Never allocates.
+pub fn object_name_of(f: usize, buf: &mut [u8]) -> usize {
+    // SAFETY: dladdr only reads the loader's tables and fills `info`.
+    let name = unsafe {
+        let mut info: libc::Dl_info = std::mem::zeroed();
+        if f == 0 || libc::dladdr(f as *const c_void, &mut info) == 0 || info.dli_fname.is_null() {
+            return 0;
+        }
+        CStr::from_ptr(info.dli_fname).to_bytes()
+    };
+    let n = name.len().min(buf.len());
+    buf[..n].copy_from_slice(&name[..n]);
+    n
+}
+
+/// The load address of the object containing address `a` (`dladdr`), or 0.
+pub fn object_base_of(a: usize) -> usize {
+    // SAFETY: dladdr only reads the loader's tables and fills `info`.
+    unsafe {
+        let mut info: libc::Dl_info = std::mem::zeroed();
+        if a == 0 || libc::dladdr(a as *const c_void, &mut info) == 0 {
+            return 0;
+        }
+        info.dli_fbase as usize
+    }
+}
+
+/// True when the next `free` is glibc's (`libc.so.6`): its chunk layout
+/// and cost are what the held-back frees were measured against.
+pub fn next_is_glibc() -> bool {
+    let mut buf = [0u8; 512];
+    let Some(f) = free() else { return false };
+    let n = object_name_of(f as usize, &mut buf);
+    let path = &buf[..n];
+    let file = path.rsplit(|b| *b == b'/').next().unwrap_or(path);
+    file.starts_with(b"libc.so")
+}
