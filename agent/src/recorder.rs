@@ -43,6 +43,8 @@ static STATE: AtomicU8 = AtomicU8::new(UNINIT);
 static GENERATION: AtomicU64 = AtomicU64::new(1);
 static NOT_READY: AtomicU64 = AtomicU64::new(0);
 static ONCE_HOOKS: AtomicBool = AtomicBool::new(false);
+/// Bumped after a thread is renamed ([`thread_renamed`]).
+static NAME_EPOCH: AtomicU64 = AtomicU64::new(0);
 /// pthread key whose destructor settles a thread's node cache at exit.
 static EXIT_KEY: AtomicU64 = AtomicU64::new(u64::MAX);
 /// The allocator's own free (`unsafe extern "C" fn(*mut c_void)`), set by
@@ -441,11 +443,17 @@ fn prepare_thread(w: &Writers, t: &ThreadState) {
     }
     let n = t.allocs.get();
     t.allocs.set(n + 1);
-    // Threads are often named just after they start: look again at the
-    // 16th and 256th event, then every 4096th.
-    if t.thread_key.get() == 0 || ((n == 16 || n == 256 || n % 4096 == 4095) && name_changed(t)) {
+    // A rename through the preload's hooks bumps NAME_EPOCH: look at the
+    // name again on the next event. Threads renamed some other way (the
+    // Rust Agent has no hooks) are caught by looking again at the 16th and
+    // 256th event, then every 4096th. Relaxed: a rename of another thread
+    // is seen once that thread synchronises with the renamer, or later.
+    let epoch = NAME_EPOCH.load(Ordering::Relaxed);
+    let look = epoch != t.name_epoch.get() || n == 16 || n == 256 || n % 4096 == 4095;
+    if t.thread_key.get() == 0 || (look && name_changed(t)) {
         register_thread(w, t);
     }
+    t.name_epoch.set(epoch);
 }
 
 #[inline]
@@ -761,6 +769,14 @@ pub fn forwarding<R>(f: impl FnOnce() -> R) -> R {
         // This thread's TLS is gone: the hooks pass through anyway.
         Err(_) => (f.take().expect("not called"))(),
     }
+}
+
+/// Tells the agent a thread was renamed (called by the preload library's
+/// `pthread_setname_np` and `prctl(PR_SET_NAME)` after the rename): each
+/// thread looks at its name again at its next event, so blocks allocated
+/// after a rename carry the new name.
+pub fn thread_renamed() {
+    NAME_EPOCH.fetch_add(1, Ordering::Relaxed);
 }
 
 /// Snapshot of the agent's process-wide counters.

@@ -80,6 +80,8 @@ pub struct ThreadState {
     pub allocs: Cell<u64>,
     /// Name bytes last registered (Linux names are up to 15 bytes).
     pub name: Cell<[u8; 16]>,
+    /// `recorder::NAME_EPOCH` when the name was last looked at.
+    pub name_epoch: Cell<u64>,
     /// Top of this thread's stack (0 = unknown: no frames are captured).
     pub stack_hi: Cell<usize>,
     /// The stack top has been looked up.
@@ -118,6 +120,7 @@ thread_local! {
             thread_key: Cell::new(0),
             allocs: Cell::new(0),
             name: Cell::new([0; 16]),
+            name_epoch: Cell::new(0),
             stack_hi: Cell::new(0),
             stack_known: Cell::new(false),
             cache: [EMPTY_SET; CACHE_SETS],

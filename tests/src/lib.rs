@@ -42,17 +42,29 @@ pub fn preload_lib() -> PathBuf {
 /// Compiles `tests/c/NAME.c` or `NAME.cpp` (with frame pointers, non-PIE) into the
 /// profile directory once per test process and returns its path.
 pub fn compile_c(name: &str) -> PathBuf {
+    compile_cached(name, name, &[])
+}
+
+/// Compiles `tests/c/NAME.c` or `NAME.cpp` like [`compile_c`], with
+/// `extra` compiler arguments (defines, libraries), under the name
+/// `NAME-VARIANT`.
+pub fn compile_c_variant(name: &str, variant: &str, extra: &[&str]) -> PathBuf {
+    compile_cached(name, &format!("{name}-{variant}"), extra)
+}
+
+/// Compiles once per test process and output name.
+fn compile_cached(name: &str, out_name: &str, extra: &[&str]) -> PathBuf {
     static BUILT: std::sync::Mutex<Vec<(String, PathBuf)>> = std::sync::Mutex::new(Vec::new());
     let mut built = BUILT.lock().unwrap_or_else(|e| e.into_inner());
-    if let Some((_, p)) = built.iter().find(|(n, _)| n == name) {
+    if let Some((_, p)) = built.iter().find(|(n, _)| n == out_name) {
         return p.clone();
     }
-    let p = compile_c_uncached(name);
-    built.push((name.to_string(), p.clone()));
+    let p = compile_c_with(name, out_name, extra);
+    built.push((out_name.to_string(), p.clone()));
     p
 }
 
-fn compile_c_uncached(name: &str) -> PathBuf {
+fn compile_c_with(name: &str, out_name: &str, extra: &[&str]) -> PathBuf {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("c");
     let (src, compiler) = if dir.join(format!("{name}.cpp")).exists() {
         (dir.join(format!("{name}.cpp")), "g++")
@@ -62,7 +74,7 @@ fn compile_c_uncached(name: &str) -> PathBuf {
     let out_dir = profile_dir().join("c-test-programs");
     std::fs::create_dir_all(&out_dir).unwrap();
     // One output per test process avoids races between test binaries.
-    let out = out_dir.join(format!("{name}-{}", std::process::id()));
+    let out = out_dir.join(format!("{out_name}-{}", std::process::id()));
     let status = Command::new(compiler)
         .args([
             "-O1",
@@ -81,10 +93,62 @@ fn compile_c_uncached(name: &str) -> PathBuf {
         .arg("-o")
         .arg(&out)
         .arg(&src)
+        .args(extra)
+        .arg("-ldl")
         .status()
         .unwrap_or_else(|e| panic!("run {compiler}: {e}"));
     assert!(status.success(), "{compiler} failed for {}", src.display());
     out
+}
+
+/// Path of `libheapdump_jemalloc.so` (the companion for jemalloc's
+/// `*allocx` calls) built by `cargo build --workspace`.
+pub fn jemalloc_companion_lib() -> PathBuf {
+    let p = profile_dir().join("libheapdump_jemalloc.so");
+    assert!(
+        p.exists(),
+        "{} is missing: run `cargo build --workspace`",
+        p.display()
+    );
+    p
+}
+
+/// Set by `.ci/run`: tests that need real programs and libraries from
+/// Debian's packages (redis, jemalloc, tcmalloc, mimalloc, python3) fail
+/// when they are missing instead of being skipped.
+pub const REQUIRE_REAL_ENV: &str = "HEAPDUMP_REQUIRE_REAL_PROGRAMS";
+
+/// Whether a test that needs `what` can run: true if `present`; else a
+/// skip note on stderr, or a panic when [`REQUIRE_REAL_ENV`] is set.
+pub fn real_dependency(what: &str, present: bool) -> bool {
+    if present {
+        return true;
+    }
+    if std::env::var_os(REQUIRE_REAL_ENV).is_some_and(|v| v == "1") {
+        panic!("{what} is missing and {REQUIRE_REAL_ENV}=1 (.ci/run installs it)");
+    }
+    eprintln!("skipping: {what} is not installed");
+    false
+}
+
+/// A shared library of the system by file name (Debian's multiarch
+/// directories first).
+pub fn system_lib(name: &str) -> Option<PathBuf> {
+    [
+        "/usr/lib/x86_64-linux-gnu",
+        "/lib/x86_64-linux-gnu",
+        "/usr/lib/aarch64-linux-gnu",
+        "/usr/lib64",
+        "/usr/lib",
+    ]
+    .iter()
+    .map(|d| Path::new(d).join(name))
+    .find(|p| p.exists())
+}
+
+/// True when a C header is installed (`/usr/include/PATH`).
+pub fn has_header(path: &str) -> bool {
+    Path::new("/usr/include").join(path).exists()
 }
 
 /// A child process that prints `ready ...` once its pattern is in place
@@ -357,4 +421,56 @@ pub fn by_site(d: &Dump, syms: &Symbols, needle: &str) -> SiteTable {
         }
     }
     t
+}
+
+/// Asserts a site of `t` has exactly `blocks` blocks of `size` bytes, all
+/// allocated by thread `thread`.
+pub fn expect_site(t: &SiteTable, site: &str, blocks: u64, size: u64, thread: &str) {
+    let Some((n, bytes, sizes, threads)) = t.get(site) else {
+        panic!("site {site} missing from {t:#?}");
+    };
+    assert_eq!(*n, blocks, "{site}: blocks ({t:#?})");
+    assert_eq!(*bytes, blocks * size, "{site}: bytes {sizes:?}");
+    assert_eq!(sizes, &vec![size], "{site}: sizes");
+    assert_eq!(threads, &vec![thread.to_string()], "{site}: threads");
+}
+
+/// Runs `cmd`, the C pattern (`tests/c/pattern.c`, built as `exe`) under
+/// the preload agent, and checks its exact live set: every site's blocks,
+/// sizes and thread, the header counters, no dropped event.
+pub fn check_c_pattern_run(exe: &Path, cmd: Command) {
+    let target = Target::spawn(cmd);
+    let pid = target.pid();
+    let d = dump(pid);
+    assert_eq!(d.writer_pid, pid);
+    assert_eq!(d.partial, None);
+    let syms = Symbols::of_process(exe, pid);
+    let t = by_site(&d, &syms, "site_");
+    expect_site(&t, "site_malloc", 100, 1000, "pattern-main");
+    expect_site(&t, "site_calloc", 50, 24, "pattern-main");
+    expect_site(&t, "site_realloc", 10, 4096, "pattern-main");
+    expect_site(&t, "site_free_half", 100, 32, "pattern-main");
+    expect_site(&t, "site_reallocarray", 7, 120, "pattern-main");
+    expect_site(&t, "site_thread1", 30, 512, "worker-1");
+    expect_site(&t, "site_thread2", 20, 2048, "worker-2");
+    let (n, bytes, _, _) = t.get("site_aligned").expect("aligned site");
+    assert_eq!((*n, *bytes), (20, 5 * (200 + 256 + 300 + 100)));
+    assert!(!t.contains_key("site_freed_all"), "freed blocks reported");
+    // Header counters agree with the table.
+    let live: u64 = d.blocks.iter().map(|b| b.size).sum();
+    assert_eq!(d.counters.live_bytes, live);
+    assert_eq!(d.counters.live_blocks, d.blocks.len() as u64);
+    assert!(
+        d.counters.total_allocs >= 100 + 50 + 20 + 200 + 20 + 7 + 300 + 50,
+        "{:?}",
+        d.counters
+    );
+    assert!(d.counters.peak_live_bytes >= live);
+    assert_eq!(d.counters.dropped_total(), 0, "{:?}", d.counters.dropped);
+    // Addresses are unique.
+    let mut addrs: Vec<u64> = d.blocks.iter().map(|b| b.address).collect();
+    addrs.sort_unstable();
+    addrs.dedup();
+    assert_eq!(addrs.len(), d.blocks.len());
+    assert!(target.finish().success());
 }

@@ -7,16 +7,6 @@ use std::process::Command;
 
 use heapdump_tests::*;
 
-fn expect_site(t: &SiteTable, site: &str, blocks: u64, size: u64, thread: &str) {
-    let Some((n, bytes, sizes, threads)) = t.get(site) else {
-        panic!("site {site} missing from {t:#?}");
-    };
-    assert_eq!(*n, blocks, "{site}: blocks ({t:#?})");
-    assert_eq!(*bytes, blocks * size, "{site}: bytes {sizes:?}");
-    assert_eq!(sizes, &vec![size], "{site}: sizes");
-    assert_eq!(threads, &vec![thread.to_string()], "{site}: threads");
-}
-
 fn check_c_pattern(hold: bool) {
     let exe = compile_c("pattern");
     let mut cmd = Command::new(&exe);
@@ -24,40 +14,7 @@ fn check_c_pattern(hold: bool) {
     if hold {
         cmd.arg("hold");
     }
-    let target = Target::spawn(cmd);
-    let pid = target.pid();
-    let d = dump(pid);
-    assert_eq!(d.writer_pid, pid);
-    assert_eq!(d.partial, None);
-    let syms = Symbols::of_process(&exe, pid);
-    let t = by_site(&d, &syms, "site_");
-    expect_site(&t, "site_malloc", 100, 1000, "pattern-main");
-    expect_site(&t, "site_calloc", 50, 24, "pattern-main");
-    expect_site(&t, "site_realloc", 10, 4096, "pattern-main");
-    expect_site(&t, "site_free_half", 100, 32, "pattern-main");
-    expect_site(&t, "site_reallocarray", 7, 120, "pattern-main");
-    expect_site(&t, "site_thread1", 30, 512, "worker-1");
-    expect_site(&t, "site_thread2", 20, 2048, "worker-2");
-    let (n, bytes, _, _) = t.get("site_aligned").expect("aligned site");
-    assert_eq!((*n, *bytes), (20, 5 * (200 + 256 + 300 + 100)));
-    assert!(!t.contains_key("site_freed_all"), "freed blocks reported");
-    // Header counters agree with the table.
-    let live: u64 = d.blocks.iter().map(|b| b.size).sum();
-    assert_eq!(d.counters.live_bytes, live);
-    assert_eq!(d.counters.live_blocks, d.blocks.len() as u64);
-    assert!(
-        d.counters.total_allocs >= 100 + 50 + 20 + 200 + 20 + 7 + 300 + 50,
-        "{:?}",
-        d.counters
-    );
-    assert!(d.counters.peak_live_bytes >= live);
-    assert_eq!(d.counters.dropped_total(), 0, "{:?}", d.counters.dropped);
-    // Addresses are unique.
-    let mut addrs: Vec<u64> = d.blocks.iter().map(|b| b.address).collect();
-    addrs.sort_unstable();
-    addrs.dedup();
-    assert_eq!(addrs.len(), d.blocks.len());
-    assert!(target.finish().success());
+    check_c_pattern_run(&exe, cmd);
 }
 
 #[test]

@@ -27,6 +27,7 @@ pub mod cxx;
 pub mod internal_api;
 pub mod malloc_family;
 pub mod next_allocator;
+pub mod thread_names;
 
 fn stderr(msg: &[u8]) {
     // SAFETY: write(2) on fd 2 with a valid buffer; the result is ignored
@@ -46,6 +47,7 @@ extern "C" fn preload_init() {
     // agent's own doing, not the program's, and is not recorded.
     forwarding(|| {
         next_allocator::bind();
+        thread_names::bind();
         // Held-back frees (see `recorder::on_free_deferred`) were designed
         // and measured for glibc: its free reads the chunk header just below
         // the block, which the recorder prefetches while the release waits.

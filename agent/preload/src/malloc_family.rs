@@ -236,8 +236,9 @@ pub unsafe extern "C" fn realloc(p: *mut c_void, size: usize) -> *mut c_void {
     })
 }
 
-/// `reallocarray(3)`: forwarded as such where the next allocator has it
-/// (jemalloc 5.3 has not: then `realloc` after the overflow check).
+/// `reallocarray(3)`: forwarded to the next definition (in a program
+/// linked with jemalloc 5.3, which has none, that is glibc's, as without
+/// the agent); `realloc` after the overflow check if there is none.
 #[no_mangle]
 pub unsafe extern "C" fn reallocarray(p: *mut c_void, n: usize, size: usize) -> *mut c_void {
     let fp = frame_pointer();
