@@ -79,7 +79,12 @@ fn warn_if_not_first() {
     // address of our own `malloc` is read through the GOT, so it is the
     // interposed one too.
     let here = &INIT as *const _ as usize;
-    if global == 0 || next_allocator::object_base_of(global) == next_allocator::object_base_of(here)
+    if global == 0
+        || next_allocator::object_base_of(global) == next_allocator::object_base_of(here)
+        // A non-PIE executable's PLT stub for malloc, not its own malloc
+        // (an earlier preload is then told by `heapdump list` from the
+        // environment instead).
+        || !next_allocator::defines_symbol_at(global)
     {
         return;
     }

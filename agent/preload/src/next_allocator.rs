@@ -224,6 +224,30 @@ pub fn object_base_of(a: usize) -> usize {
     }
 }
 
+/// False when code address `a` is only a "canonical PLT entry": a
+/// non-PIE executable that takes a function's address gets an undefined
+/// symbol with a value (its PLT stub, which jumps to the real definition),
+/// and `dlsym(RTLD_DEFAULT)` answers with that stub. True for a real
+/// definition, or when it cannot be told.
+pub fn defines_symbol_at(a: usize) -> bool {
+    /// `RTLD_DL_SYMENT` of `<dlfcn.h>`: `extra` receives the `ElfW(Sym)`.
+    const RTLD_DL_SYMENT: libc::c_int = 1;
+    // SAFETY: dladdr1 fills `info` and stores a pointer to the matching
+    // symbol-table entry (or null) into `sym`; the entry lives in the
+    // loaded object, which is not unloaded while we read it (the
+    // executable).
+    unsafe {
+        let mut info: libc::Dl_info = std::mem::zeroed();
+        let mut sym: *mut c_void = std::ptr::null_mut();
+        if libc::dladdr1(a as *const c_void, &mut info, &mut sym, RTLD_DL_SYMENT) == 0
+            || sym.is_null()
+        {
+            return true;
+        }
+        (*sym.cast::<libc::Elf64_Sym>()).st_shndx != 0
+    }
+}
+
 /// True when the next `free` is glibc's (`libc.so.6`): its chunk layout
 /// and cost are what the held-back frees were measured against.
 pub fn next_is_glibc() -> bool {
