@@ -1,0 +1,273 @@
+//! `heapdump serve`: Go-compatible `GET /debug/pprof/heap` over HTTP, so
+//! `go tool pprof http://ADDR/debug/pprof/heap`, Grafana Alloy / Pyroscope
+//! and Parca can scrape a host's instrumented processes.
+//!
+//! Built on `tiny_http`: a small, blocking, well-kept HTTP/1.1 server with
+//! no async runtime, which is all a scrape endpoint needs. Requests are
+//! served one at a time, so at most one snapshot is being taken.
+//!
+//! Routes: `/debug/pprof/heap[?pid=N][&per_thread=1]` (gzipped pprof,
+//! `application/octet-stream`; `pid` is needed when several targets are
+//! served), `/debug/pprof/heap.json?pid=N` (JSON schema), and `/` (an
+//! index of the targets).
+
+use std::collections::HashMap;
+use std::io::Cursor;
+
+use tiny_http::{Header, Request, Response, Server};
+
+use crate::symbolization::maps::{read_maps, BuildIds};
+use crate::symbolization::symbolizer::Symbolizer;
+use crate::target::age::{self, AgeFilter, When};
+use crate::target::discovery::{instrumented_pids, open_target, Target};
+use crate::target::snapshot;
+
+use clap::Args;
+use std::io::Write as _;
+
+/// What `serve` serves.
+#[derive(Clone, Debug, Default)]
+pub struct ServeOptions {
+    /// Only these pids (empty: every instrumented process found).
+    pub pids: Vec<u32>,
+    /// Symbolize frames.
+    pub symbolize: bool,
+    /// Keep allocator plumbing frames at the leaf end of stacks.
+    pub keep_allocator_frames: bool,
+}
+
+/// The age filter of a request: `older_than` and `newer_than` query
+/// parameters, each a duration before the snapshot or an RFC 3339 time
+/// (never a file: a request must not name files on the server).
+fn age_filter(params: &HashMap<String, String>) -> Result<AgeFilter, Reply> {
+    let one = |name: &str| -> Result<Option<When>, Reply> {
+        params
+            .get(name)
+            .map(|v| {
+                age::parse_when_value(v, false).map_err(|e| text(400, format!("bad {name}: {e}\n")))
+            })
+            .transpose()
+    };
+    Ok(AgeFilter {
+        older_than: one("older_than")?,
+        newer_than: one("newer_than")?,
+    })
+}
+
+/// Errors starting the server.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    /// The address could not be bound.
+    #[error("cannot listen on {addr}: {msg}")]
+    Bind {
+        /// Address.
+        addr: String,
+        /// Cause.
+        msg: String,
+    },
+}
+
+struct State {
+    opts: ServeOptions,
+    targets: HashMap<u32, Target>,
+    symbolizer: Symbolizer,
+    build_ids: BuildIds,
+}
+
+type Reply = Response<Cursor<Vec<u8>>>;
+
+fn text(status: u16, body: String) -> Reply {
+    Response::from_data(body.into_bytes())
+        .with_status_code(status)
+        .with_header(
+            Header::from_bytes("Content-Type", "text/plain; charset=utf-8").expect("header"),
+        )
+}
+
+/// The query's parameters, percent-decoded (`+` is a space).
+fn query_params(url: &str) -> HashMap<String, String> {
+    url.split_once('?')
+        .map(|(_, q)| form_urlencoded::parse(q.as_bytes()).into_owned().collect())
+        .unwrap_or_default()
+}
+
+impl State {
+    fn candidates(&self) -> Vec<u32> {
+        if self.opts.pids.is_empty() {
+            instrumented_pids()
+        } else {
+            self.opts.pids.clone()
+        }
+    }
+
+    fn pick(&self, params: &HashMap<String, String>) -> Result<u32, Reply> {
+        if let Some(p) = params.get("pid") {
+            let pid: u32 = p
+                .parse()
+                .map_err(|_| text(400, format!("bad pid {p:?}\n")))?;
+            if !self.opts.pids.is_empty() && !self.opts.pids.contains(&pid) {
+                return Err(text(
+                    404,
+                    format!(
+                        "pid {pid} is not served here; served pids: {:?}\n",
+                        self.opts.pids
+                    ),
+                ));
+            }
+            return Ok(pid);
+        }
+        match self.candidates().as_slice() {
+            [one] => Ok(*one),
+            [] => Err(text(404, "no instrumented process found\n".into())),
+            many => Err(text(
+                400,
+                format!("several instrumented processes: add ?pid=N (one of {many:?})\n"),
+            )),
+        }
+    }
+
+    fn snapshot(&mut self, pid: u32, ages: AgeFilter) -> Result<snapshot::Snapshot, Reply> {
+        if let std::collections::hash_map::Entry::Vacant(e) = self.targets.entry(pid) {
+            e.insert(open_target(pid).map_err(|e| text(404, format!("{e}\n")))?);
+        }
+        let maps = read_maps(pid, &mut self.build_ids).unwrap_or_default();
+        let target = &self.targets[&pid];
+        let r = snapshot::take(
+            target,
+            &maps,
+            snapshot::Options {
+                symbolizer: self.opts.symbolize.then_some(&mut self.symbolizer),
+                progress: false,
+                request: None,
+                keep_allocator_frames: self.opts.keep_allocator_frames,
+                ages,
+            },
+        );
+        // A target that exited is forgotten once served (its pid may be
+        // reused later).
+        if crate::commands::watch::ExitWatch::new(pid).exited() {
+            self.targets.remove(&pid);
+        }
+        r.map_err(|e| text(500, format!("snapshot of pid {pid} failed: {e}\n")))
+    }
+
+    fn handle(&mut self, req: &Request) -> Reply {
+        let url = req.url().to_string();
+        let path = url.split('?').next().unwrap_or("");
+        let params = query_params(&url);
+        match path {
+            "/debug/pprof/heap" | "/debug/pprof/heap.json" => {
+                let pid = match self.pick(&params) {
+                    Ok(p) => p,
+                    Err(r) => return r,
+                };
+                let ages = match age_filter(&params) {
+                    Ok(a) => a,
+                    Err(r) => return r,
+                };
+                let snap = match self.snapshot(pid, ages) {
+                    Ok(s) => s,
+                    Err(r) => return r,
+                };
+                if path.ends_with(".json") {
+                    return Response::from_data(crate::formats::json::render(&snap)).with_header(
+                        Header::from_bytes("Content-Type", "application/json").expect("header"),
+                    );
+                }
+                let per_thread = params
+                    .get("per_thread")
+                    .is_some_and(|v| v == "1" || v == "true");
+                let name = format!("attachment; filename=\"heap-{pid}.pb.gz\"");
+                Response::from_data(crate::formats::pprof::render(&snap, per_thread))
+                    .with_header(
+                        Header::from_bytes("Content-Type", "application/octet-stream")
+                            .expect("header"),
+                    )
+                    .with_header(
+                        Header::from_bytes("Content-Disposition", name.as_bytes()).expect("header"),
+                    )
+            }
+            "/" | "/debug/pprof" | "/debug/pprof/" => {
+                let mut body = String::from(
+                    "heapdump serve\n\nGET /debug/pprof/heap?pid=N   gzipped pprof (Go heap layout)\n\
+                     GET /debug/pprof/heap.json?pid=N   heapdump JSON\n\
+                     either with &older_than=WHEN or &newer_than=WHEN (1h, 10m, or an RFC 3339 time):\n\
+                     \x20 only the live blocks allocated before / at or after WHEN\n\ntargets:\n",
+                );
+                for pid in self.candidates() {
+                    body.push_str(&format!(
+                        "  {pid} {}\n",
+                        crate::target::discovery::process_name(pid)
+                    ));
+                }
+                text(200, body)
+            }
+            _ => text(
+                404,
+                format!("no such endpoint {path}; try /debug/pprof/heap\n"),
+            ),
+        }
+    }
+}
+
+/// Binds `addr`; returns the server and the address actually bound (useful
+/// with port 0).
+pub fn bind(addr: &str) -> Result<(Server, String), ServeError> {
+    let server = Server::http(addr).map_err(|e| ServeError::Bind {
+        addr: addr.to_string(),
+        msg: e.to_string(),
+    })?;
+    let bound = server
+        .server_addr()
+        .to_ip()
+        .map_or_else(|| addr.to_string(), |a| a.to_string());
+    Ok((server, bound))
+}
+
+/// Serves requests until the process is stopped.
+pub fn serve(server: Server, opts: ServeOptions) {
+    let mut state = State {
+        opts,
+        targets: HashMap::new(),
+        symbolizer: Symbolizer::new(),
+        build_ids: BuildIds::default(),
+    };
+    for req in server.incoming_requests() {
+        let reply = state.handle(&req);
+        let _ = req.respond(reply);
+    }
+}
+
+/// Options of `heapdump serve`.
+#[derive(Args, Debug)]
+pub struct ServeArgs {
+    /// Address to listen on, e.g. 127.0.0.1:6060 (port 0: any free port).
+    #[arg(short, long, default_value = "127.0.0.1:6060")]
+    pub(crate) listen: String,
+    /// Serve only these pids (default: every instrumented process; then
+    /// ?pid=N selects one when there are several).
+    pub(crate) pids: Vec<u32>,
+    /// Do not symbolize.
+    #[arg(long)]
+    pub(crate) no_symbolize: bool,
+    /// Keep the allocator plumbing frames at the leaf end of each stack
+    /// (see `snapshot --help`).
+    #[arg(long)]
+    pub(crate) keep_allocator_frames: bool,
+}
+
+/// `heapdump serve`: returns the exit status.
+pub fn command(a: ServeArgs) -> anyhow::Result<i32> {
+    let (server, bound) = crate::commands::serve::bind(&a.listen)?;
+    println!("listening on http://{bound}/debug/pprof/heap");
+    std::io::stdout().flush()?;
+    crate::commands::serve::serve(
+        server,
+        crate::commands::serve::ServeOptions {
+            pids: a.pids,
+            symbolize: !a.no_symbolize,
+            keep_allocator_frames: a.keep_allocator_frames,
+        },
+    );
+    Ok(0)
+}

@@ -1,0 +1,583 @@
+//! `heapdump watch`: a snapshot for every request a target makes (signal
+//! or API), optionally one every interval, and a final one when the target
+//! exits.
+//!
+//! The regions stay mapped by the dumper, so when the target dies (even by
+//! SIGKILL or the OOM killer) the final snapshot is the live set at death.
+//! Exit is detected with a pidfd (immune to pid reuse), falling back to
+//! `kill(pid, 0)` and `/proc/PID/stat` where pidfds are not available. The
+//! last mappings read while the target was alive are used to symbolize the
+//! final snapshot.
+//!
+//! Requests made before the dumper attached: `watch` records the target's
+//! request counter when it opens it and answers only the requests made
+//! after that, because the heap at an earlier request is gone and a
+//! snapshot named after it would be misleading (another watcher may also
+//! have answered it already). With `answer_pending` (`watch
+//! --answer-pending`, and always for `run --watch`, which starts the
+//! program itself) a request made before attaching is answered at once by
+//! one snapshot, named after the latest such request. Several requests
+//! made between two polls are likewise answered by one snapshot (named
+//! after the latest; its `request.count` says how many were made).
+
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use heapdump_table::header::read_request;
+
+use crate::formats::{self, Format, RenderOptions};
+use crate::symbolization::maps::{read_maps, BuildIds, Mapping};
+use crate::symbolization::symbolizer::Symbolizer;
+use crate::target::age::AgeFilter;
+use crate::target::discovery::{open_target, DiscoveryError, Target};
+use crate::target::snapshot::{self, Request, Snapshot};
+
+use crate::commands::args::{AgeArgs, SymArgs};
+use crate::formats::text::TextOptions;
+use clap::Args;
+use std::io::Write as _;
+
+/// What `watch` does.
+#[derive(Clone, Debug)]
+pub struct WatchOptions {
+    /// Directory for the snapshot files.
+    pub dir: PathBuf,
+    /// Formats written for each snapshot.
+    pub formats: Vec<Format>,
+    /// Also snapshot every this long.
+    pub interval: Option<Duration>,
+    /// Symbolize frames.
+    pub symbolize: bool,
+    /// Rendering options.
+    pub render: RenderOptions,
+    /// How often requests and exit are polled.
+    pub poll: Duration,
+    /// Keep allocator plumbing frames at the leaf end of stacks.
+    pub keep_allocator_frames: bool,
+    /// Answer, with one snapshot, requests made before the watch began.
+    pub answer_pending: bool,
+    /// Keep only the newest this many periodic (`interval`) snapshots of
+    /// each target, deleting older ones' files; snapshots answering a
+    /// request and final ones are always kept.
+    pub keep: Option<usize>,
+    /// Keep only blocks allocated in this time range; a duration is
+    /// counted back from each snapshot.
+    pub ages: AgeFilter,
+}
+
+/// Why a snapshot was taken.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Reason {
+    /// A snapshot request (signal or API) with this name (empty: signal).
+    Request(String),
+    /// The interval elapsed.
+    Interval,
+    /// The target exited.
+    Exit,
+    /// The dumper was asked to stop (SIGINT/SIGTERM).
+    Stop,
+}
+
+impl Reason {
+    fn label(&self) -> String {
+        match self {
+            Reason::Request(n) if n.is_empty() => "signal".to_string(),
+            Reason::Request(n) => {
+                let s: String = n
+                    .chars()
+                    .map(|c| {
+                        if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
+                            c
+                        } else {
+                            '_'
+                        }
+                    })
+                    .take(40)
+                    .collect();
+                format!("req-{s}")
+            }
+            Reason::Interval => "interval".to_string(),
+            Reason::Exit => "exit".to_string(),
+            Reason::Stop => "stop".to_string(),
+        }
+    }
+}
+
+/// A snapshot written by `watch`.
+#[derive(Clone, Debug)]
+pub struct Written {
+    /// Target pid.
+    pub pid: u32,
+    /// Sequence number (per target, from 1).
+    pub seq: u64,
+    /// Why it was taken.
+    pub reason: Reason,
+    /// Files written (one per format).
+    pub paths: Vec<PathBuf>,
+    /// Live bytes in the snapshot.
+    pub live_bytes: u64,
+    /// Whether it was partial.
+    pub partial: bool,
+    /// Files of older periodic snapshots deleted to keep `keep` of them.
+    pub removed: Vec<PathBuf>,
+    /// Files that should have been deleted but could not be, and why.
+    pub not_removed: Vec<(PathBuf, String)>,
+}
+
+/// Errors of `watch`.
+#[derive(Debug, thiserror::Error)]
+pub enum WatchError {
+    /// A target could not be opened.
+    #[error(transparent)]
+    Discovery(#[from] DiscoveryError),
+    /// A snapshot could not be taken.
+    #[error("snapshot of pid {pid} failed: {source}")]
+    Snapshot {
+        /// Target.
+        pid: u32,
+        /// Cause.
+        #[source]
+        source: heapdump_table::TableError,
+    },
+    /// A file could not be written.
+    #[error("writing {path}: {source}")]
+    Write {
+        /// File.
+        path: PathBuf,
+        /// Cause.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Watches for the exit of a process.
+#[derive(Debug)]
+pub struct ExitWatch {
+    pid: u32,
+    pidfd: Option<OwnedFd>,
+}
+
+impl ExitWatch {
+    /// Starts watching `pid` (opens a pidfd when the kernel has them).
+    pub fn new(pid: u32) -> Self {
+        // SAFETY: pidfd_open takes a pid and flags and returns a new fd or
+        // -1; no memory is passed.
+        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+        let pidfd = (fd >= 0).then(|| {
+            // SAFETY: `fd` is a fresh descriptor we own exclusively.
+            unsafe { OwnedFd::from_raw_fd(fd as i32) }
+        });
+        ExitWatch { pid, pidfd }
+    }
+
+    /// Whether the process has exited (a zombie counts as exited).
+    pub fn exited(&self) -> bool {
+        if let Some(fd) = &self.pidfd {
+            let mut p = libc::pollfd {
+                fd: fd.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            // SAFETY: one valid pollfd, zero timeout.
+            let n = unsafe { libc::poll(&mut p, 1, 0) };
+            return n > 0 && p.revents & (libc::POLLIN | libc::POLLHUP) != 0;
+        }
+        // SAFETY: signal 0 only checks for existence and permission.
+        let alive = unsafe { libc::kill(self.pid as libc::pid_t, 0) } == 0
+            || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM);
+        if !alive {
+            return true;
+        }
+        match std::fs::read_to_string(format!("/proc/{}/stat", self.pid)) {
+            Ok(stat) => stat
+                .rsplit_once(") ")
+                .is_some_and(|(_, rest)| rest.starts_with('Z') || rest.starts_with('X')),
+            Err(_) => true,
+        }
+    }
+}
+
+/// One watched process.
+struct Watched {
+    target: Target,
+    exit: ExitWatch,
+    maps: Vec<Mapping>,
+    last_request: u64,
+    seq: u64,
+    last_snapshot: Instant,
+    done: bool,
+    /// Files of the periodic snapshots kept, oldest first.
+    periodic: std::collections::VecDeque<Vec<PathBuf>>,
+}
+
+impl Watched {
+    /// Records a periodic snapshot's files and deletes the oldest ones
+    /// beyond `keep` (a file already gone counts as deleted).
+    fn rotate(&mut self, written: &mut Written, keep: Option<usize>) {
+        let Some(keep) = keep else { return };
+        self.periodic.push_back(written.paths.clone());
+        while self.periodic.len() > keep {
+            for p in self.periodic.pop_front().unwrap_or_default() {
+                match std::fs::remove_file(&p) {
+                    Ok(()) => written.removed.push(p),
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => written.removed.push(p),
+                    Err(e) => written.not_removed.push((p, e.to_string())),
+                }
+            }
+        }
+    }
+}
+
+/// Set by SIGINT/SIGTERM while watching.
+static STOP: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_stop_signal(_: libc::c_int) {
+    STOP.store(true, Ordering::Relaxed);
+}
+
+/// Makes SIGINT and SIGTERM end `watch` cleanly (with a final snapshot of
+/// each target) instead of killing the dumper.
+pub fn install_stop_handlers() {
+    use nix::sys::signal::{sigaction, SaFlags, SigAction, SigHandler, SigSet, Signal};
+    let act = SigAction::new(
+        SigHandler::Handler(on_stop_signal),
+        SaFlags::SA_RESTART,
+        SigSet::empty(),
+    );
+    for sig in [Signal::SIGINT, Signal::SIGTERM] {
+        // SAFETY: the handler only stores to an atomic (async-signal-safe).
+        let _ = unsafe { sigaction(sig, &act) };
+    }
+}
+
+/// Whether a stop was requested by signal.
+pub fn stop_requested() -> bool {
+    STOP.load(Ordering::Relaxed)
+}
+
+fn file_name(pid: u32, seq: u64, reason: &Reason, snap: &Snapshot, format: Format) -> String {
+    let time: String = snap
+        .taken_at
+        .map(crate::formats::json::rfc3339)
+        .unwrap_or_default()
+        .chars()
+        .filter(|c| *c != '-' && *c != ':')
+        .collect();
+    format!(
+        "heapdump-{pid}-{seq:04}-{}-{time}.{}",
+        reason.label(),
+        format.extension()
+    )
+}
+
+/// Takes one snapshot of `w` and writes it in every format.
+fn shoot(
+    w: &mut Watched,
+    reason: Reason,
+    opts: &WatchOptions,
+    symbolizer: &mut Symbolizer,
+    build_ids: &mut BuildIds,
+) -> Result<Written, WatchError> {
+    let pid = w.target.pid;
+    if !w.done {
+        if let Ok(m) = read_maps(pid, build_ids) {
+            if !m.is_empty() {
+                w.maps = m;
+                if opts.symbolize {
+                    symbolizer.open_modules(&w.maps);
+                }
+            }
+        }
+    }
+    let request = match &reason {
+        Reason::Request(name) => {
+            let r = read_request(&w.target.allocations.view());
+            Some(Request {
+                count: w.last_request,
+                name: name.clone(),
+                time: snapshot::wall_time(&w.target, r.time_monotonic_ns),
+            })
+        }
+        _ => None,
+    };
+    let snap = snapshot::take(
+        &w.target,
+        &w.maps,
+        snapshot::Options {
+            symbolizer: opts.symbolize.then_some(symbolizer),
+            progress: false,
+            request,
+            keep_allocator_frames: opts.keep_allocator_frames,
+            ages: opts.ages,
+        },
+    )
+    .map_err(|source| WatchError::Snapshot { pid, source })?;
+    w.seq += 1;
+    w.last_snapshot = Instant::now();
+    let mut paths = Vec::new();
+    for f in &opts.formats {
+        let path = opts.dir.join(file_name(pid, w.seq, &reason, &snap, *f));
+        formats::write_snapshot(&path, &snap, *f, opts.render).map_err(|source| {
+            WatchError::Write {
+                path: path.clone(),
+                source,
+            }
+        })?;
+        paths.push(path);
+    }
+    Ok(Written {
+        pid,
+        seq: w.seq,
+        reason,
+        paths,
+        live_bytes: snap.totals.live_bytes,
+        partial: snap.partial.is_some(),
+        removed: Vec::new(),
+        not_removed: Vec::new(),
+    })
+}
+
+/// Watched targets, opened and ready to answer requests.
+pub struct Watcher {
+    opts: WatchOptions,
+    watched: Vec<Watched>,
+    symbolizer: Symbolizer,
+    build_ids: BuildIds,
+}
+
+impl std::fmt::Debug for Watcher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Watcher")
+            .field("pids", &self.pids())
+            .finish()
+    }
+}
+
+impl Watcher {
+    /// Opens every target and records its current request count: requests
+    /// made from now on are answered (and, with `answer_pending`, the
+    /// latest one made before, at the first poll).
+    pub fn open(pids: &[u32], opts: WatchOptions) -> Result<Self, WatchError> {
+        formats::create_private_dir(&opts.dir).map_err(|source| WatchError::Write {
+            path: opts.dir.clone(),
+            source,
+        })?;
+        let mut build_ids = BuildIds::default();
+        let mut watched = Vec::new();
+        for &pid in pids {
+            let target = open_target(pid)?;
+            let exit = ExitWatch::new(pid);
+            let maps = read_maps(pid, &mut build_ids).unwrap_or_default();
+            let last_request = if opts.answer_pending {
+                0
+            } else {
+                read_request(&target.allocations.view()).count
+            };
+            watched.push(Watched {
+                target,
+                exit,
+                maps,
+                last_request,
+                seq: 0,
+                last_snapshot: Instant::now(),
+                done: false,
+                periodic: Default::default(),
+            });
+        }
+        // Open the target's files while it is alive: its final snapshot
+        // is symbolized after it exited.
+        let mut symbolizer = Symbolizer::new();
+        if opts.symbolize {
+            for w in &watched {
+                symbolizer.open_modules(&w.maps);
+            }
+        }
+        Ok(Watcher {
+            opts,
+            watched,
+            symbolizer,
+            build_ids,
+        })
+    }
+
+    /// The pids watched.
+    pub fn pids(&self) -> Vec<u32> {
+        self.watched.iter().map(|w| w.target.pid).collect()
+    }
+
+    /// Watches until every target has exited or a stop was requested
+    /// (SIGINT/SIGTERM with [`install_stop_handlers`], or `stop` set), then
+    /// returns. Calls `on_written` for each snapshot written.
+    pub fn run(
+        mut self,
+        stop: &AtomicBool,
+        mut on_written: impl FnMut(&Written),
+    ) -> Result<(), WatchError> {
+        let opts = self.opts.clone();
+        loop {
+            let stopping = stop.load(Ordering::Relaxed) || stop_requested();
+            for w in self.watched.iter_mut().filter(|w| !w.done) {
+                let exited = w.exit.exited();
+                let req = read_request(&w.target.allocations.view());
+                if req.count > w.last_request {
+                    w.last_request = req.count;
+                    let name = req.name.unwrap_or_default();
+                    let written = shoot(
+                        w,
+                        Reason::Request(name),
+                        &opts,
+                        &mut self.symbolizer,
+                        &mut self.build_ids,
+                    )?;
+                    on_written(&written);
+                } else if let Some(iv) = opts.interval {
+                    if w.last_snapshot.elapsed() >= iv && !exited {
+                        let mut written = shoot(
+                            w,
+                            Reason::Interval,
+                            &opts,
+                            &mut self.symbolizer,
+                            &mut self.build_ids,
+                        )?;
+                        w.rotate(&mut written, opts.keep);
+                        on_written(&written);
+                    }
+                }
+                if exited || stopping {
+                    let reason = if exited { Reason::Exit } else { Reason::Stop };
+                    // After exit, /proc/PID/maps is gone: keep the last maps.
+                    w.done = exited;
+                    let written =
+                        shoot(w, reason, &opts, &mut self.symbolizer, &mut self.build_ids)?;
+                    w.done = true;
+                    on_written(&written);
+                }
+            }
+            if self.watched.iter().all(|w| w.done) {
+                return Ok(());
+            }
+            std::thread::sleep(opts.poll);
+        }
+    }
+}
+
+/// Opens the targets and watches them (see [`Watcher`]).
+pub fn watch(
+    pids: &[u32],
+    opts: &WatchOptions,
+    stop: &AtomicBool,
+    on_written: impl FnMut(&Written),
+) -> Result<(), WatchError> {
+    Watcher::open(pids, opts.clone())?.run(stop, on_written)
+}
+
+/// Waits (bounded) until `pid` has its own heapdump regions: used right
+/// after starting a program, whose agent creates them on first allocation.
+/// Returns the last discovery error on timeout or exit.
+pub fn wait_instrumented(pid: u32, timeout: Duration) -> Result<(), DiscoveryError> {
+    let start = Instant::now();
+    let exit = ExitWatch::new(pid);
+    loop {
+        match open_target(pid) {
+            Ok(_) => return Ok(()),
+            Err(e) => {
+                if start.elapsed() >= timeout || exit.exited() {
+                    return Err(e);
+                }
+            }
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Options of `heapdump watch`.
+#[derive(Args, Debug)]
+pub struct WatchArgs {
+    /// Processes to watch: pids, or names each of only one instrumented
+    /// process.
+    #[arg(required = true, value_name = "PID|NAME", value_parser = crate::target::discovery::resolve_target)]
+    pub(crate) pids: Vec<u32>,
+    /// Directory for the snapshot files (created with mode 0700). Files are
+    /// named heapdump-PID-SEQ-REASON-TIME.EXT.
+    #[arg(short, long, default_value = ".")]
+    pub(crate) dir: PathBuf,
+    /// Formats written for each snapshot (repeatable).
+    #[arg(short, long, value_enum, default_values_t = [Format::Pprof])]
+    pub(crate) format: Vec<Format>,
+    /// Also take a snapshot every DURATION (e.g. 30s, 5m).
+    #[arg(long, value_parser = humantime::parse_duration)]
+    pub(crate) interval: Option<Duration>,
+    /// With --interval: keep only the newest N periodic snapshots of each
+    /// target, deleting the files of older ones (snapshots answering a
+    /// request, and the final one, are always kept).
+    #[arg(long, value_name = "N", requires = "interval", value_parser = clap::value_parser!(u64).range(1..))]
+    pub(crate) keep: Option<u64>,
+    /// How often requests and exits are checked.
+    #[arg(long, default_value = "15ms", value_parser = humantime::parse_duration)]
+    pub(crate) poll: Duration,
+    /// Also answer a request the target made before the watch began (one
+    /// snapshot, named after the latest such request, taken now). By
+    /// default only requests made after `watching ...` is printed are
+    /// answered, since the heap at an earlier request is gone.
+    #[arg(long)]
+    pub(crate) answer_pending: bool,
+    #[command(flatten)]
+    pub(crate) sym: SymArgs,
+    #[command(flatten)]
+    pub(crate) ages: AgeArgs,
+}
+
+/// Prints what a watch wrote or removed (the lines scripts and tests read).
+pub fn print_written(w: &Written) {
+    for p in &w.paths {
+        println!("wrote {}", p.display());
+    }
+    for p in &w.removed {
+        println!("removed {}", p.display());
+    }
+    for (p, e) in &w.not_removed {
+        eprintln!("heapdump: cannot remove {} (--keep): {e}", p.display());
+    }
+    if w.partial {
+        eprintln!("heapdump: snapshot {} of pid {} is partial", w.seq, w.pid);
+    }
+    let _ = std::io::stdout().flush();
+}
+
+/// `heapdump watch`: returns the exit status.
+pub fn command(a: WatchArgs) -> anyhow::Result<i32> {
+    install_stop_handlers();
+    let opts = WatchOptions {
+        dir: a.dir,
+        formats: a.format,
+        interval: a.interval,
+        symbolize: !a.sym.no_symbolize,
+        render: RenderOptions {
+            text: TextOptions::default(),
+            per_thread: a.sym.per_thread,
+        },
+        poll: a.poll,
+        keep_allocator_frames: a.sym.keep_allocator_frames,
+        answer_pending: a.answer_pending,
+        keep: a.keep.map(|n| n as usize),
+        ages: a.ages.filter(),
+    };
+    let dir = opts.dir.clone();
+    let watcher = Watcher::open(&a.pids, opts)?;
+    // This line tells scripts (and the tests) that requests from now on
+    // are answered.
+    println!(
+        "watching {} (snapshots into {})",
+        a.pids
+            .iter()
+            .map(u32::to_string)
+            .collect::<Vec<_>>()
+            .join(" "),
+        dir.display()
+    );
+    std::io::stdout().flush()?;
+    watcher.run(&AtomicBool::new(false), print_written)?;
+    Ok(0)
+}

@@ -1,0 +1,165 @@
+//! Output formats: choosing one (flag or file name), rendering a snapshot
+//! in it, and writing files privately (mode 0600: a heap snapshot can
+//! reveal a lot about a service). One module per format.
+
+use std::fs::{self, OpenOptions, Permissions};
+use std::io::{self, Write};
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::path::Path;
+
+use clap::ValueEnum;
+
+pub mod dhat;
+pub mod flamegraph;
+pub mod json;
+pub mod pprof;
+pub mod text;
+
+use crate::formats::text::TextOptions;
+use crate::target::snapshot::Snapshot;
+
+/// A snapshot file format.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Format {
+    /// Gzipped pprof protobuf in Go's heap layout (`go tool pprof`).
+    Pprof,
+    /// heapdump's stable JSON schema.
+    Json,
+    /// DHAT JSON for valgrind's dh_view.html.
+    Dhat,
+    /// Folded stacks of live bytes (flamegraph.pl / inferno input).
+    Folded,
+    /// SVG flamegraph of live bytes.
+    Svg,
+    /// Human-readable top-N report.
+    Text,
+}
+
+impl Format {
+    /// The usual file extension.
+    pub fn extension(self) -> &'static str {
+        match self {
+            Format::Pprof => "pb.gz",
+            Format::Json => "json",
+            Format::Dhat => "dhat.json",
+            Format::Folded => "folded",
+            Format::Svg => "svg",
+            Format::Text => "txt",
+        }
+    }
+
+    /// Infers the format from a file name, where unambiguous:
+    /// `.pb.gz`/`.pb`/`.pprof` pprof, `.dhat.json` or `dhat*.json` DHAT,
+    /// other `.json` JSON, `.folded`, `.svg`, `.txt`.
+    pub fn from_path(path: &Path) -> Option<Format> {
+        let name = path.file_name()?.to_str()?.to_ascii_lowercase();
+        let ends = |s: &str| name.ends_with(s);
+        if ends(".pb.gz") || ends(".pb") || ends(".pprof") || ends(".pprof.gz") {
+            Some(Format::Pprof)
+        } else if ends(".dhat.json") || (name.starts_with("dhat") && ends(".json")) {
+            Some(Format::Dhat)
+        } else if ends(".json") {
+            Some(Format::Json)
+        } else if ends(".folded") {
+            Some(Format::Folded)
+        } else if ends(".svg") {
+            Some(Format::Svg)
+        } else if ends(".txt") {
+            Some(Format::Text)
+        } else {
+            None
+        }
+    }
+}
+
+/// Rendering options shared by the formats.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct RenderOptions {
+    /// Text report size.
+    pub text: TextOptions,
+    /// pprof: split live values per thread with a `thread` label.
+    pub per_thread: bool,
+}
+
+/// Renders `s` in `format`.
+pub fn render(s: &Snapshot, format: Format, opts: RenderOptions) -> Vec<u8> {
+    match format {
+        Format::Pprof => crate::formats::pprof::render(s, opts.per_thread),
+        Format::Json => crate::formats::json::render(s),
+        Format::Dhat => crate::formats::dhat::render(s),
+        Format::Folded => crate::formats::flamegraph::folded(s).into_bytes(),
+        Format::Svg => crate::formats::flamegraph::svg(s),
+        Format::Text => crate::formats::text::render(s, opts.text).into_bytes(),
+    }
+}
+
+/// Writes `bytes` to `path`, creating it with mode 0600 (and tightening
+/// an existing file to 0600).
+pub fn write_private(path: &Path, bytes: &[u8]) -> io::Result<()> {
+    let mut f = create_private(path)?;
+    f.write_all(bytes)?;
+    f.sync_all()
+}
+
+/// Writes `s` rendered in `format` to `path` as [`write_private`] does.
+/// JSON is serialized straight into the file (a large symbolized snapshot
+/// is hundreds of MB of text, never held in memory whole); the other
+/// formats are rendered first.
+pub fn write_snapshot(
+    path: &Path,
+    s: &Snapshot,
+    format: Format,
+    opts: RenderOptions,
+) -> io::Result<()> {
+    let mut w = io::BufWriter::with_capacity(1 << 20, create_private(path)?);
+    match format {
+        Format::Json => crate::formats::json::write(s, &mut w)?,
+        _ => w.write_all(&render(s, format, opts))?,
+    }
+    w.into_inner().map_err(|e| e.into_error())?.sync_all()
+}
+
+/// Creates (or truncates) `path` with mode 0600, tightening an existing
+/// file to 0600.
+fn create_private(path: &Path) -> io::Result<fs::File> {
+    let f = OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)?;
+    f.set_permissions(Permissions::from_mode(0o600))?;
+    Ok(f)
+}
+
+/// Creates a directory for snapshots (mode 0700 when new).
+pub fn create_private_dir(dir: &Path) -> io::Result<()> {
+    if dir.is_dir() {
+        return Ok(());
+    }
+    fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+}
+
+use std::os::unix::fs::DirBuilderExt;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn formats_from_names() {
+        let f = |s: &str| Format::from_path(Path::new(s));
+        assert_eq!(f("heap.pb.gz"), Some(Format::Pprof));
+        assert_eq!(f("heap.pprof"), Some(Format::Pprof));
+        assert_eq!(f("x/heap.json"), Some(Format::Json));
+        assert_eq!(f("heap.dhat.json"), Some(Format::Dhat));
+        assert_eq!(f("dhat-heap.json"), Some(Format::Dhat));
+        assert_eq!(f("a.svg"), Some(Format::Svg));
+        assert_eq!(f("a.folded"), Some(Format::Folded));
+        assert_eq!(f("a.txt"), Some(Format::Text));
+        assert_eq!(f("a.out"), None);
+    }
+}

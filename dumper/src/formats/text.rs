@@ -1,0 +1,239 @@
+//! The default human-readable output: totals, threads and the top-N
+//! allocation sites by live bytes.
+
+use std::fmt::Write;
+use std::time::SystemTime;
+
+use crate::target::age::human_age;
+
+use crate::target::snapshot::Snapshot;
+
+/// Formats a byte count with a binary unit (`1.5 MiB`).
+pub fn human_bytes(n: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = n as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u < UNITS.len() - 1 {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{n} B")
+    } else {
+        format!("{v:.1} {}", UNITS[u])
+    }
+}
+
+/// Formats a signed byte count (`+1.5 MiB`, `-12 B`).
+pub fn human_delta(n: i64) -> String {
+    let sign = if n < 0 { "-" } else { "+" };
+    format!("{sign}{}", human_bytes(n.unsigned_abs()))
+}
+
+/// How much to show.
+#[derive(Clone, Copy, Debug)]
+pub struct TextOptions {
+    /// Number of sites.
+    pub top: usize,
+    /// Frames shown per site.
+    pub depth: usize,
+}
+
+impl Default for TextOptions {
+    fn default() -> Self {
+        TextOptions { top: 10, depth: 6 }
+    }
+}
+
+/// Renders the text report.
+pub fn render(s: &Snapshot, opts: TextOptions) -> String {
+    let mut o = String::new();
+    let when = s
+        .taken_at
+        .map(crate::formats::json::rfc3339)
+        .unwrap_or_default();
+    let _ = writeln!(
+        o,
+        "heapdump snapshot of pid {} ({}) at {when}",
+        s.pid, s.process
+    );
+    let t = &s.totals;
+    let _ = writeln!(
+        o,
+        "live: {} in {} blocks | allocated since start: {} in {} blocks | peak live: {}",
+        human_bytes(t.live_bytes),
+        t.live_blocks,
+        human_bytes(t.alloc_bytes),
+        t.alloc_blocks,
+        human_bytes(t.peak_bytes)
+    );
+    if s.dropped_total() > 0 {
+        let detail: Vec<String> = s.dropped.iter().map(|(k, v)| format!("{k} {v}")).collect();
+        let _ = writeln!(
+            o,
+            "dropped events: {} ({}): the snapshot misses these",
+            s.dropped_total(),
+            detail.join(", ")
+        );
+    }
+    if let Some(p) = &s.partial {
+        let _ = writeln!(o, "PARTIAL snapshot: {p}");
+    }
+    for n in &s.notes {
+        let _ = writeln!(o, "note: {n}");
+    }
+    if let Some(sel) = &s.selection {
+        let mut range = Vec::new();
+        if let Some(t) = sel.newer_than {
+            range.push(format!("at or after {}", moment(t, s.taken_at)));
+        }
+        if let Some(t) = sel.older_than {
+            range.push(format!("before {}", moment(t, s.taken_at)));
+        }
+        let _ = writeln!(
+            o,
+            "selected: blocks allocated {}: {} in {} blocks (sites and threads below count only these)",
+            range.join(" and "),
+            human_bytes(sel.live_bytes),
+            sel.live_blocks
+        );
+    }
+    let live_threads: Vec<_> = s.threads.iter().filter(|t| t.live_blocks > 0).collect();
+    if !live_threads.is_empty() {
+        let _ = writeln!(o, "threads with live blocks:");
+        for th in live_threads {
+            let _ = writeln!(
+                o,
+                "  {:>10}  {:>7} blocks  {} [{}]",
+                human_bytes(th.live_bytes),
+                th.live_blocks,
+                th.name,
+                th.tid
+            );
+        }
+    }
+    let shown: Vec<_> = s
+        .sites
+        .iter()
+        .filter(|x| x.live_blocks > 0)
+        .take(opts.top)
+        .collect();
+    let total_sites = s.sites.iter().filter(|x| x.live_blocks > 0).count();
+    let _ = writeln!(
+        o,
+        "top {} of {} allocation sites by live bytes:",
+        shown.len(),
+        total_sites
+    );
+    let shown_bytes = s.shown_live_bytes();
+    for (i, site) in shown.iter().enumerate() {
+        let pct = if shown_bytes > 0 {
+            site.live_bytes as f64 * 100.0 / shown_bytes as f64
+        } else {
+            0.0
+        };
+        let oldest = site
+            .oldest_age(s.taken_at)
+            .map_or(String::new(), |d| format!(", oldest {} ago", human_age(d)));
+        let _ = writeln!(
+            o,
+            "#{:<3} {:>10} {:>5.1}%  {:>7} blocks  (allocated {} in {} blocks{oldest})",
+            i + 1,
+            human_bytes(site.live_bytes),
+            pct,
+            site.live_blocks,
+            human_bytes(site.alloc_bytes),
+            site.alloc_blocks
+        );
+        // Leading frames inside Rust's standard library or a dependency
+        // (inlined `Vec::with_capacity`, hash map growth...) are folded into
+        // one line, so the frames shown start at the program's own code.
+        let lib = site
+            .frames
+            .iter()
+            .take_while(|f| is_library_frame(f))
+            .count();
+        let lib = if lib == site.frames.len() { 0 } else { lib };
+        if lib > 0 {
+            let _ = writeln!(
+                o,
+                "       ({lib} frame{} in the standard library or dependencies, from {})",
+                if lib == 1 { "" } else { "s" },
+                site.frames[0].display_name()
+            );
+        }
+        for f in site.frames.iter().skip(lib).take(opts.depth) {
+            let inl = if f.inlined { " (inlined)" } else { "" };
+            match f.location() {
+                Some(loc) => {
+                    let _ = writeln!(o, "       {}{inl}\n           at {loc}", f.display_name());
+                }
+                None => {
+                    let _ = writeln!(o, "       {}{inl}", f.display_name());
+                }
+            }
+        }
+        let shown = lib + opts.depth.min(site.frames.len() - lib);
+        if site.frames.len() > shown {
+            let _ = writeln!(o, "       ... {} more frames", site.frames.len() - shown);
+        }
+        if site.frames.is_empty() {
+            let _ = writeln!(o, "       <no stack>");
+        }
+    }
+    o
+}
+
+/// A moment relative to the snapshot: `2026-... (1h 2m before)`.
+fn moment(t: SystemTime, now: Option<SystemTime>) -> String {
+    let at = crate::formats::json::rfc3339(t);
+    match now.and_then(|n| n.duration_since(t).ok()) {
+        Some(d) => format!("{at} ({} before the snapshot)", human_age(d)),
+        None => at,
+    }
+}
+
+/// A frame whose source is Rust's standard library (`/rustc/HASH/library`)
+/// or a crate from a registry (cargo's `registry/src`, or rustc's vendored
+/// `/rust/deps`).
+pub fn is_library_frame(f: &crate::symbolization::symbolizer::Frame) -> bool {
+    f.file.as_deref().is_some_and(|file| {
+        file.starts_with("/rustc/")
+            || file.starts_with("/rust/deps/")
+            || file.contains("/.cargo/registry/src/")
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bytes_are_human() {
+        assert_eq!(human_bytes(0), "0 B");
+        assert_eq!(human_bytes(1023), "1023 B");
+        assert_eq!(human_bytes(1536), "1.5 KiB");
+        assert_eq!(human_delta(-2048), "-2.0 KiB");
+    }
+
+    #[test]
+    fn library_frames_are_std_and_registry_sources_only() {
+        let f = |file: &str| crate::symbolization::symbolizer::Frame {
+            file: Some(file.to_string()),
+            ..Default::default()
+        };
+        assert!(super::is_library_frame(&f(
+            "/rustc/abc/library/alloc/src/vec/mod.rs"
+        )));
+        assert!(super::is_library_frame(&f(
+            "/root/.cargo/registry/src/x/hashbrown/src/raw.rs"
+        )));
+        assert!(super::is_library_frame(&f(
+            "/rust/deps/hashbrown-0.16.1/src/raw/mod.rs"
+        )));
+        assert!(!super::is_library_frame(&f("/work/app/src/main.rs")));
+        assert!(!super::is_library_frame(
+            &crate::symbolization::symbolizer::Frame::default()
+        ));
+    }
+}

@@ -1,0 +1,726 @@
+//! Taking a snapshot: walk the live table, aggregate per stack and per
+//! thread, read the counters, and symbolize the stacks.
+//!
+//! The walk goes first and the stack catalog second, so every stack key a
+//! live record names was already published when the catalog is read.
+
+use std::collections::{BTreeMap, HashMap};
+use std::time::{Duration, Instant, SystemTime};
+
+use heapdump_table::{AllocationsReader, DroppedReason, ResourceKey, ResourcesReader, TableError};
+use indicatif::{ProgressBar, ProgressStyle};
+
+use crate::symbolization::maps::Mapping;
+use crate::symbolization::plumbing;
+use crate::symbolization::symbolizer::{self, Frame, Symbolizer};
+use crate::target::age::{AgeFilter, Clock};
+use crate::target::discovery::Target;
+
+/// Process-wide totals.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Totals {
+    /// Bytes in live blocks (sum over the walk).
+    pub live_bytes: u64,
+    /// Live blocks (count from the walk).
+    pub live_blocks: u64,
+    /// Bytes ever allocated (header counter).
+    pub alloc_bytes: u64,
+    /// Blocks ever allocated (header counter).
+    pub alloc_blocks: u64,
+    /// Highest live bytes seen (header counter).
+    pub peak_bytes: u64,
+}
+
+/// Live use of one thread (the thread that allocated each live block).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ThreadStat {
+    /// Kernel thread id (0 when the record is unreadable).
+    pub tid: u64,
+    /// Thread name.
+    pub name: String,
+    /// Bytes in live blocks allocated by this thread.
+    pub live_bytes: u64,
+    /// Live blocks allocated by this thread.
+    pub live_blocks: u64,
+}
+
+/// One allocation site: a distinct stack trace.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Site {
+    /// Return addresses, leaf (caller of malloc) first.
+    pub addresses: Vec<u64>,
+    /// Symbolized frames, leaf first, inlined frames expanded.
+    pub frames: Vec<Frame>,
+    /// Bytes in live blocks.
+    pub live_bytes: u64,
+    /// Live blocks.
+    pub live_blocks: u64,
+    /// Bytes ever allocated from this stack.
+    pub alloc_bytes: u64,
+    /// Blocks ever allocated from this stack.
+    pub alloc_blocks: u64,
+    /// Live use per thread: (index into `Snapshot::threads`, bytes, blocks).
+    pub by_thread: Vec<(usize, u64, u64)>,
+    /// When the oldest live block of this site was allocated.
+    pub oldest: Option<SystemTime>,
+    /// When the newest live block of this site was allocated.
+    pub newest: Option<SystemTime>,
+}
+
+impl Site {
+    /// How long before `at` (the snapshot's time) the site's oldest live
+    /// block was allocated, if both are known.
+    pub fn oldest_age(&self, at: Option<SystemTime>) -> Option<Duration> {
+        Some(at?.duration_since(self.oldest?).unwrap_or_default())
+    }
+
+    /// Takes in the allocation times of another site's live blocks.
+    fn merge_times(&mut self, oldest: Option<SystemTime>, newest: Option<SystemTime>) {
+        self.oldest = match (self.oldest, oldest) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        self.newest = match (self.newest, newest) {
+            (Some(a), Some(b)) => Some(a.max(b)),
+            (a, b) => a.or(b),
+        };
+    }
+}
+
+/// The blocks a snapshot was restricted to by allocation time
+/// (`--older-than`, `--newer-than`): sites and threads count only these;
+/// totals stay those of the whole heap.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Selection {
+    /// Blocks allocated before this time.
+    pub older_than: Option<SystemTime>,
+    /// Blocks allocated at or after this time.
+    pub newer_than: Option<SystemTime>,
+    /// Bytes in the selected live blocks.
+    pub live_bytes: u64,
+    /// Selected live blocks.
+    pub live_blocks: u64,
+}
+
+/// The snapshot request this snapshot answers.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Request {
+    /// The request counter value answered.
+    pub count: u64,
+    /// Its name (empty for a signal).
+    pub name: String,
+    /// When it was made (wall clock), if known.
+    pub time: Option<SystemTime>,
+}
+
+/// Timing of one snapshot.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Timing {
+    /// Time spent walking the live table.
+    pub walk: Duration,
+    /// Time spent symbolizing.
+    pub symbolize: Duration,
+    /// Nodes examined by the walk.
+    pub nodes: u64,
+}
+
+/// A heap snapshot of one process.
+#[derive(Clone, Debug, Default)]
+pub struct Snapshot {
+    /// Process id.
+    pub pid: u32,
+    /// Process name.
+    pub process: String,
+    /// Command line.
+    pub cmdline: Vec<String>,
+    /// When the walk started.
+    pub taken_at: Option<SystemTime>,
+    /// Totals.
+    pub totals: Totals,
+    /// Dropped events by reason name (only non-zero reasons).
+    pub dropped: BTreeMap<String, u64>,
+    /// Threads, registration order.
+    pub threads: Vec<ThreadStat>,
+    /// Sites, by live bytes then allocated bytes, descending.
+    pub sites: Vec<Site>,
+    /// Executable mappings with build IDs.
+    pub mappings: Vec<Mapping>,
+    /// Why the snapshot is incomplete, if it is.
+    pub partial: Option<String>,
+    /// The request answered, if any.
+    pub request: Option<Request>,
+    /// Whether frames carry symbols.
+    pub symbolized: bool,
+    /// The blocks selected by allocation time, if the snapshot was
+    /// restricted to some.
+    pub selection: Option<Selection>,
+    /// What the snapshot cannot show, in words (see
+    /// [`crate::target::visibility`]); empty when nothing is known.
+    pub notes: Vec<String>,
+    /// Timing.
+    pub timing: Timing,
+}
+
+impl Snapshot {
+    /// Total dropped events.
+    pub fn dropped_total(&self) -> u64 {
+        // Saturating: the counters come from the target and may be hostile.
+        self.dropped
+            .values()
+            .fold(0u64, |a, b| a.saturating_add(*b))
+    }
+
+    /// Live bytes that sites and threads count: the selection's when there
+    /// is one, else the whole heap's.
+    pub fn shown_live_bytes(&self) -> u64 {
+        self.selection
+            .as_ref()
+            .map_or(self.totals.live_bytes, |s| s.live_bytes)
+    }
+}
+
+/// How to take a snapshot.
+#[derive(Debug, Default)]
+pub struct Options<'a> {
+    /// Symbolize with this symbolizer (`None`: addresses and modules only).
+    pub symbolizer: Option<&'a mut Symbolizer>,
+    /// Show a progress bar on stderr (only drawn when stderr is a terminal).
+    pub progress: bool,
+    /// The request being answered.
+    pub request: Option<Request>,
+    /// Keep allocator plumbing frames (`alloc::raw_vec::...`,
+    /// `__rust_alloc`, `std::allocator<T>::allocate`, ...) at the leaf end
+    /// of each stack instead of dropping them (see [`crate::symbolization::plumbing`]).
+    pub keep_allocator_frames: bool,
+    /// Keep only blocks allocated in this time range (see [`crate::target::age`]).
+    pub ages: AgeFilter,
+}
+
+/// Drops the leading allocator plumbing frames of every site and merges
+/// the sites that become identical, summing their counts; then expands
+/// each site's addresses into frames from `table` (the symbolized frames
+/// of each address). Works on addresses first, so that stripped frames are
+/// never copied: a site is cut after its leading addresses whose frames
+/// are all plumbing, plus the leading plumbing (inlined) frames of the
+/// next address. `addresses` keep the return addresses of the frames that
+/// remain. The order (live bytes, then allocated bytes, descending) is
+/// restored.
+fn strip_plumbing(sites: Vec<Site>, table: &HashMap<u64, Vec<Frame>>) -> Vec<Site> {
+    // Per address: how many of its frames lead with plumbing.
+    let plumbing_of = |a: &u64| -> (usize, usize) {
+        let frames = table.get(a).map_or(&[][..], Vec::as_slice);
+        let n = frames
+            .iter()
+            .take_while(|f| plumbing::is_allocator_frame(f))
+            .count();
+        (n, frames.len())
+    };
+    let mut out: Vec<(Site, usize)> = Vec::with_capacity(sites.len());
+    let mut index: HashMap<(Vec<u64>, usize), usize> = HashMap::with_capacity(sites.len());
+    let mut merged = false;
+    for mut s in sites {
+        let mut skip = (0, 0);
+        for (i, a) in s.addresses.iter().enumerate() {
+            let (n, len) = plumbing_of(a);
+            if n < len || len == 0 {
+                skip = (i, n);
+                break;
+            }
+            // No break: every frame is plumbing and the stack stays whole.
+        }
+        s.addresses.drain(..skip.0);
+        let key = (s.addresses.clone(), skip.1);
+        match index.get(&key) {
+            Some(&i) => {
+                merged = true;
+                let t = &mut out[i].0;
+                t.live_bytes = t.live_bytes.saturating_add(s.live_bytes);
+                t.live_blocks = t.live_blocks.saturating_add(s.live_blocks);
+                t.alloc_bytes = t.alloc_bytes.saturating_add(s.alloc_bytes);
+                t.alloc_blocks = t.alloc_blocks.saturating_add(s.alloc_blocks);
+                t.by_thread.extend(s.by_thread);
+                t.merge_times(s.oldest, s.newest);
+            }
+            None => {
+                index.insert(key, out.len());
+                out.push((s, skip.1));
+            }
+        }
+    }
+    let mut out: Vec<Site> = out
+        .into_iter()
+        .map(|(mut s, skip)| {
+            s.frames = expand(&s.addresses, table);
+            s.frames.drain(..skip.min(s.frames.len()));
+            s
+        })
+        .collect();
+    if merged {
+        for s in &mut out {
+            let mut per: BTreeMap<usize, (u64, u64)> = BTreeMap::new();
+            for &(ti, b, n) in &s.by_thread {
+                let e = per.entry(ti).or_default();
+                e.0 = e.0.saturating_add(b);
+                e.1 = e.1.saturating_add(n);
+            }
+            s.by_thread = per.into_iter().map(|(ti, (b, n))| (ti, b, n)).collect();
+        }
+        out.sort_by(|a, b| {
+            (b.live_bytes, b.alloc_bytes, &a.addresses).cmp(&(
+                a.live_bytes,
+                a.alloc_bytes,
+                &b.addresses,
+            ))
+        });
+    }
+    out
+}
+
+/// The frames of a stack: each address's symbolized frames, leaf first.
+fn expand(addresses: &[u64], table: &HashMap<u64, Vec<Frame>>) -> Vec<Frame> {
+    addresses
+        .iter()
+        .flat_map(|a| table.get(a).cloned().unwrap_or_default())
+        .collect()
+}
+
+/// Gives each site its frames: symbolizes every distinct address once
+/// against `mappings` with `symbolizer` (showing progress on a terminal
+/// when asked and there is much to do), or without one records addresses
+/// and modules only; then, when symbolized and not told to keep them,
+/// drops the leading allocator plumbing frames and merges the sites that
+/// become identical (see `strip_plumbing`). Used by [`take`] and to
+/// symbolize a saved snapshot later (`heapdump symbolize`).
+pub fn symbolize_sites(
+    mut sites: Vec<Site>,
+    mappings: &[Mapping],
+    symbolizer: Option<&mut Symbolizer>,
+    keep_allocator_frames: bool,
+    progress: bool,
+) -> Vec<Site> {
+    let symbolized = symbolizer.is_some();
+    let mut unique: Vec<u64> = sites
+        .iter()
+        .flat_map(|s| s.addresses.iter().copied())
+        .collect();
+    unique.sort_unstable();
+    unique.dedup();
+    let mut table: HashMap<u64, Vec<Frame>> = HashMap::with_capacity(unique.len());
+    match symbolizer {
+        Some(sym) => {
+            let bar = if progress && unique.len() > 200 {
+                let b = ProgressBar::new(unique.len() as u64);
+                b.set_style(
+                    ProgressStyle::with_template("symbolizing {bar:30} {pos}/{len} frames")
+                        .unwrap_or_else(|_| ProgressStyle::default_bar()),
+                );
+                b
+            } else {
+                ProgressBar::hidden()
+            };
+            for (i, a) in unique.iter().enumerate() {
+                table.insert(*a, sym.symbolize(*a, mappings));
+                if i % 64 == 0 {
+                    bar.set_position(i as u64);
+                }
+            }
+            bar.finish_and_clear();
+        }
+        None => {
+            for a in &unique {
+                table.insert(*a, vec![symbolizer::unsymbolized(*a, mappings)]);
+            }
+        }
+    }
+    if symbolized && !keep_allocator_frames {
+        sites = strip_plumbing(sites, &table);
+    } else {
+        for s in &mut sites {
+            s.frames = expand(&s.addresses, &table);
+        }
+    }
+    sites
+}
+
+/// Live blocks of one (stack, thread) pair found by the walk.
+#[derive(Clone, Copy, Debug)]
+struct KeyStats {
+    bytes: u64,
+    blocks: u64,
+    /// Record time of the oldest block.
+    oldest_us: u64,
+    /// Record time of the newest block.
+    newest_us: u64,
+}
+
+impl KeyStats {
+    const EMPTY: KeyStats = KeyStats {
+        bytes: 0,
+        blocks: 0,
+        oldest_us: u64::MAX,
+        newest_us: 0,
+    };
+
+    #[inline]
+    fn add(&mut self, size: u64, t_us: u64) {
+        self.bytes = self.bytes.saturating_add(size);
+        self.blocks += 1;
+        self.oldest_us = self.oldest_us.min(t_us);
+        self.newest_us = self.newest_us.max(t_us);
+    }
+}
+
+/// Walks made before a snapshot with records that never read consistently
+/// is reported partial.
+pub const WALK_ATTEMPTS: u32 = 3;
+
+/// Converts a monotonic timestamp of the target (0: none) into wall time,
+/// the way block times are converted (see [`crate::target::age`]).
+pub fn wall_time(target: &Target, monotonic_ns: u64) -> Option<SystemTime> {
+    if monotonic_ns == 0 {
+        return None;
+    }
+    Clock::now(target.allocations.header().clock_monotonic_ns).wall_of_monotonic(monotonic_ns)
+}
+
+/// Takes a snapshot of `target`, symbolizing against `mappings` (read from
+/// `/proc/PID/maps` now, or recorded earlier if the target has exited).
+pub fn take(
+    target: &Target,
+    mappings: &[Mapping],
+    opts: Options<'_>,
+) -> Result<Snapshot, TableError> {
+    let allocs = AllocationsReader::new(&target.allocations)?;
+    let resources = ResourcesReader::new(&target.resources)?;
+    let clock = Clock::now(target.allocations.header().clock_monotonic_ns);
+    let taken_at = clock.now_wall().unwrap_or_else(SystemTime::now);
+    let bounds = clock.bounds(&opts.ages);
+    let t0 = Instant::now();
+
+    // Aggregate during the walk: per (stack key, thread key). A walk that
+    // met records being modified throughout (a writer preempted mid-update
+    // on a loaded machine) is retried a few times before it is reported
+    // partial; a target killed mid-update stays partial. Blocks outside the
+    // age bounds count in the totals only.
+    let mut attempt = 0;
+    let (per_key, live_bytes, live_blocks, selected, stats) = loop {
+        let mut per_key: HashMap<(ResourceKey, ResourceKey), KeyStats> = HashMap::new();
+        let (mut live_bytes, mut live_blocks) = (0u64, 0u64);
+        let mut selected = (0u64, 0u64);
+        let stats = allocs.walk(|r| {
+            live_bytes = live_bytes.saturating_add(r.size);
+            live_blocks += 1;
+            if !bounds.admits(r.timestamp_us) {
+                return;
+            }
+            selected.0 = selected.0.saturating_add(r.size);
+            selected.1 += 1;
+            per_key
+                .entry((r.stack, r.thread))
+                .or_insert(KeyStats::EMPTY)
+                .add(r.size, r.timestamp_us);
+        });
+        attempt += 1;
+        if stats.unstable == 0 || attempt >= WALK_ATTEMPTS {
+            break (per_key, live_bytes, live_blocks, selected, stats);
+        }
+    };
+    let walk_time = t0.elapsed();
+    let counters = allocs.counters();
+    let catalog = resources.stacks();
+    let (thread_records, threads_partial) = resources.threads();
+
+    let mut partial: Vec<String> = Vec::new();
+    if let Some(p) = stats.partial_reason() {
+        partial.push(p);
+    }
+    if let Some(p) = &catalog.partial {
+        partial.push(format!("stack catalog: {p}"));
+    }
+    if let Some(p) = threads_partial {
+        partial.push(format!("thread list: {p}"));
+    }
+
+    // Threads: registration order.
+    let mut threads: Vec<ThreadStat> = Vec::new();
+    let mut thread_index: HashMap<ResourceKey, usize> = HashMap::new();
+    let mut recs = thread_records;
+    recs.sort_by_key(|(_, t)| t.serial);
+    // The latest record of each tid (a tid can be reused by a later thread).
+    let mut latest: HashMap<u64, usize> = HashMap::new();
+    for (key, t) in recs {
+        thread_index.insert(key, threads.len());
+        latest.insert(t.tid, threads.len());
+        threads.push(ThreadStat {
+            tid: t.tid,
+            name: t.name,
+            ..Default::default()
+        });
+    }
+    // Threads still running show under their current names (the agent
+    // records a name when the thread starts allocating and re-reads it
+    // only now and then).
+    if let Some(live) = target.live_thread_names() {
+        for (tid, i) in latest {
+            if let Some(name) = live.get(&tid) {
+                threads[i].name.clone_from(name);
+            }
+        }
+    }
+
+    // Sites: every catalog stack, plus any live key missing from it.
+    let mut sites: Vec<Site> = catalog
+        .stacks
+        .iter()
+        .map(|s| Site {
+            addresses: s.frames.clone(),
+            alloc_bytes: s.alloc_bytes,
+            alloc_blocks: s.alloc_count,
+            ..Default::default()
+        })
+        .collect();
+    let mut extra_sites: HashMap<ResourceKey, usize> = HashMap::new();
+    let mut unknown_stacks = 0u64;
+    let mut per_site_thread: HashMap<(usize, usize), (u64, u64)> = HashMap::new();
+    for ((stack, thread), k) in per_key {
+        let (bytes, blocks) = (k.bytes, k.blocks);
+        let site = match catalog.by_key.get(&stack) {
+            Some(&i) => i,
+            None => *extra_sites.entry(stack).or_insert_with(|| {
+                let addresses = match resources.stack(stack) {
+                    Ok(s) => s.frames,
+                    Err(_) => {
+                        unknown_stacks += 1;
+                        Vec::new()
+                    }
+                };
+                sites.push(Site {
+                    addresses,
+                    ..Default::default()
+                });
+                sites.len() - 1
+            }),
+        };
+        sites[site].live_bytes = sites[site].live_bytes.saturating_add(bytes);
+        sites[site].live_blocks += blocks;
+        sites[site].merge_times(clock.wall_of(k.oldest_us), clock.wall_of(k.newest_us));
+        let ti = match thread_index.get(&thread) {
+            Some(&i) => i,
+            None => {
+                let t = resources.thread(thread).ok();
+                threads.push(ThreadStat {
+                    tid: t.as_ref().map_or(0, |t| t.tid),
+                    name: t.map_or_else(|| "<unknown thread>".to_string(), |t| t.name),
+                    ..Default::default()
+                });
+                thread_index.insert(thread, threads.len() - 1);
+                threads.len() - 1
+            }
+        };
+        threads[ti].live_bytes = threads[ti].live_bytes.saturating_add(bytes);
+        threads[ti].live_blocks += blocks;
+        let e = per_site_thread.entry((site, ti)).or_default();
+        e.0 = e.0.saturating_add(bytes);
+        e.1 += blocks;
+    }
+    if unknown_stacks > 0 {
+        partial.push(format!(
+            "{unknown_stacks} stack key(s) named by live blocks could not be read"
+        ));
+    }
+    for ((site, ti), (bytes, blocks)) in per_site_thread {
+        sites[site].by_thread.push((ti, bytes, blocks));
+    }
+    for s in &mut sites {
+        s.by_thread.sort_unstable();
+    }
+    // Blocks live now were allocated, so a cumulative counter below the live
+    // count only means the counters raced the walk: keep alloc >= live.
+    for s in &mut sites {
+        s.alloc_blocks = s.alloc_blocks.max(s.live_blocks);
+        s.alloc_bytes = s.alloc_bytes.max(s.live_bytes);
+    }
+    sites.sort_by(|a, b| {
+        (b.live_bytes, b.alloc_bytes, &a.addresses).cmp(&(
+            a.live_bytes,
+            a.alloc_bytes,
+            &b.addresses,
+        ))
+    });
+
+    let t1 = Instant::now();
+    let symbolized = opts.symbolizer.is_some();
+    let sites = symbolize_sites(
+        sites,
+        mappings,
+        opts.symbolizer,
+        opts.keep_allocator_frames,
+        opts.progress,
+    );
+
+    let mut dropped = BTreeMap::new();
+    for r in DroppedReason::ALL {
+        let n = counters.dropped[r as usize];
+        if n > 0 {
+            dropped.insert(r.name().to_string(), n);
+        }
+    }
+    for (i, n) in counters.dropped.iter().enumerate() {
+        if i >= DroppedReason::ALL.len() && *n > 0 {
+            dropped.insert(format!("reason_{i}"), *n);
+        }
+    }
+
+    Ok(Snapshot {
+        pid: target.pid,
+        process: target.name.clone(),
+        cmdline: target.cmdline.clone(),
+        taken_at: Some(taken_at),
+        totals: Totals {
+            live_bytes,
+            live_blocks,
+            alloc_bytes: counters.total_bytes.max(live_bytes),
+            alloc_blocks: counters.total_allocs.max(live_blocks),
+            peak_bytes: counters.peak_live_bytes.max(live_bytes),
+        },
+        dropped,
+        threads,
+        sites,
+        mappings: mappings.to_vec(),
+        partial: (!partial.is_empty()).then(|| partial.join("; ")),
+        request: opts.request,
+        symbolized,
+        selection: opts.ages.is_set().then(|| Selection {
+            older_than: opts.ages.older_than.and_then(|w| clock.wall_of_when(w)),
+            newer_than: opts.ages.newer_than.and_then(|w| clock.wall_of_when(w)),
+            live_bytes: selected.0,
+            live_blocks: selected.1,
+        }),
+        notes: notes(target.pid, counters.total_allocs),
+        timing: Timing {
+            walk: walk_time,
+            symbolize: t1.elapsed(),
+            nodes: stats.nodes,
+        },
+    })
+}
+
+/// What a snapshot of `pid` cannot show: "no allocation recorded" when
+/// the agent saw none, and what the program's files say it cannot see.
+pub fn notes(pid: u32, total_allocs: u64) -> Vec<String> {
+    let info = crate::target::visibility::inspect_process(pid);
+    let mut notes: Vec<String> = info.blind_spots.iter().map(|b| b.to_string()).collect();
+    if total_allocs == 0 {
+        let why = if notes.is_empty() {
+            "the program has not allocated through malloc or C++ new since the agent started; \
+             if it should have, it may use an allocator linked in statically, or one preloaded \
+             before the agent"
+        } else {
+            "see below"
+        };
+        notes.insert(0, format!("no allocation recorded: {why}"));
+    }
+    notes
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::UNIX_EPOCH;
+
+    use super::*;
+
+    fn site(frames: &[(u64, &str)], live: u64, by_thread: Vec<(usize, u64, u64)>) -> Site {
+        let frames: Vec<Frame> = frames
+            .iter()
+            .map(|(a, f)| Frame {
+                address: *a,
+                function: Some(f.to_string()),
+                ..Frame::default()
+            })
+            .collect();
+        let mut addresses: Vec<u64> = frames.iter().map(|f| f.address).collect();
+        addresses.dedup();
+        Site {
+            addresses,
+            frames,
+            live_bytes: live,
+            live_blocks: 1,
+            alloc_bytes: live,
+            alloc_blocks: 1,
+            by_thread,
+            // Times that tell sites apart: the oldest block is `live`
+            // seconds old, the newest `live / 10`.
+            oldest: Some(UNIX_EPOCH + Duration::from_secs(1000 - live)),
+            newest: Some(UNIX_EPOCH + Duration::from_secs(1000 - live / 10)),
+        }
+    }
+
+    #[test]
+    fn plumbing_is_stripped_and_identical_sites_merge() {
+        // Two stacks that differ only in the allocator path (alloc vs
+        // realloc) become one site; a third stays apart.
+        let a = site(
+            &[
+                (1, "__rust_alloc"),
+                (2, "alloc::alloc::alloc"),
+                (10, "app::f"),
+                (20, "main"),
+            ],
+            100,
+            vec![(0, 100, 1)],
+        );
+        let b = site(
+            &[(3, "__rust_realloc"), (10, "app::f"), (20, "main")],
+            50,
+            vec![(0, 30, 1), (1, 20, 1)],
+        );
+        let c = site(
+            &[(4, "__rust_alloc"), (11, "app::g"), (20, "main")],
+            120,
+            vec![(1, 120, 1)],
+        );
+        // An address whose inlined frames start with plumbing keeps the
+        // rest; a stack of plumbing only stays whole.
+        let d = site(
+            &[(5, "alloc::alloc::alloc"), (5, "app::h"), (21, "main")],
+            10,
+            vec![(0, 10, 1)],
+        );
+        let e = site(
+            &[(6, "__rust_alloc"), (7, "alloc::alloc::alloc")],
+            5,
+            vec![],
+        );
+        let mut table: HashMap<u64, Vec<Frame>> = HashMap::new();
+        for s in [&a, &b, &c, &d, &e] {
+            for f in &s.frames {
+                table.entry(f.address).or_default().push(f.clone());
+            }
+        }
+        for v in table.values_mut() {
+            v.dedup();
+        }
+        let out = strip_plumbing(vec![a, b, c, d, e], &table);
+        assert_eq!(out.len(), 4);
+        assert_eq!(out[2].addresses, vec![5, 21]);
+        let names: Vec<_> = out[2]
+            .frames
+            .iter()
+            .map(|f| f.function.as_deref())
+            .collect();
+        assert_eq!(names, [Some("app::h"), Some("main")]);
+        assert_eq!(out[3].addresses, vec![6, 7]);
+        assert_eq!(out[3].frames.len(), 2);
+        assert_eq!(out[0].live_bytes, 150);
+        assert_eq!(out[0].live_blocks, 2);
+        assert_eq!(out[0].alloc_bytes, 150);
+        assert_eq!(out[0].addresses, vec![10, 20]);
+        assert_eq!(out[0].frames[0].function.as_deref(), Some("app::f"));
+        assert_eq!(out[0].by_thread, vec![(0, 130, 2), (1, 20, 1)]);
+        // The merged site spans both sites' allocation times.
+        let at = |s| Some(UNIX_EPOCH + Duration::from_secs(s));
+        assert_eq!((out[0].oldest, out[0].newest), (at(900), at(995)));
+        assert_eq!(out[1].live_bytes, 120);
+        assert_eq!(out[1].addresses, vec![11, 20]);
+    }
+}

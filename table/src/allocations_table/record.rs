@@ -1,0 +1,79 @@
+//! Records (nodes) and their seqlock: how an [`AllocationRecord`] is
+//! packed into a node's four words, and how a writer changes a node.
+//!
+//! Invariants:
+//! - A node's words change only under its shard's lock, always inside a
+//!   seqlock write: `seq` made odd, a Release fence, the words, then `seq`
+//!   made even with a Release store. (The reader's side is in
+//!   `reader.rs`: it accepts a node only between two equal even readings.)
+//! - A live block keeps the same node from insert to remove; a free node
+//!   has address 0 and holds the next free node + 1 in `w3`.
+
+use super::*;
+
+/// One live block, as stored and as reported.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct AllocationRecord {
+    /// Block address (never 0).
+    pub address: u64,
+    /// Block size in bytes (at most 2^48 - 1).
+    pub size: u64,
+    /// Stack trace key in the resources region.
+    pub stack: ResourceKey,
+    /// Thread record key in the resources region.
+    pub thread: ResourceKey,
+    /// Microseconds since the region's monotonic clock base (48 bits).
+    pub timestamp_us: u64,
+}
+
+impl AllocationsWriter<'_> {
+    #[inline]
+    pub(super) fn node_word(&self, node: u32, w: u64) -> &AtomicU64 {
+        // Node numbers are read back from the region (index slots, free
+        // lists). Only this process writes them, but clamping keeps even a
+        // region scribbled over by a wild write in the program in bounds
+        // (one conditional move).
+        debug_assert!(u64::from(node) < self.layout.capacity);
+        let node = u64::from(node).min(self.layout.capacity - 1);
+        self.u64_at(self.layout.nodes_off + node * NODE_SIZE + w * 8)
+    }
+
+    #[inline]
+    pub(super) fn node_addr(&self, node: u32) -> u64 {
+        self.node_word(node, 1).load(Ordering::Relaxed)
+    }
+
+    /// Seqlock write of a node's four words.
+    #[inline]
+    pub(super) fn write_node(&self, node: u32, thread32: u32, w1: u64, w2: u64, w3: u64) {
+        let w0 = self.node_word(node, 0);
+        let cur = w0.load(Ordering::Relaxed);
+        let seq = cur as u32;
+        let old_thread = cur & !0xffff_ffff;
+        // Make seq odd first; the Release fence orders it before the data
+        // stores, so a reader that sees new data also sees a changed seq.
+        w0.store(old_thread | u64::from(seq | 1), Ordering::Relaxed);
+        fence(Ordering::Release);
+        self.node_word(node, 1).store(w1, Ordering::Relaxed);
+        self.node_word(node, 2).store(w2, Ordering::Relaxed);
+        self.node_word(node, 3).store(w3, Ordering::Relaxed);
+        // Release: data stores happen-before the even seq a reader acquires.
+        let next = (seq | 1).wrapping_add(1);
+        w0.store(
+            u64::from(thread32) << 32 | u64::from(next),
+            Ordering::Release,
+        );
+    }
+
+    pub(super) fn encode(rec: &AllocationRecord) -> Option<(u32, u64, u64, u64)> {
+        let sk = rec.stack.0;
+        let tk = rec.thread.0;
+        if rec.address == 0 || sk % 8 != 0 || tk % 8 != 0 || sk >> 35 != 0 || tk >> 35 != 0 {
+            return None;
+        }
+        let ts = rec.timestamp_us & SIZE_MASK;
+        let w2 = rec.size.min(SIZE_MASK) | (ts >> 32) << 48;
+        let w3 = (sk / 8) | (ts & 0xffff_ffff) << 32;
+        Some(((tk / 8) as u32, rec.address, w2, w3))
+    }
+}

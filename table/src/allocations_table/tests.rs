@@ -1,0 +1,512 @@
+//! Unit and property tests of the allocations table (writer, index,
+//! shards and reader together, against models).
+
+use super::*;
+use crate::allocations_table::reader::NodeRead;
+use proptest::prelude::*;
+use std::collections::HashMap;
+
+fn region(capacity: u64, shards: u64) -> RegionWriter {
+    AllocationsWriter::create_region(AllocationsConfig { capacity, shards }).unwrap()
+}
+
+fn rec(address: u64, size: u64) -> AllocationRecord {
+    AllocationRecord {
+        address,
+        size,
+        stack: ResourceKey((address % 1000) * 8 + 8192),
+        thread: ResourceKey((size % 77) * 8),
+        timestamp_us: address ^ size,
+    }
+    .normalized()
+}
+
+impl AllocationRecord {
+    fn normalized(mut self) -> Self {
+        self.timestamp_us &= SIZE_MASK;
+        self
+    }
+}
+
+/// The table's content, via a real read-only mapping.
+fn walk_map(r: &RegionWriter) -> HashMap<u64, AllocationRecord> {
+    let rr = r.open_reader().unwrap();
+    let reader = AllocationsReader::new(&rr).unwrap();
+    let mut out = HashMap::new();
+    let stats = reader.walk(|rec| {
+        assert!(out.insert(rec.address, *rec).is_none(), "reported twice");
+    });
+    assert_eq!(stats.unstable, 0);
+    assert_eq!(stats.reported as usize, out.len());
+    out
+}
+
+#[derive(Default)]
+struct Model {
+    live: HashMap<u64, AllocationRecord>,
+    live_bytes: u64,
+    peak: u64,
+    total_allocs: u64,
+    total_bytes: u64,
+}
+
+impl Model {
+    fn alloc(&mut self, r: AllocationRecord) {
+        self.live.insert(r.address, r);
+        self.live_bytes += r.size;
+        self.peak = self.peak.max(self.live_bytes);
+        self.total_allocs += 1;
+        self.total_bytes += r.size;
+    }
+    fn free(&mut self, addr: u64) -> Option<u64> {
+        let r = self.live.remove(&addr)?;
+        self.live_bytes -= r.size;
+        Some(r.size)
+    }
+    fn check(&self, r: &RegionWriter) {
+        self.check_peak(r, true);
+    }
+    /// `exact_peak: false` with node caches: the peak follows a running
+    /// total folded every `LIVE_BATCH` bytes, so it may trail.
+    fn check_peak(&self, r: &RegionWriter, exact_peak: bool) {
+        assert_eq!(walk_map(r), self.live);
+        let rr = r.open_reader().unwrap();
+        let c = AllocationsReader::new(&rr).unwrap().counters();
+        assert_eq!(c.live_blocks, self.live.len() as u64);
+        assert_eq!(c.live_bytes, self.live_bytes);
+        if exact_peak {
+            assert_eq!(c.peak_live_bytes, self.peak);
+        } else {
+            assert!(c.peak_live_bytes <= self.peak && c.peak_live_bytes >= self.live_bytes);
+        }
+        assert_eq!(c.total_allocs, self.total_allocs);
+        assert_eq!(c.total_bytes, self.total_bytes);
+        assert_eq!(AllocationsWriter::new(r).unwrap().stats(), c);
+    }
+}
+
+#[test]
+fn insert_remove_replace() {
+    let r = region(1024, 4);
+    let w = AllocationsWriter::new(&r).unwrap();
+    let mut m = Model::default();
+    let a = rec(0x1000, 10);
+    w.insert(&a).unwrap();
+    m.alloc(a);
+    assert_eq!(w.insert(&rec(0x1000, 99)), Err(InsertError::Duplicate));
+    assert_eq!(w.remove(0x2000), None);
+    m.check(&r);
+    // In place.
+    let a2 = rec(0x1000, 20);
+    assert_eq!(w.replace(0x1000, &a2), Ok(Some(10)));
+    m.free(0x1000);
+    m.alloc(a2);
+    m.check(&r);
+    // Moving.
+    let b = rec(0x3000, 30);
+    assert_eq!(w.replace(0x1000, &b), Ok(Some(20)));
+    m.free(0x1000);
+    m.alloc(b);
+    m.check(&r);
+    // Replacing an unknown address inserts.
+    let c = rec(0x5000, 5);
+    assert_eq!(w.replace(0x4000, &c), Ok(None));
+    m.alloc(c);
+    assert_eq!(w.replace(0x5000, &rec(0x5000, 6)), Ok(Some(5)));
+    m.free(0x5000);
+    m.alloc(rec(0x5000, 6));
+    // Moving onto a live address: the old one is gone, the new refused.
+    assert_eq!(
+        w.replace(0x5000, &rec(0x3000, 1)),
+        Err(InsertError::Duplicate)
+    );
+    m.free(0x5000);
+    m.check(&r);
+    assert_eq!(w.remove(0x3000), Some(30));
+    assert_eq!(w.remove(0x3000), None);
+    m.free(0x3000);
+    m.check(&r);
+}
+
+#[test]
+fn extreme_fields_round_trip() {
+    let r = region(64, 1);
+    let w = AllocationsWriter::new(&r).unwrap();
+    let max = AllocationRecord {
+        address: u64::MAX,
+        size: SIZE_MASK,
+        stack: ResourceKey((1 << 35) - 8),
+        thread: ResourceKey((1 << 35) - 8),
+        timestamp_us: SIZE_MASK,
+    };
+    let min = AllocationRecord {
+        address: 1,
+        size: 0,
+        stack: ResourceKey(0),
+        thread: ResourceKey(0),
+        timestamp_us: 0,
+    };
+    w.insert(&max).unwrap();
+    w.insert(&min).unwrap();
+    let got = walk_map(&r);
+    assert_eq!(got[&u64::MAX], max);
+    assert_eq!(got[&1], min);
+    // Unrepresentable records are refused, not mangled.
+    for bad in [
+        AllocationRecord { address: 0, ..min },
+        AllocationRecord {
+            stack: ResourceKey(12),
+            ..min
+        },
+        AllocationRecord {
+            thread: ResourceKey(1 << 35),
+            ..min
+        },
+        AllocationRecord {
+            stack: ResourceKey(u64::MAX - 7),
+            ..min
+        },
+    ] {
+        assert_eq!(w.insert(&bad), Err(InsertError::Unrepresentable));
+    }
+    // Sizes above 48 bits are clamped, and the counters agree.
+    w.insert(&AllocationRecord {
+        address: 2,
+        size: u64::MAX,
+        ..min
+    })
+    .unwrap();
+    assert_eq!(w.remove(2), Some(SIZE_MASK));
+    assert_eq!(w.remove(u64::MAX), Some(SIZE_MASK));
+    assert_eq!(w.remove(1), Some(0));
+    assert_eq!(w.stats().live_bytes, 0);
+    assert_eq!(w.stats().live_blocks, 0);
+}
+
+#[test]
+fn full_table_counts_drops() {
+    let r = region(8, 1);
+    let w = AllocationsWriter::new(&r).unwrap();
+    for i in 1..=8 {
+        w.insert(&rec(i * 16, i)).unwrap();
+    }
+    assert_eq!(w.insert(&rec(0x1000, 1)), Err(InsertError::Full));
+    assert_eq!(w.insert(&rec(0x2000, 1)), Err(InsertError::Full));
+    // A duplicate is reported as such, not as a drop.
+    assert_eq!(w.insert(&rec(16, 1)), Err(InsertError::Duplicate));
+    let c = w.stats();
+    assert_eq!(c.dropped[DroppedReason::AllocationsFull as usize], 2);
+    assert_eq!(c.dropped_total(), 2);
+    assert_eq!(c.live_blocks, 8);
+    // Moving replace when full: the old block goes, the new one fits.
+    assert_eq!(w.replace(16, &rec(0x3000, 3)), Ok(Some(1)));
+    assert_eq!(w.remove(32), Some(2));
+    w.insert(&rec(0x1000, 1)).unwrap();
+    assert_eq!(walk_map(&r).len(), 8);
+}
+
+/// A small deterministic random sequence (xorshift64) from `seed`.
+fn xorshift(mut x: u64) -> impl FnMut() -> u64 {
+    move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    }
+}
+
+#[test]
+fn many_operations_match_a_model() {
+    let r = region(1 << 15, 8);
+    let w = AllocationsWriter::new(&r).unwrap();
+    let mut m = Model::default();
+    let mut next = xorshift(0x1234_5678_9abc_def0u64);
+    // Grow to ~20k live (index windows grow), churn, then shrink to a
+    // few hundred (windows shrink), checking against the model.
+    for round in 0..3 {
+        for _ in 0..20_000 {
+            let addr = 0x5555_0000_0000 + (next() % 60_000) * 16;
+            let size = next() % 5000;
+            let op = next() % 10;
+            let target = if round == 2 { 1 } else { 6 };
+            if op < target {
+                let res = w.insert(&rec(addr, size));
+                if m.live.contains_key(&addr) {
+                    assert_eq!(res, Err(InsertError::Duplicate));
+                } else {
+                    res.unwrap();
+                    m.alloc(rec(addr, size));
+                }
+            } else if op < 9 {
+                assert_eq!(w.remove(addr), m.free(addr));
+            } else {
+                let new = if next() % 2 == 0 { addr } else { addr + 8 };
+                let res = w.replace(addr, &rec(new, size));
+                let old = m.free(addr);
+                if m.live.contains_key(&new) {
+                    assert_eq!(res, Err(InsertError::Duplicate));
+                } else {
+                    assert_eq!(res, Ok(old));
+                    m.alloc(rec(new, size));
+                }
+            }
+        }
+        m.check(&r);
+    }
+    // Empty it: nothing left, index memory returned.
+    let before = r.resident_bytes().unwrap();
+    let addrs: Vec<u64> = m.live.keys().copied().collect();
+    for a in addrs {
+        assert_eq!(w.remove(a), m.free(a));
+    }
+    m.check(&r);
+    assert!(r.resident_bytes().unwrap() <= before);
+}
+
+#[test]
+fn direct_and_indexed_blocks_mix_exactly() {
+    // Half the blocks direct (by node), half through the index, in the
+    // same shards; the index's load factor counts only its own, so it
+    // neither grows for the direct blocks nor overflows.
+    let r = region(1 << 15, 4);
+    let w = AllocationsWriter::new(&r).unwrap();
+    let mut cache = NodeCache::new();
+    let mut m = Model::default();
+    let mut direct: HashMap<u64, u32> = HashMap::new();
+    let mut next = xorshift(0x9e37_79b9_7f4a_7c15u64);
+    for round in 0..3 {
+        for _ in 0..20_000 {
+            let addr = 0x7777_0000_0000 + (next() % 30_000) * 16;
+            let size = next() % 3000 + 1;
+            let grow = if round == 2 { 2 } else { 6 };
+            if m.live.contains_key(&addr) {
+                if next() % 10 >= grow {
+                    let got = match direct.remove(&addr) {
+                        Some(node) => {
+                            // The index does not know a direct block.
+                            assert_eq!(w.remove(addr), None);
+                            w.remove_direct(addr, node, &mut cache)
+                        }
+                        None => w.remove_cached(addr, &mut cache),
+                    };
+                    assert_eq!(got, m.free(addr));
+                }
+            } else if next() % 2 == 0 {
+                let node = w.insert_direct(&rec(addr, size), &mut cache).unwrap();
+                direct.insert(addr, node);
+                m.alloc(rec(addr, size));
+            } else {
+                w.insert_cached(&rec(addr, size), &mut cache).unwrap();
+                m.alloc(rec(addr, size));
+            }
+        }
+        w.flush_cache(&mut cache);
+        m.check_peak(&r, false);
+    }
+    // A node that does not hold the address removes nothing.
+    if let Some((&addr, &node)) = direct.iter().next() {
+        assert_eq!(w.remove_direct(addr + 16, node, &mut cache), None);
+        assert_eq!(w.remove_direct(addr, node ^ 1, &mut cache), None);
+        assert_eq!(w.remove_direct(addr, u32::MAX, &mut cache), None);
+        assert_eq!(w.remove_direct(0, node, &mut cache), None);
+    }
+    for (addr, node) in direct.drain() {
+        assert_eq!(w.remove_direct(addr, node, &mut cache), m.free(addr));
+    }
+    let rest: Vec<u64> = m.live.keys().copied().collect();
+    for a in rest {
+        assert_eq!(w.remove_cached(a, &mut cache), m.free(a));
+    }
+    w.flush_cache(&mut cache);
+    m.check_peak(&r, false);
+}
+
+#[test]
+fn a_crowded_address_range_spills_and_every_block_stays_exact() {
+    // 8 shards: 2 groups of 4. Each shard's index holds at most 896
+    // blocks (1024-slot windows at 7/8), so one 64 MiB range (one
+    // group) overflows past 3584 live blocks and spills.
+    let r = region(4096, 8);
+    let w = AllocationsWriter::new(&r).unwrap();
+    let mut m = Model::default();
+    let addr = |i: u64| 0x7f00_0000_0000 + i * 48;
+    for i in 0..3900 {
+        w.insert(&rec(addr(i), 16 + i)).unwrap();
+        m.alloc(rec(addr(i), 16 + i));
+    }
+    m.check(&r);
+    assert!(
+        (0..8).any(|s| w.spilled(s)),
+        "the crowded group never spilled"
+    );
+    let mut x = 0x2545_f491_4f6c_dd1du64;
+    for round in 0..4 {
+        for i in 0..3000u64 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let a = addr(x % 3950);
+            let size = 16 + x % 4000;
+            match (x >> 40) % 4 {
+                0 => {
+                    let res = w.insert(&rec(a, size));
+                    if m.live.contains_key(&a) {
+                        assert_eq!(res, Err(InsertError::Duplicate));
+                    } else {
+                        assert_eq!(res, Ok(()), "insert {i} of round {round}");
+                        m.alloc(rec(a, size));
+                    }
+                }
+                1 => assert_eq!(w.remove(a), m.free(a)),
+                _ => {
+                    // realloc in place: a spilled block is rewritten
+                    // where it lives
+                    let res = w.replace(a, &rec(a, size));
+                    let old = m.free(a);
+                    assert_eq!(res, Ok(old));
+                    m.alloc(rec(a, size));
+                }
+            }
+        }
+        m.check(&r);
+    }
+    for a in m.live.keys().copied().collect::<Vec<_>>() {
+        assert_eq!(w.remove(a), m.free(a));
+    }
+    m.check(&r);
+}
+
+#[test]
+fn blocks_of_two_address_ranges_use_disjoint_shard_groups() {
+    let r = region(1 << 16, 256);
+    let w = AllocationsWriter::new(&r).unwrap();
+    // Two 64 MiB ranges whose groups differ (found, not assumed).
+    let a = 0x7f00_0000_0000u64;
+    let b = (1..64)
+        .map(|k| a + (k << GROUP_SHIFT))
+        .find(|b| w.home_shard(*b, 0) >> w.sub_bits != w.home_shard(a, 0) >> w.sub_bits)
+        .expect("another group");
+    let shards = |base: u64| -> std::collections::HashSet<u64> {
+        (0..4096u64)
+            .map(|i| {
+                let addr = base + i * 64;
+                w.home_shard(addr, hash(addr))
+            })
+            .collect()
+    };
+    let (sa, sb) = (shards(a), shards(b));
+    assert_eq!(sa.len(), 16, "a group's 16 shards all get blocks");
+    assert!(sa.is_disjoint(&sb));
+}
+
+#[test]
+fn index_memory_follows_live_count() {
+    let r = region(1 << 17, 4);
+    let w = AllocationsWriter::new(&r).unwrap();
+    let base = r.resident_bytes().unwrap();
+    for i in 0..100_000u64 {
+        w.insert(&rec(0x7000_0000 + i * 32, 24)).unwrap();
+    }
+    let full = r.resident_bytes().unwrap();
+    for i in 0..100_000u64 {
+        assert_eq!(w.remove(0x7000_0000 + i * 32), Some(24));
+    }
+    let after = r.resident_bytes().unwrap();
+    // Nodes stay (free lists), index windows shrink back to a page.
+    let nodes = 100_000 * NODE_SIZE;
+    assert!(full - base >= nodes);
+    assert!(
+        after - base < nodes + 64 * 4096,
+        "base {base} full {full} after {after}"
+    );
+    // At least 4 bytes of index per live block were given back.
+    assert!(full - after > 100_000 * 4, "full {full} after {after}");
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    Insert(u64, u64),
+    Remove(u64),
+    Replace(u64, u64, u64),
+}
+
+fn addr() -> impl Strategy<Value = u64> {
+    prop_oneof![
+        // A small pool: many collisions, duplicates and misses.
+        (1u64..48).prop_map(|i| 0x5555_0000_1000 + i * 16),
+        // Same low bits, different high bits.
+        (1u64..16).prop_map(|i| i << 40 | 0x10),
+        any::<u64>().prop_map(|a| a.max(1)),
+    ]
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        4 => (addr(), 0u64..1 << 20).prop_map(|(a, s)| Op::Insert(a, s)),
+        3 => addr().prop_map(Op::Remove),
+        2 => (addr(), addr(), 0u64..1 << 20).prop_map(|(a, b, s)| Op::Replace(a, b, s)),
+        1 => (addr(), 0u64..1 << 20).prop_map(|(a, s)| Op::Replace(a, a, s)),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+    #[test]
+    fn random_operations_match_a_model(ops in proptest::collection::vec(op(), 0..400), shards in prop_oneof![Just(1u64), Just(2), Just(64)]) {
+        let r = region(4096, shards);
+        let w = AllocationsWriter::new(&r).unwrap();
+        let mut m = Model::default();
+        for op in ops {
+            match op {
+                Op::Insert(a, s) => {
+                    let res = w.insert(&rec(a, s));
+                    if m.live.contains_key(&a) {
+                        prop_assert_eq!(res, Err(InsertError::Duplicate));
+                    } else {
+                        prop_assert_eq!(res, Ok(()));
+                        m.alloc(rec(a, s));
+                    }
+                }
+                Op::Remove(a) => prop_assert_eq!(w.remove(a), m.free(a)),
+                Op::Replace(a, b, s) => {
+                    let res = w.replace(a, &rec(b, s));
+                    let old = m.free(a);
+                    if m.live.contains_key(&b) {
+                        prop_assert_eq!(res, Err(InsertError::Duplicate));
+                    } else {
+                        prop_assert_eq!(res, Ok(old));
+                        m.alloc(rec(b, s));
+                    }
+                }
+            }
+        }
+        m.check(&r);
+    }
+}
+
+#[test]
+fn retries_on_a_node_that_never_settles_stop_at_the_deadline() {
+    // Regression (found by fuzz/region_header under load): the second
+    // pass allowed 20 000 yields per node and checked the walk's time
+    // limit only between nodes; one yield can take a scheduler slice,
+    // so a node left mid-update (target killed, or hostile) could hold
+    // a snapshot for minutes. With the deadline in the retry loop, even
+    // an unbounded try count ends.
+    let r = region(64, 1);
+    let w = AllocationsWriter::new(&r).unwrap();
+    w.insert(&rec(0x1000, 8)).unwrap();
+    let nodes_off = r.header().layout[4];
+    let view = r.view();
+    // The writer "killed" mid-update: its node's sequence word odd.
+    view.atomic_u64(nodes_off)
+        .unwrap()
+        .fetch_or(1, Ordering::Relaxed);
+    let rr = r.open_reader().unwrap();
+    let reader = AllocationsReader::new(&rr).unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_millis(20);
+    let (res, used) = reader.read_node_retrying(0, u32::MAX, 32, Some(deadline));
+    assert!(matches!(res, NodeRead::Changing));
+    assert!(used < u32::MAX);
+    let stats = reader.walk(|_| {});
+    assert_eq!((stats.reported, stats.unstable), (0, 1));
+}
