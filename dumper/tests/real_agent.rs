@@ -508,7 +508,7 @@ fn a_stripped_program_is_symbolized_from_its_separate_debug_file() {
         exe.as_os_str(),
         stripped.as_os_str(),
     ]);
-    let id = heapdump::maps::read_build_id(&stripped).expect("build ID");
+    let id = heapdump::symbolization::maps::read_build_id(&stripped).expect("build ID");
     let root = dir.path("debug-root");
     let place = root.join(".build-id").join(&id[..2]);
     std::fs::create_dir_all(&place).unwrap();
@@ -625,7 +625,10 @@ fn snapshot_json_of_rust_program_with_agent_starts_at_the_site() {
             continue;
         };
         for f in &before {
-            assert!(!heapdump::plumbing::is_allocator_function(f), "{f}");
+            assert!(
+                !heapdump::symbolization::plumbing::is_allocator_function(f),
+                "{f}"
+            );
             if u(&s["live_blocks"]) > 0 {
                 assert!(f.contains("alloc::vec::"), "unexpected leading frame {f}");
             }
@@ -674,7 +677,7 @@ fn snapshot_json_of_rust_program_with_agent_starts_at_the_site() {
         .find(|s| split_at_crate(s, "rust_pattern::site_vec").is_some())
         .expect("site_vec");
     assert!(
-        heapdump::plumbing::is_allocator_function(function(&vec_site["frames"][0])),
+        heapdump::symbolization::plumbing::is_allocator_function(function(&vec_site["frames"][0])),
         "{}",
         vec_site["frames"][0]
     );

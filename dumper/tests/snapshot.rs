@@ -1,5 +1,5 @@
 //! `heapdump snapshot`, `list` and `diff` against the fake target, whose
-//! live set is known exactly (heapdump::fake_target::PLAN).
+//! live set is known exactly (heapdump::testing::fake_target::PLAN).
 
 mod common;
 
@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::os::unix::fs::PermissionsExt;
 
 use common::*;
-use heapdump::fake_target::{CHURN_SIZES, PLAN};
+use heapdump::testing::fake_target::{CHURN_SIZES, PLAN};
 use serde_json::Value;
 
 fn expected_totals() -> (u64, u64, u64, u64) {
@@ -87,7 +87,7 @@ fn json_matches_ground_truth_exactly() {
         let f0 = &frames[0];
         assert_eq!(
             f0["function"],
-            format!("heapdump::fake_target::{}", p.function)
+            format!("heapdump::testing::fake_target::{}", p.function)
         );
         assert!(f0["address"].as_str().unwrap().starts_with("0x"));
         assert!(f0["file"].as_str().unwrap().ends_with("fake_target.rs"));
@@ -95,9 +95,12 @@ fn json_matches_ground_truth_exactly() {
         assert!(f0["module"].as_str().unwrap().ends_with("heapdump"));
         assert_eq!(
             frames[1]["function"],
-            format!("heapdump::fake_target::{}", p.caller)
+            format!("heapdump::testing::fake_target::{}", p.caller)
         );
-        assert_eq!(frames[2]["function"], "heapdump::fake_target::fake_root");
+        assert_eq!(
+            frames[2]["function"],
+            "heapdump::testing::fake_target::fake_root"
+        );
         // Per-thread breakdown of the site.
         let st = s["threads"].as_array().unwrap();
         assert_eq!(st.len(), 1);
@@ -146,7 +149,7 @@ fn no_symbolize_keeps_addresses_and_modules() {
     }
 }
 
-fn sums(p: &heapdump::pprof::Profile) -> [i64; 4] {
+fn sums(p: &heapdump::formats::pprof::Profile) -> [i64; 4] {
     let mut s = [0i64; 4];
     for sample in &p.sample {
         for (i, v) in sample.value.iter().enumerate() {
@@ -166,7 +169,7 @@ fn pprof_reads_back_with_go_heap_layout() {
     assert!(out.status.success(), "{}", stderr(&out));
     let bytes = std::fs::read(&path).unwrap();
     assert_eq!(&bytes[..2], &[0x1f, 0x8b], "gzipped");
-    let p = heapdump::pprof::decode(&bytes).unwrap();
+    let p = heapdump::formats::pprof::decode(&bytes).unwrap();
 
     let st = &p.string_table;
     assert_eq!(st[0], "");
@@ -212,7 +215,7 @@ fn pprof_reads_back_with_go_heap_layout() {
     let path2 = dir.str("threads.pb.gz");
     let out = heapdump(&["snapshot", &pid, "-o", &path2, "--per-thread"]);
     assert!(out.status.success(), "{}", stderr(&out));
-    let p2 = heapdump::pprof::decode(&std::fs::read(&path2).unwrap()).unwrap();
+    let p2 = heapdump::formats::pprof::decode(&std::fs::read(&path2).unwrap()).unwrap();
     assert_eq!(sums(&p2), sums(&p));
     let st2 = &p2.string_table;
     for s in &p2.sample {
@@ -294,7 +297,7 @@ fn other_formats_render() {
     assert_eq!(total, lb);
     assert!(f
         .lines()
-        .all(|l| l.starts_with("heapdump::fake_target::fake_root;")));
+        .all(|l| l.starts_with("heapdump::testing::fake_target::fake_root;")));
 
     let svg = dir.str("flame.svg");
     assert!(heapdump(&["snapshot", &pid, "-o", &svg]).status.success());
@@ -374,7 +377,7 @@ fn diff_shows_growth_per_stack() {
     let pb = dir.str("diff.pb.gz");
     let out = heapdump(&["diff", &dir.str("a.json"), &dir.str("b.json"), "-o", &pb]);
     assert!(out.status.success(), "{}", stderr(&out));
-    let p = heapdump::pprof::decode(&std::fs::read(&pb).unwrap()).unwrap();
+    let p = heapdump::formats::pprof::decode(&std::fs::read(&pb).unwrap()).unwrap();
     assert_eq!(sums(&p), [3, 300, 3, 300]);
     if go_available() {
         let top = go_pprof(&["-top", "-unit=B", "-sample_index=inuse_space", &pb]);

@@ -7,7 +7,7 @@ use std::net::TcpStream;
 use std::process::{Command, Stdio};
 
 use common::*;
-use heapdump::fake_target::PLAN;
+use heapdump::testing::fake_target::PLAN;
 
 struct Running {
     child: std::process::Child,
@@ -80,7 +80,7 @@ fn watch_answers_requests_and_dumps_at_sigkill() {
         .as_array()
         .unwrap()
         .iter()
-        .find(|s| s["frames"][0]["function"] == "heapdump::fake_target::site_alpha")
+        .find(|s| s["frames"][0]["function"] == "heapdump::testing::fake_target::site_alpha")
         .expect("symbolized after death from the recorded mappings");
     assert_eq!(alpha["live_blocks"], PLAN[0].live + 2);
 
@@ -172,7 +172,7 @@ fn serve_gives_go_compatible_heap_profiles() {
             .contains("content-type: application/octet-stream"),
         "{head}"
     );
-    let p = heapdump::pprof::decode(&body).expect("pprof body");
+    let p = heapdump::formats::pprof::decode(&body).expect("pprof body");
     let inuse: i64 = p.sample.iter().map(|s| s.value[3]).sum();
     let want: u64 = PLAN.iter().map(|p| p.live * p.size).sum();
     assert_eq!(inuse, want as i64);
@@ -182,7 +182,7 @@ fn serve_gives_go_compatible_heap_profiles() {
     let inuse_of = |query: &str| {
         let (head, body) = http_get(&addr, &format!("/debug/pprof/heap?pid={p1}&{query}"));
         assert!(head.contains(" 200 "), "{query}: {head}");
-        let p = heapdump::pprof::decode(&body).expect("pprof body");
+        let p = heapdump::formats::pprof::decode(&body).expect("pprof body");
         p.sample.iter().map(|s| s.value[3]).sum::<i64>()
     };
     assert_eq!(inuse_of("older_than=1000h+30m"), 0);

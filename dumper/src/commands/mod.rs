@@ -1,0 +1,13 @@
+//! One module per `heapdump` command, each with its work (and, for the
+//! commands whose flags `main.rs` parses, the options they take).
+
+pub mod args;
+pub mod demo;
+pub mod diff;
+pub mod list;
+pub mod run;
+pub mod serve;
+pub mod snapshot;
+pub mod symbolize;
+pub mod top;
+pub mod watch;

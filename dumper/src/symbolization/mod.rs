@@ -1,0 +1,8 @@
+//! From return addresses to functions, files and lines: the target's
+//! mappings with build IDs, ELF/DWARF symbolization (inlined frames,
+//! demangling, separate debug files), and the allocator frames trimmed
+//! from the leaf end of each stack.
+
+pub mod maps;
+pub mod plumbing;
+pub mod symbolizer;
