@@ -1,0 +1,8 @@
+//! Access to an instrumented process: finding it and its regions, the
+//! snapshot walk, selection by allocation time, and what the agent cannot
+//! see in its program.
+
+pub mod age;
+pub mod discovery;
+pub mod snapshot;
+pub mod visibility;
