@@ -11,6 +11,30 @@ use heapdump_table::stack_compression::MAX_FRAMES;
 /// Default signal that requests a snapshot.
 pub const DEFAULT_SIGNAL: libc::c_int = libc::SIGUSR2;
 
+/// How the agent walks a stack (`HEAPDUMP_UNWIND`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum UnwindMode {
+    /// `auto`: CFI (`.eh_frame`) where a program counter has it, the frame
+    /// pointer where it has none (JIT code, a module without `.eh_frame`).
+    Auto,
+    /// `cfi`: CFI only; the walk stops at a program counter without it.
+    Cfi,
+    /// `fp`: frame pointers only (the cheapest; stacks stop at code built
+    /// without them).
+    FramePointer,
+}
+
+impl UnwindMode {
+    /// The number recorded in the region header (`offsets::UNWINDER`).
+    pub fn code(self) -> u64 {
+        match self {
+            UnwindMode::FramePointer => 1,
+            UnwindMode::Auto => 2,
+            UnwindMode::Cfi => 3,
+        }
+    }
+}
+
 /// The agent's settings.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Config {
@@ -29,6 +53,8 @@ pub struct Config {
     pub resources_bytes: u64,
     /// `HEAPDUMP_QUIET=1`: no messages on stderr.
     pub quiet: bool,
+    /// `HEAPDUMP_UNWIND`: how stacks are walked (default `auto`).
+    pub unwind: UnwindMode,
     /// `HEAPDUMP_ABLATE`: parts of the work left out, for benchmarks only
     /// (read only in builds with the `ablation` feature; see
     /// [`crate::ablation`]).
@@ -45,6 +71,7 @@ impl Default for Config {
             shards: 256,
             resources_bytes: 256 << 20,
             quiet: false,
+            unwind: UnwindMode::Auto,
             ablate: 0,
         }
     }
@@ -157,6 +184,14 @@ impl Config {
                 _ => w.bad_resources = true,
             }
         }
+        if let Some(v) = env(c"HEAPDUMP_UNWIND") {
+            match v {
+                b"auto" => c.unwind = UnwindMode::Auto,
+                b"cfi" => c.unwind = UnwindMode::Cfi,
+                b"fp" => c.unwind = UnwindMode::FramePointer,
+                _ => w.bad_unwind = true,
+            }
+        }
         if cfg!(feature = "ablation") {
             if let Some(v) = env(c"HEAPDUMP_ABLATE") {
                 c.ablate = crate::ablation::parse(v);
@@ -179,6 +214,8 @@ pub struct Warnings {
     pub bad_shards: bool,
     /// `HEAPDUMP_RESOURCES_MB` invalid.
     pub bad_resources: bool,
+    /// `HEAPDUMP_UNWIND` invalid.
+    pub bad_unwind: bool,
 }
 
 #[cfg(test)]

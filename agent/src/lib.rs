@@ -1,7 +1,8 @@
 //! `heapdump-agent`: the in-process side of heapdump.
 //!
 //! It records every live heap allocation of the process, with its stack
-//! trace (frame-pointer walk) and thread, into two sealed shared-memory
+//! trace (CFI unwinding from `.eh_frame`, or the frame-pointer walk) and
+//! thread, into two sealed shared-memory
 //! regions (`heapdump.resources`, `heapdump.allocations`) that the
 //! `heapdump` dumper maps read-only from outside. Use it as a Rust global
 //! allocator ([`Agent`]), or through `libheapdump_preload.so` for any
@@ -15,6 +16,8 @@
 #![deny(missing_docs)]
 
 pub mod ablation;
+#[cfg(target_arch = "x86_64")]
+pub mod cfi_unwind;
 pub mod config;
 mod global_alloc;
 pub mod recorder;

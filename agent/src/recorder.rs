@@ -30,7 +30,7 @@ use heapdump_table::{
 };
 
 use crate::ablation;
-use crate::config::{Config, Warnings};
+use crate::config::{Config, UnwindMode, Warnings};
 use crate::stack_capture;
 use crate::thread_state::{CacheEntry, ThreadState, CACHE_SETS, CACHE_WAYS, THREAD};
 
@@ -74,6 +74,9 @@ struct Writers {
     counters: HeaderCounters,
     clock_base_ns: u64,
     config: Config,
+    /// The unwinder in use: the configured one, or frame pointers where CFI
+    /// cannot be read (no `_dl_find_object`, another architecture).
+    unwind: UnwindMode,
 }
 
 /// The writers, if the agent is READY.
@@ -117,6 +120,10 @@ fn report_warnings(w: &Warnings) {
         (
             w.bad_resources,
             b"heapdump: ignoring invalid HEAPDUMP_RESOURCES_MB\n",
+        ),
+        (
+            w.bad_unwind,
+            b"heapdump: ignoring invalid HEAPDUMP_UNWIND (auto, cfi or fp)\n",
         ),
     ];
     for (bad, msg) in pairs {
@@ -198,12 +205,15 @@ fn init(role: Role) -> Option<&'static Writers> {
             STATE.store(DISABLED, Ordering::Release);
             return None;
         };
+        let unwind = effective_unwind(config.unwind);
+        alloc.set_unwinder(unwind.code());
         (*WRITERS.0.get()).write(Writers {
             resources,
             allocations,
             counters: alloc.counters(),
             clock_base_ns: alloc.header().clock_monotonic_ns,
             config,
+            unwind,
         })
     };
     let missed = NOT_READY.swap(0, Ordering::Relaxed);
@@ -232,6 +242,18 @@ fn init(role: Role) -> Option<&'static Writers> {
     // Release: the slots above are written before any thread sees READY.
     STATE.store(READY, Ordering::Release);
     Some(w)
+}
+
+/// The unwinder that can be used for `wanted`: CFI needs glibc's
+/// `_dl_find_object` (2.35+) and x86_64; otherwise frame pointers.
+/// May allocate (dlsym): called during set-up only.
+fn effective_unwind(wanted: UnwindMode) -> UnwindMode {
+    #[cfg(target_arch = "x86_64")]
+    if wanted != UnwindMode::FramePointer && crate::cfi_unwind::init() {
+        return wanted;
+    }
+    let _ = wanted;
+    UnwindMode::FramePointer
 }
 
 /// Which hook started the agent.
@@ -472,10 +494,21 @@ fn stack_key<'t>(
     let frames = unsafe { &mut *frames.as_mut_ptr() };
     let sp = stack_capture::stack_pointer();
     let hi = t.stack_hi.get();
-    let (n, h) = if stack_capture::walkable(sp, hi) {
-        stack_capture::walk(fp, sp, hi, &mut frames[..max])
-    } else {
+    let (n, h) = if !stack_capture::walkable(sp, hi) {
         stack_capture::walk(0, 1, 0, &mut [])
+    } else {
+        match w.unwind {
+            #[cfg(target_arch = "x86_64")]
+            UnwindMode::Auto | UnwindMode::Cfi => crate::cfi_unwind::walk(
+                fp,
+                sp,
+                hi,
+                &mut frames[..max],
+                &t.rules,
+                w.unwind == UnwindMode::Auto,
+            ),
+            _ => stack_capture::walk(fp, sp, hi, &mut frames[..max]),
+        }
     };
     let frames = &frames[..n];
     // 4-way set in most-recently-used order: a hit moves its entry to

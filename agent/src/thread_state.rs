@@ -99,6 +99,9 @@ pub struct ThreadState {
     pub deferred: Cell<[usize; DEFER_DEPTH]>,
     /// The thread is exiting: frees are released at once from now on.
     pub no_defer: Cell<bool>,
+    /// Program counter to CFI rule (see `cfi_unwind`).
+    #[cfg(target_arch = "x86_64")]
+    pub rules: crate::cfi_unwind::RuleCache,
 }
 
 /// How many freed blocks a thread keeps back from the allocator.
@@ -128,6 +131,8 @@ thread_local! {
             nodes: UnsafeCell::new(NodeCache::new()),
             deferred: Cell::new([0; DEFER_DEPTH]),
             no_defer: Cell::new(false),
+            #[cfg(target_arch = "x86_64")]
+            rules: crate::cfi_unwind::RuleCache::new(),
         }
     };
 }

@@ -23,8 +23,9 @@ pub const MAGIC: [u8; 8] = *b"HEAPDUMP";
 /// Format major version: a reader refuses any other.
 pub const FORMAT_MAJOR: u16 = 1;
 /// Format minor version: additions that older readers may ignore.
-/// 1.1 added the resources region's per-thread counter blocks.
-pub const FORMAT_MINOR: u16 = 1;
+/// 1.1 added the resources region's per-thread counter blocks; 1.2 the
+/// unwinder word (`offsets::UNWINDER`).
+pub const FORMAT_MINOR: u16 = 2;
 /// Bytes reserved for the header at the start of every region.
 pub const HEADER_SIZE: u64 = 4096;
 
@@ -117,8 +118,53 @@ pub mod offsets {
     /// The request count the stored name belongs to (a signal request has
     /// no name, so the name shows only when this equals the count).
     pub const REQUEST_NAME_FOR: u64 = 520;
+    /// How the agent walks stacks ([`super::Unwinder`] as a number; 0 in
+    /// regions of agents older than format 1.2). Written once at start.
+    pub const UNWINDER: u64 = 528;
     /// First kind-specific dynamic word.
     pub const KIND_WORDS: u64 = 1024;
+}
+
+/// How the agent that wrote a region walks stacks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Unwinder {
+    /// Not recorded (an agent older than format 1.2), or a value this
+    /// reader does not know.
+    Unknown,
+    /// Frame pointers only (`HEAPDUMP_UNWIND=fp`, or CFI not available).
+    FramePointer,
+    /// CFI from `.eh_frame`, frame pointers where a counter has none
+    /// (`HEAPDUMP_UNWIND=auto`, the default).
+    CfiWithFramePointerFallback,
+    /// CFI only (`HEAPDUMP_UNWIND=cfi`).
+    Cfi,
+}
+
+impl Unwinder {
+    /// The number stored in the header (see the agent's `UnwindMode`).
+    pub fn from_code(code: u64) -> Unwinder {
+        match code {
+            1 => Unwinder::FramePointer,
+            2 => Unwinder::CfiWithFramePointerFallback,
+            3 => Unwinder::Cfi,
+            _ => Unwinder::Unknown,
+        }
+    }
+
+    /// A short name for reports (`fp`, `cfi+fp`, `cfi`, `unknown`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Unwinder::Unknown => "unknown",
+            Unwinder::FramePointer => "fp",
+            Unwinder::CfiWithFramePointerFallback => "cfi+fp",
+            Unwinder::Cfi => "cfi",
+        }
+    }
+}
+
+/// The unwinder word of a region's header (any value is safe to read).
+pub fn read_unwinder(view: &SharedView) -> Unwinder {
+    Unwinder::from_code(view.load_u64(offsets::UNWINDER).unwrap_or(0))
 }
 
 /// Longest snapshot-request name kept in the header.

@@ -148,6 +148,13 @@ impl RegionWriter {
         RegionReader::from_file(File::from(fd), kind)
     }
 
+    /// Records how the agent walks stacks (`offsets::UNWINDER`).
+    pub fn set_unwinder(&self, code: u64) {
+        if let Some(w) = self.view.atomic_u64(crate::header::offsets::UNWINDER) {
+            w.store(code, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
     /// Writer access to the process-wide counters in the header.
     pub fn counters(&self) -> HeaderCounters {
         HeaderCounters::new(self.view)

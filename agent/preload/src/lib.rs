@@ -24,6 +24,7 @@ use std::ffi::{c_char, c_int, c_void, CStr};
 
 pub mod bootstrap_arena;
 pub mod cxx;
+pub mod dlclose_hook;
 pub mod internal_api;
 pub mod malloc_family;
 pub mod next_allocator;
@@ -48,6 +49,7 @@ extern "C" fn preload_init() {
     forwarding(|| {
         next_allocator::bind();
         thread_names::bind();
+        dlclose_hook::bind();
         // Held-back frees (see `recorder::on_free_deferred`) were designed
         // and measured for glibc: its free reads the chunk header just below
         // the block, which the recorder prefetches while the release waits.
