@@ -22,7 +22,8 @@
 //!   "partial": null | "reason the walk was not clean",
 //!   "selection": null | {"older_than": null | "RFC 3339", "newer_than": null | "RFC 3339",
 //!                        "live_bytes", "live_blocks"},
-//!   "notes": ["what the snapshot cannot show, e.g. no allocation recorded and why"]
+//!   "notes": ["what the snapshot cannot show, e.g. no allocation recorded and why"],
+//!   "unwinder": "cfi+fp" | "cfi" | "fp" | "unknown"
 //! }
 //! ```
 //!
@@ -87,6 +88,14 @@ pub struct JsonSnapshot {
     /// a statically linked allocator...); empty when nothing is known.
     #[serde(default)]
     pub notes: Vec<String>,
+    /// How the agent walked the stacks: `fp`, `cfi+fp`, `cfi`, or
+    /// `unknown`.
+    #[serde(default = "unknown_unwinder")]
+    pub unwinder: String,
+}
+
+fn unknown_unwinder() -> String {
+    "unknown".into()
 }
 
 /// The blocks a snapshot was restricted to by allocation time.
@@ -326,6 +335,7 @@ pub fn to_json(s: &Snapshot) -> JsonSnapshot {
         partial: s.partial.clone(),
         selection: s.selection.as_ref().map(JsonSelection::from),
         notes: s.notes.clone(),
+        unwinder: s.unwinder.clone(),
     }
 }
 
@@ -432,6 +442,7 @@ pub fn from_json(j: &JsonSnapshot) -> Snapshot {
             live_blocks: s.live_blocks,
         }),
         notes: j.notes.clone(),
+        unwinder: j.unwinder.clone(),
         timing: Default::default(),
     }
 }
@@ -532,7 +543,7 @@ mod view {
     impl Serialize for SnapshotView<'_> {
         fn serialize<S: Serializer>(&self, ser: S) -> Result<S::Ok, S::Error> {
             let s = self.0;
-            let mut m = ser.serialize_struct("JsonSnapshot", 16)?;
+            let mut m = ser.serialize_struct("JsonSnapshot", 17)?;
             m.serialize_field("format", "heapdump-snapshot")?;
             m.serialize_field("schema_version", &1u32)?;
             m.serialize_field("pid", &s.pid)?;
@@ -583,6 +594,7 @@ mod view {
                 &s.selection.as_ref().map(super::JsonSelection::from),
             )?;
             m.serialize_field("notes", &s.notes)?;
+            m.serialize_field("unwinder", &s.unwinder)?;
             m.end()
         }
     }
@@ -770,6 +782,7 @@ mod tests {
                 live_blocks: 1,
             }),
             notes: vec!["the program has mimalloc linked in statically".into()],
+            unwinder: "cfi+fp".into(),
             timing: Default::default(),
         }
     }

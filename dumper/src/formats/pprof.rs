@@ -446,6 +446,7 @@ pub fn from_snapshot(s: &Snapshot, per_thread: bool) -> Profile {
         comments.push(format!("partial: {p}"));
     }
     comments.extend(s.notes.iter().map(|n| format!("note: {n}")));
+    comments.push(format!("unwinder: {}", s.unwinder));
     let time_nanos = s
         .taken_at
         .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())

@@ -54,8 +54,15 @@ pub fn render(s: &Snapshot, opts: TextOptions) -> String {
         .unwrap_or_default();
     let _ = writeln!(
         o,
-        "heapdump snapshot of pid {} ({}) at {when}",
-        s.pid, s.process
+        "heapdump snapshot of pid {} ({}) at {when}, stacks by {}",
+        s.pid,
+        s.process,
+        match s.unwinder.as_str() {
+            "fp" => "frame pointers",
+            "cfi" => "CFI",
+            "cfi+fp" => "CFI and frame pointers",
+            _ => "an unrecorded unwinder",
+        }
     );
     let t = &s.totals;
     let _ = writeln!(

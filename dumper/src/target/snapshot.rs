@@ -157,6 +157,9 @@ pub struct Snapshot {
     /// What the snapshot cannot show, in words (see
     /// [`crate::target::visibility`]); empty when nothing is known.
     pub notes: Vec<String>,
+    /// How the agent walked the stacks (`fp`, `cfi+fp`, `cfi`, or
+    /// `unknown` for agents that did not record it).
+    pub unwinder: String,
     /// Timing.
     pub timing: Timing,
 }
@@ -597,6 +600,9 @@ pub fn take(
             live_blocks: selected.1,
         }),
         notes: notes(target.pid, counters.total_allocs),
+        unwinder: heapdump_table::header::read_unwinder(&target.allocations.view())
+            .name()
+            .to_string(),
         timing: Timing {
             walk: walk_time,
             symbolize: t1.elapsed(),
