@@ -94,6 +94,15 @@ const K_NO_CFI: u64 = 5;
 /// The outermost frame (return address undefined), or a rule this walker
 /// cannot follow: the walk ends.
 const K_STOP: u64 = 6;
+/// A frame that keeps a frame pointer: CFA = rbp + 16, the return address
+/// at CFA - 8, the caller's rbp at CFA - 16. Stepped exactly like a
+/// frame-pointer walk (two loads), the most common rule in code built with
+/// frame pointers.
+const K_FP_FRAME: u64 = 7;
+
+/// Bits 32..64 of a rule whose return address is at CFA - 8 and whose
+/// saved-rbp offset is 0 (unused).
+const RSP_RA8_TAIL: u64 = 0xfff8;
 
 /// The caller's `rbp` is this frame's (not saved).
 const RBP_SAME: u64 = 0;
@@ -109,6 +118,7 @@ impl Rule {
     const NO_CFI: Rule = Rule(K_NO_CFI);
     const STOP: Rule = Rule(K_STOP);
     const SIGNAL: Rule = Rule(K_SIGNAL);
+    const FP_FRAME: Rule = Rule(K_FP_FRAME);
 
     /// A rule, or [`Rule::STOP`] when an offset does not fit its field.
     fn new(kind: u64, rbp: u64, cfa_off: i64, ra_off: i64, rbp_off: i64) -> Rule {
@@ -169,7 +179,7 @@ impl RuleCache {
 
     /// The rule for looking up `addr` (a return address - 1, or an exact
     /// counter after a signal frame).
-    #[inline]
+    #[inline(always)]
     fn rule(&self, addr: u64) -> Rule {
         let i = (addr.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 55) as usize % RULE_CACHE_ENTRIES;
         let (k, r) = self.entries[i].get();
@@ -327,7 +337,11 @@ fn rule_from_module(addr: u64, hdr: usize, end: usize) -> Option<Rule> {
             Rule::new(K_CFA_RSP, rbp, *offset, ra_off, rbp_off)
         }
         CfaRule::RegisterAndOffset { register, offset } if *register == X86_64::RBP => {
-            Rule::new(K_CFA_RBP, rbp, *offset, ra_off, rbp_off)
+            if (*offset, ra_off, rbp, rbp_off) == (16, -8, RBP_AT_CFA, -16) {
+                Rule::FP_FRAME
+            } else {
+                Rule::new(K_CFA_RBP, rbp, *offset, ra_off, rbp_off)
+            }
         }
         CfaRule::Expression(e) => match e
             .get(&eh_frame)
@@ -425,6 +439,21 @@ pub fn walk(
         let lookup = if f.exact { f.pc } else { f.pc - 1 };
         let rule = cache.rule(lookup);
         let next = match rule.kind() {
+            // The common rule of code without frame pointers: the CFA above
+            // the stack pointer, the return address just below it, rbp
+            // untouched. Stepped without decoding the rest of the rule.
+            K_CFA_RSP if rule.0 >> 32 == RSP_RA8_TAIL && rule.rbp_where() == RBP_SAME => {
+                let cfa = f.sp.wrapping_add(rule.cfa_off() as usize);
+                let Some(ra) = read(cfa.wrapping_sub(8), f.sp) else {
+                    break;
+                };
+                Some(Frame {
+                    pc: ra as u64,
+                    sp: cfa,
+                    rbp: f.rbp,
+                    exact: false,
+                })
+            }
             K_CFA_RSP | K_CFA_RBP | K_CFA_DEREF_RBP => step_cfi(rule, f, sp, &read),
             K_SIGNAL => {
                 let uc = f.sp + UC_GREGS;
@@ -441,6 +470,21 @@ pub fn walk(
                     rbp: Some(rbp),
                     exact: true,
                 })
+            }
+            K_FP_FRAME => {
+                let Some(rbp) = f.rbp else { break };
+                match (
+                    read(rbp, f.sp),
+                    rbp.checked_add(8).and_then(|a| read(a, f.sp)),
+                ) {
+                    (Some(next_rbp), Some(ra)) => Some(Frame {
+                        pc: ra as u64,
+                        sp: rbp + 16,
+                        rbp: Some(next_rbp),
+                        exact: false,
+                    }),
+                    _ => None,
+                }
             }
             K_NO_CFI if fallback_fp => {
                 let Some(rbp) = f.rbp else { break };
@@ -471,7 +515,7 @@ pub fn walk(
 }
 
 /// One step by a CFI rule (`K_CFA_*`).
-#[inline]
+#[inline(always)]
 fn step_cfi(
     rule: Rule,
     f: Frame,
