@@ -55,6 +55,12 @@ pub struct Config {
     pub quiet: bool,
     /// `HEAPDUMP_UNWIND`: how stacks are walked (default `auto`).
     pub unwind: UnwindMode,
+    /// `HEAPDUMP_SAMPLE_RATE`: mean bytes between sampled allocations
+    /// (`512KiB`, `2MiB`, `524288`); 0 (the default): every allocation.
+    pub sample_rate: u64,
+    /// `HEAPDUMP_SAMPLE_SEED`: seed of the sampling's random source
+    /// (0, the default: from the clock), for reproducible runs.
+    pub sample_seed: u64,
     /// `HEAPDUMP_ABLATE`: parts of the work left out, for benchmarks only
     /// (read only in builds with the `ablation` feature; see
     /// [`crate::ablation`]).
@@ -72,6 +78,8 @@ impl Default for Config {
             resources_bytes: 256 << 20,
             quiet: false,
             unwind: UnwindMode::Auto,
+            sample_rate: 0,
+            sample_seed: 0,
             ablate: 0,
         }
     }
@@ -94,6 +102,23 @@ fn env(name: &CStr) -> Option<&'static [u8]> {
 fn parse_u64(v: &[u8]) -> Option<u64> {
     let s = std::str::from_utf8(v).ok()?.trim();
     s.parse().ok()
+}
+
+/// Parses a byte count: `524288`, `512KiB`, `512K`, `2MiB`, `2M`, `1GiB`
+/// (binary units; case-insensitive; optional `B`).
+pub fn parse_bytes(v: &[u8]) -> Option<u64> {
+    let s = std::str::from_utf8(v).ok()?.trim();
+    let digits = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (n, unit) = s.split_at(digits);
+    let n: u64 = n.parse().ok()?;
+    let shift = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 0,
+        "k" | "kb" | "kib" => 10,
+        "m" | "mb" | "mib" => 20,
+        "g" | "gb" | "gib" => 30,
+        _ => return None,
+    };
+    n.checked_mul(1 << shift)
 }
 
 fn truthy(v: &[u8]) -> bool {
@@ -192,6 +217,18 @@ impl Config {
                 _ => w.bad_unwind = true,
             }
         }
+        if let Some(v) = env(c"HEAPDUMP_SAMPLE_RATE") {
+            match parse_bytes(v) {
+                Some(n) if n <= 1 << 40 => c.sample_rate = n,
+                _ => w.bad_sample_rate = true,
+            }
+        }
+        if let Some(v) = env(c"HEAPDUMP_SAMPLE_SEED") {
+            match parse_u64(v) {
+                Some(n) => c.sample_seed = n,
+                None => w.bad_sample_rate = true,
+            }
+        }
         if cfg!(feature = "ablation") {
             if let Some(v) = env(c"HEAPDUMP_ABLATE") {
                 c.ablate = crate::ablation::parse(v);
@@ -216,6 +253,8 @@ pub struct Warnings {
     pub bad_resources: bool,
     /// `HEAPDUMP_UNWIND` invalid.
     pub bad_unwind: bool,
+    /// `HEAPDUMP_SAMPLE_RATE` or `HEAPDUMP_SAMPLE_SEED` invalid.
+    pub bad_sample_rate: bool,
 }
 
 #[cfg(test)]
@@ -231,5 +270,17 @@ mod tests {
         assert_eq!(parse_signal(b"SIGRTMIN+2"), Some(libc::SIGRTMIN() + 2));
         assert_eq!(parse_signal(b"SIGKILLME"), None);
         assert_eq!(parse_signal(b"999"), None);
+    }
+
+    #[test]
+    fn byte_counts_parse_with_binary_units() {
+        assert_eq!(parse_bytes(b"524288"), Some(524288));
+        assert_eq!(parse_bytes(b"512KiB"), Some(512 << 10));
+        assert_eq!(parse_bytes(b"2MiB"), Some(2 << 20));
+        assert_eq!(parse_bytes(b"2m"), Some(2 << 20));
+        assert_eq!(parse_bytes(b"0"), Some(0));
+        assert_eq!(parse_bytes(b"1GiB"), Some(1 << 30));
+        assert_eq!(parse_bytes(b"12 parsecs"), None);
+        assert_eq!(parse_bytes(b"KiB"), None);
     }
 }

@@ -21,6 +21,7 @@ pub mod cfi_unwind;
 pub mod config;
 mod global_alloc;
 pub mod recorder;
+pub mod sampling;
 mod signal;
 pub mod stack_capture;
 pub mod thread_state;

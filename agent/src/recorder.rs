@@ -125,6 +125,10 @@ fn report_warnings(w: &Warnings) {
             w.bad_unwind,
             b"heapdump: ignoring invalid HEAPDUMP_UNWIND (auto, cfi or fp)\n",
         ),
+        (
+            w.bad_sample_rate,
+            b"heapdump: ignoring invalid HEAPDUMP_SAMPLE_RATE / HEAPDUMP_SAMPLE_SEED (bytes such as 512KiB; a number)\n",
+        ),
     ];
     for (bad, msg) in pairs {
         if bad {
@@ -207,6 +211,8 @@ fn init(role: Role) -> Option<&'static Writers> {
         };
         let unwind = effective_unwind(config.unwind);
         alloc.set_unwinder(unwind.code());
+        alloc.set_sample_rate(config.sample_rate);
+        crate::sampling::configure(config.sample_rate, config.sample_seed);
         (*WRITERS.0.get()).write(Writers {
             resources,
             allocations,
@@ -588,6 +594,17 @@ fn record_alloc<const DIRECT: bool>(addr: usize, size: usize, fp: usize, role: R
         let Some(w) = ready_writers(role) else {
             return 0;
         };
+        // Sampled mode: most allocations stop here (a subtraction and a
+        // compare); a sampled one counts `weight` allocations cumulatively.
+        let rate = w.config.sample_rate;
+        let weight = if rate == 0 {
+            1
+        } else {
+            match t.sampler.sample(size as u64, rate) {
+                Some(n) => n,
+                None => return 0,
+            }
+        };
         let ablate = w.config.ablate;
         if ablation::off(ablate, ablation::ALL) {
             return 0;
@@ -630,7 +647,11 @@ fn record_alloc<const DIRECT: bool>(addr: usize, size: usize, fp: usize, role: R
                         .allocations
                         .insert_cached_prefetched(&rec, prefetched, nodes)
                     {
-                        Ok(()) => {}
+                        Ok(()) => {
+                            if rate != 0 {
+                                crate::sampling::note_recorded(addr);
+                            }
+                        }
                         // A free we never saw (memory released behind the
                         // allocator's back): the stale record is replaced
                         // by the new block.
@@ -646,17 +667,23 @@ fn record_alloc<const DIRECT: bool>(addr: usize, size: usize, fp: usize, role: R
             match t.counters.get() {
                 Some(block) => {
                     let mut c = entry.get();
-                    if let Some(slot) =
-                        w.resources
-                            .count_allocation(block, stack, rec.size, c.slot())
-                    {
+                    if let Some(slot) = w.resources.count_allocations(
+                        block,
+                        stack,
+                        weight,
+                        rec.size.wrapping_mul(weight),
+                        c.slot(),
+                    ) {
                         if slot != c.slot() {
                             c.set_slot(slot);
                             entry.set(c);
                         }
                     }
                 }
-                None => w.resources.record_allocation(stack, rec.size),
+                None => {
+                    w.resources
+                        .record_allocations(stack, weight, rec.size.wrapping_mul(weight))
+                }
             }
         }
         token
@@ -676,10 +703,17 @@ pub fn on_free(addr: usize) -> Option<u64> {
 /// [`on_free`]).
 #[inline]
 pub fn on_free_direct(addr: usize, token: u64) -> Option<u64> {
-    if addr == 0 {
+    if addr == 0 || (token == 0 && not_sampled(addr)) {
         return None;
     }
     with_thread(|t| remove_block(t, writers()?, addr, token)).flatten()
+}
+
+/// In sampled mode, true when no recorded block can be at `addr` (the
+/// cheap answer for a block that was not sampled: one load).
+#[inline(always)]
+fn not_sampled(addr: usize) -> bool {
+    crate::sampling::rate() != 0 && !crate::sampling::maybe_sampled(addr)
 }
 
 /// Takes the block at `addr` out of the table (the common part of
@@ -711,7 +745,11 @@ fn remove_block(t: &ThreadState, w: &Writers, addr: usize, token: u64) -> Option
     if RELEASE.load(Ordering::Relaxed) != 0 {
         heapdump_table::allocations_table::prefetch_line((addr as *const u8).wrapping_sub(16));
     }
-    w.allocations.remove_cached(addr as u64, nodes)
+    let removed = w.allocations.remove_cached(addr as u64, nodes);
+    if removed.is_some() && w.config.sample_rate != 0 {
+        crate::sampling::note_removed(addr);
+    }
+    removed
 }
 
 /// Whether this thread may hold a freed block back (see
@@ -749,7 +787,7 @@ pub fn on_free_deferred(addr: usize) -> usize {
 /// nothing).
 #[inline]
 pub fn on_free_deferred_direct(addr: usize, token: u64, release: usize) -> usize {
-    if addr == 0 {
+    if addr == 0 || (token == 0 && not_sampled(addr)) {
         return release;
     }
     with_thread(|t| {

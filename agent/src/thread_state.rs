@@ -99,6 +99,8 @@ pub struct ThreadState {
     pub deferred: Cell<[usize; DEFER_DEPTH]>,
     /// The thread is exiting: frees are released at once from now on.
     pub no_defer: Cell<bool>,
+    /// Sampled mode's countdown and random source (see `sampling`).
+    pub sampler: crate::sampling::SamplerState,
     /// Program counter to CFI rule (see `cfi_unwind`).
     #[cfg(target_arch = "x86_64")]
     pub rules: crate::cfi_unwind::RuleCache,
@@ -131,6 +133,7 @@ thread_local! {
             nodes: UnsafeCell::new(NodeCache::new()),
             deferred: Cell::new([0; DEFER_DEPTH]),
             no_defer: Cell::new(false),
+            sampler: crate::sampling::SamplerState::new(),
             #[cfg(target_arch = "x86_64")]
             rules: crate::cfi_unwind::RuleCache::new(),
         }

@@ -24,7 +24,8 @@ pub const MAGIC: [u8; 8] = *b"HEAPDUMP";
 pub const FORMAT_MAJOR: u16 = 1;
 /// Format minor version: additions that older readers may ignore.
 /// 1.1 added the resources region's per-thread counter blocks; 1.2 the
-/// unwinder word (`offsets::UNWINDER`).
+/// unwinder and sample-rate words (`offsets::UNWINDER`,
+/// `offsets::SAMPLE_RATE`).
 pub const FORMAT_MINOR: u16 = 2;
 /// Bytes reserved for the header at the start of every region.
 pub const HEADER_SIZE: u64 = 4096;
@@ -121,6 +122,9 @@ pub mod offsets {
     /// How the agent walks stacks ([`super::Unwinder`] as a number; 0 in
     /// regions of agents older than format 1.2). Written once at start.
     pub const UNWINDER: u64 = 528;
+    /// Sampling: the mean bytes between sampled allocations (0: every
+    /// allocation is recorded). Written once at start.
+    pub const SAMPLE_RATE: u64 = 536;
     /// First kind-specific dynamic word.
     pub const KIND_WORDS: u64 = 1024;
 }
@@ -165,6 +169,13 @@ impl Unwinder {
 /// The unwinder word of a region's header (any value is safe to read).
 pub fn read_unwinder(view: &SharedView) -> Unwinder {
     Unwinder::from_code(view.load_u64(offsets::UNWINDER).unwrap_or(0))
+}
+
+/// The sample rate of a region's agent: mean bytes between sampled
+/// allocations, 0 when every allocation is recorded (any value is safe to
+/// read; an absurd one is the dumper's to refuse).
+pub fn read_sample_rate(view: &SharedView) -> u64 {
+    view.load_u64(offsets::SAMPLE_RATE).unwrap_or(0)
 }
 
 /// Longest snapshot-request name kept in the header.

@@ -17,6 +17,7 @@ pub mod error;
 pub mod header;
 pub mod region;
 pub mod resources_table;
+pub mod sampling;
 pub mod shared_view;
 pub mod stack_compression;
 

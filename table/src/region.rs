@@ -155,6 +155,13 @@ impl RegionWriter {
         }
     }
 
+    /// Records the sample rate (`offsets::SAMPLE_RATE`; 0: exact mode).
+    pub fn set_sample_rate(&self, rate: u64) {
+        if let Some(w) = self.view.atomic_u64(crate::header::offsets::SAMPLE_RATE) {
+            w.store(rate, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
     /// Writer access to the process-wide counters in the header.
     pub fn counters(&self) -> HeaderCounters {
         HeaderCounters::new(self.view)

@@ -343,6 +343,12 @@ impl<'a> ResourcesWriter<'a> {
     /// the stack `key` (from [`Self::intern_stack_trace`]). Lock-free.
     #[inline]
     pub fn record_allocation(&self, key: ResourceKey, size: u64) {
+        self.record_allocations(key, 1, size);
+    }
+
+    /// [`Self::record_allocation`] for `count` allocations totalling `bytes`
+    /// at once (a sampled allocation standing for several).
+    pub fn record_allocations(&self, key: ResourceKey, count: u64, bytes: u64) {
         let k = key.0;
         // Never panic on the allocation path, whatever the key: compare
         // without overflowing.
@@ -352,8 +358,8 @@ impl<'a> ResourcesWriter<'a> {
         {
             return;
         }
-        self.word(k + 24).fetch_add(1, Ordering::Relaxed);
-        self.word(k + 32).fetch_add(size, Ordering::Relaxed);
+        self.word(k + 24).fetch_add(count, Ordering::Relaxed);
+        self.word(k + 32).fetch_add(bytes, Ordering::Relaxed);
     }
 
     /// Claims a counter block for the calling thread (`owner` is any
@@ -430,6 +436,19 @@ impl<'a> ResourcesWriter<'a> {
         size: u64,
         slot_hint: u32,
     ) -> Option<u32> {
+        self.count_allocations(block, key, 1, size, slot_hint)
+    }
+
+    /// [`Self::count_allocation`] for `count` allocations totalling `bytes`
+    /// at once (a sampled allocation standing for several).
+    pub fn count_allocations(
+        &self,
+        block: CounterBlock,
+        key: ResourceKey,
+        count: u64,
+        bytes: u64,
+        slot_hint: u32,
+    ) -> Option<u32> {
         let base = block.0 + COUNTERS_HEADER;
         let hint = u64::from(slot_hint) & (COUNTER_SLOTS - 1);
         let slot_word = |i: u64, w: u64| {
@@ -462,15 +481,18 @@ impl<'a> ResourcesWriter<'a> {
             }
         }
         let Some(i) = found else {
-            self.record_allocation(key, size);
+            self.record_allocations(key, count, bytes);
             return None;
         };
         // Single writer: a load and a store, no locked instruction.
         let c = slot_word(i, 1);
-        c.store(c.load(Ordering::Relaxed).wrapping_add(1), Ordering::Relaxed);
+        c.store(
+            c.load(Ordering::Relaxed).wrapping_add(count),
+            Ordering::Relaxed,
+        );
         let b = slot_word(i, 2);
         b.store(
-            b.load(Ordering::Relaxed).wrapping_add(size),
+            b.load(Ordering::Relaxed).wrapping_add(bytes),
             Ordering::Relaxed,
         );
         Some(i as u32)

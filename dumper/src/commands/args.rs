@@ -156,6 +156,12 @@ pub struct AgentArgs {
     /// Deepest stack recorded (HEAPDUMP_MAX_FRAMES).
     #[arg(long)]
     pub(crate) max_frames: Option<u32>,
+    /// Record a sample of the allocations instead of every one: about one
+    /// per BYTES allocated (e.g. 512KiB, 2MiB), each weighted so that every
+    /// figure is an unbiased estimate (HEAPDUMP_SAMPLE_RATE; 0: every
+    /// allocation, the default).
+    #[arg(long, value_name = "BYTES")]
+    pub(crate) sample_rate: Option<String>,
     /// Path of libheapdump_preload.so (default: $HEAPDUMP_PRELOAD, else
     /// next to this executable).
     #[arg(long)]
@@ -167,6 +173,7 @@ impl AgentArgs {
         AgentEnv {
             signal: self.signal.clone(),
             max_frames: self.max_frames,
+            sample_rate: self.sample_rate.clone(),
             preload: self.preload.clone(),
         }
     }

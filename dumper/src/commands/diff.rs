@@ -204,6 +204,7 @@ pub fn render_pprof(d: &Diff) -> Vec<u8> {
         time,
         &comments,
         d.b.symbolized,
+        d.b.sampling.map_or(1, |r| r as i64),
     ))
 }
 

@@ -23,7 +23,8 @@
 //!   "selection": null | {"older_than": null | "RFC 3339", "newer_than": null | "RFC 3339",
 //!                        "live_bytes", "live_blocks"},
 //!   "notes": ["what the snapshot cannot show, e.g. no allocation recorded and why"],
-//!   "unwinder": "cfi+fp" | "cfi" | "fp" | "unknown"
+//!   "unwinder": "cfi+fp" | "cfi" | "fp" | "unknown",
+//!   "sampling": null | {"rate_bytes": 524288, "estimated": true}
 //! }
 //! ```
 //!
@@ -92,6 +93,20 @@ pub struct JsonSnapshot {
     /// `unknown`.
     #[serde(default = "unknown_unwinder")]
     pub unwinder: String,
+    /// Sampled mode, or null when every allocation was recorded.
+    #[serde(default)]
+    pub sampling: Option<JsonSampling>,
+}
+
+/// How a sampled snapshot was recorded.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct JsonSampling {
+    /// Mean bytes allocated between two sampled allocations.
+    pub rate_bytes: u64,
+    /// Always true: counts and bytes (live and cumulative, per site,
+    /// thread and in total) are unbiased estimates, each sampled block
+    /// weighted by 1 / (1 - exp(-size / rate_bytes)).
+    pub estimated: bool,
 }
 
 fn unknown_unwinder() -> String {
@@ -336,6 +351,10 @@ pub fn to_json(s: &Snapshot) -> JsonSnapshot {
         selection: s.selection.as_ref().map(JsonSelection::from),
         notes: s.notes.clone(),
         unwinder: s.unwinder.clone(),
+        sampling: s.sampling.map(|rate_bytes| JsonSampling {
+            rate_bytes,
+            estimated: true,
+        }),
     }
 }
 
@@ -443,6 +462,7 @@ pub fn from_json(j: &JsonSnapshot) -> Snapshot {
         }),
         notes: j.notes.clone(),
         unwinder: j.unwinder.clone(),
+        sampling: j.sampling.as_ref().map(|s| s.rate_bytes),
         timing: Default::default(),
     }
 }
@@ -543,7 +563,7 @@ mod view {
     impl Serialize for SnapshotView<'_> {
         fn serialize<S: Serializer>(&self, ser: S) -> Result<S::Ok, S::Error> {
             let s = self.0;
-            let mut m = ser.serialize_struct("JsonSnapshot", 17)?;
+            let mut m = ser.serialize_struct("JsonSnapshot", 18)?;
             m.serialize_field("format", "heapdump-snapshot")?;
             m.serialize_field("schema_version", &1u32)?;
             m.serialize_field("pid", &s.pid)?;
@@ -595,6 +615,13 @@ mod view {
             )?;
             m.serialize_field("notes", &s.notes)?;
             m.serialize_field("unwinder", &s.unwinder)?;
+            m.serialize_field(
+                "sampling",
+                &s.sampling.map(|rate_bytes| super::JsonSampling {
+                    rate_bytes,
+                    estimated: true,
+                }),
+            )?;
             m.end()
         }
     }
@@ -783,6 +810,7 @@ mod tests {
             }),
             notes: vec!["the program has mimalloc linked in statically".into()],
             unwinder: "cfi+fp".into(),
+            sampling: Some(512 << 10),
             timing: Default::default(),
         }
     }
@@ -812,6 +840,7 @@ mod tests {
         s.mappings[0].build_id = None;
         s.selection = None;
         s.notes.clear();
+        s.sampling = None;
         s.sites[0].oldest = None;
         s.sites[0].newest = None;
         let mut owned = serde_json::to_vec_pretty(&to_json(&s)).unwrap();

@@ -2,8 +2,10 @@
 //!
 //! Sample types, in Go's order: `alloc_objects/count`, `alloc_space/bytes`
 //! (cumulative since start), `inuse_objects/count`, `inuse_space/bytes`
-//! (live now); `period_type` is `space/bytes`, period 1 (not sampled:
-//! every block is counted); `default_sample_type` is `inuse_space`.
+//! (live now); `period_type` is `space/bytes`, period 1 when every block
+//! is counted, or the sample rate in sampled mode, where the values are
+//! already the scaled estimates (as Go writes them);
+//! `default_sample_type` is `inuse_space`.
 //!
 //! Each distinct return address is one `Location`, whose `address` is the
 //! return address minus one (inside the call instruction, so any tool can
@@ -319,6 +321,7 @@ pub fn build(
     time_nanos: i64,
     comments: &[String],
     symbolized: bool,
+    period: i64,
 ) -> Profile {
     let mut b = Builder::default();
     b.s("");
@@ -394,7 +397,7 @@ pub fn build(
         time_nanos,
         duration_nanos: 0,
         period_type,
-        period: 1,
+        period: period.max(1),
         comment,
         default_sample_type,
     }
@@ -451,7 +454,19 @@ pub fn from_snapshot(s: &Snapshot, per_thread: bool) -> Profile {
         .taken_at
         .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
         .map_or(0, |d| d.as_nanos() as i64);
-    build(&samples, &s.mappings, time_nanos, &comments, s.symbolized)
+    if let Some(rate) = s.sampling {
+        comments.push(format!(
+            "sampled: one allocation per {rate} bytes on average; values are estimates"
+        ));
+    }
+    build(
+        &samples,
+        &s.mappings,
+        time_nanos,
+        &comments,
+        s.symbolized,
+        s.sampling.map_or(1, |r| r as i64),
+    )
 }
 
 /// Gzips an encoded profile.

@@ -86,6 +86,13 @@ pub fn render(s: &Snapshot, opts: TextOptions) -> String {
     if let Some(p) = &s.partial {
         let _ = writeln!(o, "PARTIAL snapshot: {p}");
     }
+    if let Some(rate) = s.sampling {
+        let _ = writeln!(
+            o,
+            "sampled: one allocation per {} on average; every figure is an estimate",
+            human_bytes(rate)
+        );
+    }
     for n in &s.notes {
         let _ = writeln!(o, "note: {n}");
     }

@@ -160,6 +160,10 @@ pub struct Snapshot {
     /// How the agent walked the stacks (`fp`, `cfi+fp`, `cfi`, or
     /// `unknown` for agents that did not record it).
     pub unwinder: String,
+    /// Sampled mode: the mean bytes between sampled allocations; every
+    /// count and byte figure is then an unbiased estimate. `None`: every
+    /// allocation was recorded.
+    pub sampling: Option<u64>,
     /// Timing.
     pub timing: Timing,
 }
@@ -348,8 +352,10 @@ pub fn symbolize_sites(
 /// Live blocks of one (stack, thread) pair found by the walk.
 #[derive(Clone, Copy, Debug)]
 struct KeyStats {
-    bytes: u64,
-    blocks: u64,
+    /// Bytes (in sampled mode, the estimate: each block weighted).
+    bytes: f64,
+    /// Blocks (in sampled mode, the estimate).
+    blocks: f64,
     /// Record time of the oldest block.
     oldest_us: u64,
     /// Record time of the newest block.
@@ -358,16 +364,16 @@ struct KeyStats {
 
 impl KeyStats {
     const EMPTY: KeyStats = KeyStats {
-        bytes: 0,
-        blocks: 0,
+        bytes: 0.0,
+        blocks: 0.0,
         oldest_us: u64::MAX,
         newest_us: 0,
     };
 
     #[inline]
-    fn add(&mut self, size: u64, t_us: u64) {
-        self.bytes = self.bytes.saturating_add(size);
-        self.blocks += 1;
+    fn add(&mut self, bytes: f64, blocks: f64, t_us: u64) {
+        self.bytes += bytes;
+        self.blocks += blocks;
         self.oldest_us = self.oldest_us.min(t_us);
         self.newest_us = self.newest_us.max(t_us);
     }
@@ -399,6 +405,18 @@ pub fn take(
     let taken_at = clock.now_wall().unwrap_or_else(SystemTime::now);
     let bounds = clock.bounds(&opts.ages);
     let t0 = Instant::now();
+    // Sampled mode: each live block stands for `weight(size)` blocks. A
+    // rate beyond any sane setting is a damaged header: refused.
+    let raw_rate = heapdump_table::header::read_sample_rate(&target.allocations.view());
+    let rate = if raw_rate > 1 << 40 { 0 } else { raw_rate };
+    let weigh = |size: u64| -> (f64, f64) {
+        if rate == 0 {
+            (size as f64, 1.0)
+        } else {
+            let w = heapdump_table::sampling::weight(size, rate);
+            (size as f64 * w, w)
+        }
+    };
 
     // Aggregate during the walk: per (stack key, thread key). A walk that
     // met records being modified throughout (a writer preempted mid-update
@@ -408,20 +426,21 @@ pub fn take(
     let mut attempt = 0;
     let (per_key, live_bytes, live_blocks, selected, stats) = loop {
         let mut per_key: HashMap<(ResourceKey, ResourceKey), KeyStats> = HashMap::new();
-        let (mut live_bytes, mut live_blocks) = (0u64, 0u64);
-        let mut selected = (0u64, 0u64);
+        let (mut live_bytes, mut live_blocks) = (0f64, 0f64);
+        let mut selected = (0f64, 0f64);
         let stats = allocs.walk(|r| {
-            live_bytes = live_bytes.saturating_add(r.size);
-            live_blocks += 1;
+            let (bytes, blocks) = weigh(r.size);
+            live_bytes += bytes;
+            live_blocks += blocks;
             if !bounds.admits(r.timestamp_us) {
                 return;
             }
-            selected.0 = selected.0.saturating_add(r.size);
-            selected.1 += 1;
+            selected.0 += bytes;
+            selected.1 += blocks;
             per_key
                 .entry((r.stack, r.thread))
                 .or_insert(KeyStats::EMPTY)
-                .add(r.size, r.timestamp_us);
+                .add(bytes, blocks, r.timestamp_us);
         });
         attempt += 1;
         if stats.unstable == 0 || attempt >= WALK_ATTEMPTS {
@@ -429,11 +448,20 @@ pub fn take(
         }
     };
     let walk_time = t0.elapsed();
+    // Estimates are summed exactly (f64) and rounded once, per key and in
+    // total; in exact mode every sum is an integer below 2^53, so exact.
+    let (live_bytes, live_blocks) = (live_bytes.round() as u64, live_blocks.round() as u64);
+    let selected = (selected.0.round() as u64, selected.1.round() as u64);
     let counters = allocs.counters();
     let catalog = resources.stacks();
     let (thread_records, threads_partial) = resources.threads();
 
     let mut partial: Vec<String> = Vec::new();
+    if raw_rate != rate {
+        partial.push(format!(
+            "the header's sample rate ({raw_rate} bytes) is not plausible: blocks are counted unweighted"
+        ));
+    }
     if let Some(p) = stats.partial_reason() {
         partial.push(p);
     }
@@ -486,7 +514,7 @@ pub fn take(
     let mut unknown_stacks = 0u64;
     let mut per_site_thread: HashMap<(usize, usize), (u64, u64)> = HashMap::new();
     for ((stack, thread), k) in per_key {
-        let (bytes, blocks) = (k.bytes, k.blocks);
+        let (bytes, blocks) = (k.bytes.round() as u64, k.blocks.round() as u64);
         let site = match catalog.by_key.get(&stack) {
             Some(&i) => i,
             None => *extra_sites.entry(stack).or_insert_with(|| {
@@ -579,13 +607,30 @@ pub fn take(
         process: target.name.clone(),
         cmdline: target.cmdline.clone(),
         taken_at: Some(taken_at),
-        totals: Totals {
-            live_bytes,
-            live_blocks,
-            alloc_bytes: counters.total_bytes.max(live_bytes),
-            alloc_blocks: counters.total_allocs.max(live_blocks),
-            peak_bytes: counters.peak_live_bytes.max(live_bytes),
+        totals: if rate == 0 {
+            Totals {
+                live_bytes,
+                live_blocks,
+                alloc_bytes: counters.total_bytes.max(live_bytes),
+                alloc_blocks: counters.total_allocs.max(live_blocks),
+                peak_bytes: counters.peak_live_bytes.max(live_bytes),
+            }
+        } else {
+            // The header counts the sampled blocks themselves; the
+            // per-stack counters count each sampled allocation as the
+            // (randomly rounded) number it stands for. The peak of the
+            // estimate is not tracked: the live estimate stands in.
+            let alloc_bytes = sites.iter().map(|s| s.alloc_bytes).sum::<u64>();
+            let alloc_blocks = sites.iter().map(|s| s.alloc_blocks).sum::<u64>();
+            Totals {
+                live_bytes,
+                live_blocks,
+                alloc_bytes: alloc_bytes.max(live_bytes),
+                alloc_blocks: alloc_blocks.max(live_blocks),
+                peak_bytes: live_bytes,
+            }
         },
+        sampling: (rate != 0).then_some(rate),
         dropped,
         threads,
         sites,
