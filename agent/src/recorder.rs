@@ -590,20 +590,31 @@ fn record_alloc<const DIRECT: bool>(addr: usize, size: usize, fp: usize, role: R
     if addr == 0 {
         return 0;
     }
+    // Sampled mode: most allocations stop here, before any other work (a
+    // thread-local subtraction and compare); a sampled one counts `weight`
+    // allocations cumulatively. The rate is 0 until the agent is READY.
+    let rate = crate::sampling::rate();
+    let weight = if rate == 0 {
+        1
+    } else {
+        let sampled = THREAD
+            .try_with(|t| {
+                if t.busy.get() {
+                    None
+                } else {
+                    t.sampler.sample(size as u64, rate)
+                }
+            })
+            .ok()
+            .flatten();
+        match sampled {
+            Some(n) => n,
+            None => return 0,
+        }
+    };
     with_thread(|t| {
         let Some(w) = ready_writers(role) else {
             return 0;
-        };
-        // Sampled mode: most allocations stop here (a subtraction and a
-        // compare); a sampled one counts `weight` allocations cumulatively.
-        let rate = w.config.sample_rate;
-        let weight = if rate == 0 {
-            1
-        } else {
-            match t.sampler.sample(size as u64, rate) {
-                Some(n) => n,
-                None => return 0,
-            }
         };
         let ablate = w.config.ablate;
         if ablation::off(ablate, ablation::ALL) {
