@@ -355,3 +355,57 @@ fn watch_interval_and_stop_by_sigterm() {
     use std::os::unix::fs::PermissionsExt;
     assert_eq!(mode.permissions().mode() & 0o777, 0o700);
 }
+
+#[test]
+fn serve_answers_allocs_delta_profiles_and_targets_by_name_as_go_does() {
+    let exe = heapdump_tests::compile_c("pattern");
+    let mut cmd = Command::new(&exe);
+    cmd.env("LD_PRELOAD", heapdump_tests::preload_lib())
+        .arg("hold");
+    let mut target = heapdump_tests::Target::spawn(cmd);
+    let name = exe.file_name().unwrap().to_str().unwrap().to_string();
+    let pid = target.pid().to_string();
+    let srv = Running::start(&["serve", "--listen", "127.0.0.1:0", &pid]);
+    let line = srv.lines.next();
+    let addr = line
+        .strip_prefix("listening on http://")
+        .expect("listening line")
+        .split('/')
+        .next()
+        .unwrap()
+        .to_string();
+
+    // By name (the program's file name), with Go's gc=1 accepted.
+    let (head, body) = http_get(&addr, &format!("/debug/pprof/allocs?name={name}&gc=1"));
+    assert!(head.contains(" 200 "), "{head}");
+    let p = heapdump::formats::pprof::decode(&body).expect("pprof body");
+    let default = &p.string_table[p.default_sample_type as usize];
+    assert_eq!(default, "alloc_space");
+    let inuse: i64 = p.sample.iter().map(|s| s.value[3]).sum();
+    assert!(inuse > 0);
+    let (head, _) = http_get(&addr, "/debug/pprof/heap?name=no-such-program");
+    assert!(head.contains(" 404 "), "{head}");
+
+    // A delta over one second of a process that does not allocate: nothing
+    // changed.
+    let (head, body) = http_get(&addr, &format!("/debug/pprof/heap?pid={pid}&seconds=1"));
+    assert!(head.contains(" 200 "), "{head}");
+    let p = heapdump::formats::pprof::decode(&body).expect("pprof body");
+    let changed: i64 = p.sample.iter().map(|s| s.value[3].abs()).sum();
+    assert_eq!(changed, 0);
+    let (head, _) = http_get(
+        &addr,
+        &format!("/debug/pprof/heap?pid={pid}&seconds=100000"),
+    );
+    assert!(head.contains(" 400 "), "{head}");
+
+    if go_available() {
+        let top = go_pprof(&[
+            "-top",
+            &format!("http://{addr}/debug/pprof/allocs?pid={pid}"),
+        ]);
+        assert!(top.contains("Type: alloc_space"), "{top}");
+    }
+    target.send("done");
+    assert!(target.finish().success());
+}

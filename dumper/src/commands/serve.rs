@@ -6,10 +6,16 @@
 //! no async runtime, which is all a scrape endpoint needs. Requests are
 //! served one at a time, so at most one snapshot is being taken.
 //!
-//! Routes: `/debug/pprof/heap[?pid=N][&per_thread=1]` (gzipped pprof,
-//! `application/octet-stream`; `pid` is needed when several targets are
-//! served), `/debug/pprof/heap.json?pid=N` (JSON schema), and `/` (an
-//! index of the targets).
+//! Routes, as Go's `net/http/pprof` answers them:
+//! `/debug/pprof/heap` (gzipped pprof, `inuse_space` shown first) and
+//! `/debug/pprof/allocs` (the same profile, `alloc_space` shown first);
+//! `?seconds=N` makes either a delta profile (two snapshots N seconds
+//! apart, the first subtracted from the second); `gc=1` is accepted and
+//! ignored (there is no collector to run). The target is `?pid=N` or
+//! `?name=NAME` (its process or program name, stable across restarts),
+//! needed when several are served; `per_thread=1` adds `thread` labels.
+//! `/debug/pprof/heap.json?pid=N` gives the JSON schema, and `/` an index
+//! of the targets.
 
 use std::collections::HashMap;
 use std::io::Cursor;
@@ -53,6 +59,10 @@ fn age_filter(params: &HashMap<String, String>) -> Result<AgeFilter, Reply> {
         newer_than: one("newer_than")?,
     })
 }
+
+/// Longest `?seconds=N` delta a request may ask for (the server answers
+/// one request at a time).
+pub const MAX_DELTA_SECONDS: u64 = 300;
 
 /// Errors starting the server.
 #[derive(Debug, thiserror::Error)]
@@ -101,6 +111,20 @@ impl State {
     }
 
     fn pick(&self, params: &HashMap<String, String>) -> Result<u32, Reply> {
+        if let Some(name) = params.get("name") {
+            if name.parse::<u32>().is_ok() {
+                return Err(text(400, format!("name={name} is a number: use pid=\n")));
+            }
+            let pid = crate::target::discovery::resolve_target(name)
+                .map_err(|e| text(404, format!("{e}\n")))?;
+            if !self.opts.pids.is_empty() && !self.opts.pids.contains(&pid) {
+                return Err(text(
+                    404,
+                    format!("{name} (pid {pid}) is not served here\n"),
+                ));
+            }
+            return Ok(pid);
+        }
         if let Some(p) = params.get("pid") {
             let pid: u32 = p
                 .parse()
@@ -156,7 +180,7 @@ impl State {
         let path = url.split('?').next().unwrap_or("");
         let params = query_params(&url);
         match path {
-            "/debug/pprof/heap" | "/debug/pprof/heap.json" => {
+            "/debug/pprof/heap" | "/debug/pprof/allocs" | "/debug/pprof/heap.json" => {
                 let pid = match self.pick(&params) {
                     Ok(p) => p,
                     Err(r) => return r,
@@ -165,10 +189,49 @@ impl State {
                     Ok(a) => a,
                     Err(r) => return r,
                 };
+                let seconds = match params.get("seconds").map(|s| s.parse::<u64>()) {
+                    None => None,
+                    Some(Ok(n)) if (1..=MAX_DELTA_SECONDS).contains(&n) => Some(n),
+                    Some(_) => {
+                        return text(400, format!("seconds must be 1..={MAX_DELTA_SECONDS}\n"))
+                    }
+                };
+                let before = match seconds {
+                    Some(n) if !path.ends_with(".json") => {
+                        let a = match self.snapshot(pid, ages) {
+                            Ok(s) => s,
+                            Err(r) => return r,
+                        };
+                        std::thread::sleep(std::time::Duration::from_secs(n));
+                        Some(a)
+                    }
+                    _ => None,
+                };
                 let snap = match self.snapshot(pid, ages) {
                     Ok(s) => s,
                     Err(r) => return r,
                 };
+                let default_type = if path == "/debug/pprof/allocs" {
+                    "alloc_space"
+                } else {
+                    "inuse_space"
+                };
+                if let Some(a) = before {
+                    // A delta profile: what changed between the two.
+                    let delta =
+                        crate::commands::diff::render_pprof(&crate::commands::diff::diff(a, snap));
+                    let body = match crate::formats::pprof::decode(&delta) {
+                        Ok(mut p) => {
+                            crate::formats::pprof::set_default_sample_type(&mut p, default_type);
+                            crate::formats::pprof::encode_gzip(&p)
+                        }
+                        Err(_) => delta,
+                    };
+                    return Response::from_data(body).with_header(
+                        Header::from_bytes("Content-Type", "application/octet-stream")
+                            .expect("header"),
+                    );
+                }
                 if path.ends_with(".json") {
                     return Response::from_data(crate::formats::json::render(&snap)).with_header(
                         Header::from_bytes("Content-Type", "application/json").expect("header"),
@@ -178,7 +241,9 @@ impl State {
                     .get("per_thread")
                     .is_some_and(|v| v == "1" || v == "true");
                 let name = format!("attachment; filename=\"heap-{pid}.pb.gz\"");
-                Response::from_data(crate::formats::pprof::render(&snap, per_thread))
+                let mut profile = crate::formats::pprof::from_snapshot(&snap, per_thread);
+                crate::formats::pprof::set_default_sample_type(&mut profile, default_type);
+                Response::from_data(crate::formats::pprof::encode_gzip(&profile))
                     .with_header(
                         Header::from_bytes("Content-Type", "application/octet-stream")
                             .expect("header"),
@@ -189,7 +254,9 @@ impl State {
             }
             "/" | "/debug/pprof" | "/debug/pprof/" => {
                 let mut body = String::from(
-                    "heapdump serve\n\nGET /debug/pprof/heap?pid=N   gzipped pprof (Go heap layout)\n\
+                    "heapdump serve\n\nGET /debug/pprof/heap?pid=N   gzipped pprof (Go heap layout, inuse_space first)\n\
+                     GET /debug/pprof/allocs?pid=N   the same, alloc_space first\n\
+                     \x20 either with &seconds=N: a delta profile over N seconds; name=NAME instead of pid=N\n\
                      GET /debug/pprof/heap.json?pid=N   heapdump JSON\n\
                      either with &older_than=WHEN or &newer_than=WHEN (1h, 10m, or an RFC 3339 time):\n\
                      \x20 only the live blocks allocated before / at or after WHEN\n\ntargets:\n",

@@ -482,6 +482,17 @@ pub fn render(s: &Snapshot, per_thread: bool) -> Vec<u8> {
     encode_gzip(&from_snapshot(s, per_thread))
 }
 
+/// Makes `name` (one of the profile's sample types, e.g. `alloc_space`)
+/// the type a viewer shows first; unchanged if the profile has no such
+/// type.
+pub fn set_default_sample_type(p: &mut Profile, name: &str) {
+    if let Some(i) = p.string_table.iter().position(|s| s == name) {
+        if p.sample_type.iter().any(|t| t.r#type == i as i64) {
+            p.default_sample_type = i as i64;
+        }
+    }
+}
+
 /// Decodes a (possibly gzipped) pprof file.
 pub fn decode(bytes: &[u8]) -> Result<Profile, prost::DecodeError> {
     use std::io::Read;
