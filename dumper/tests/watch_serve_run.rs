@@ -409,3 +409,89 @@ fn serve_answers_allocs_delta_profiles_and_targets_by_name_as_go_does() {
     target.send("done");
     assert!(target.finish().success());
 }
+
+/// Waits for a `wrote PATH` line of the collector naming `pid`'s snapshot
+/// with `reason` in its file name (other tests' processes may be
+/// collected too: their lines are skipped).
+fn wait_wrote(lines: &Lines, pid: &str, reason: &str) -> std::path::PathBuf {
+    loop {
+        let l = lines.next();
+        if let Some(p) = l.strip_prefix("wrote ") {
+            let name = std::path::Path::new(p)
+                .file_name()
+                .unwrap()
+                .to_string_lossy()
+                .into_owned();
+            if name.starts_with(&format!("heapdump-{pid}-")) && name.contains(reason) {
+                return p.into();
+            }
+        }
+    }
+}
+
+/// Live blocks of the C pattern's `site_malloc` in a JSON snapshot.
+fn site_malloc_blocks(path: &std::path::Path) -> u64 {
+    let j = read_json(path);
+    j["sites"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|s| {
+            s["frames"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|f| f["function"] == "site_malloc")
+        })
+        .map(|s| s["live_blocks"].as_u64().unwrap())
+        .sum()
+}
+
+#[test]
+fn watch_all_collects_processes_started_later_their_requests_and_deaths() {
+    let dir = TempDir::new("collector");
+    let out_dir = dir.str("snaps");
+    let collector = Running::start(&[
+        "watch", "--all", "--dir", &out_dir, "-f", "json", "--scan", "20ms", "--poll", "5ms",
+    ]);
+    assert!(collector.lines.next().starts_with("watching"));
+
+    // Two instrumented processes started after the collector.
+    let exe = heapdump_tests::compile_c("pattern");
+    let start = || {
+        let mut cmd = Command::new(&exe);
+        cmd.env("LD_PRELOAD", heapdump_tests::preload_lib())
+            .arg("hold");
+        heapdump_tests::Target::spawn(cmd)
+    };
+    let mut asking = start();
+    let mut killed = start();
+    let (a, k) = (asking.pid().to_string(), killed.pid().to_string());
+    let mut seen = (false, false);
+    while seen != (true, true) {
+        let l = collector.lines.next();
+        seen.0 |= l.starts_with(&format!("watching {a} "));
+        seen.1 |= l.starts_with(&format!("watching {k} "));
+    }
+
+    // One asks for a snapshot (the agent's signal), one is SIGKILLed.
+    // SAFETY: signals to the children this test started.
+    unsafe { libc::kill(asking.pid() as i32, libc::SIGUSR2) };
+    let requested = wait_wrote(&collector.lines, &a, "signal");
+    killed.child.kill().unwrap();
+    let _ = killed.child.wait();
+    let died = wait_wrote(&collector.lines, &k, "exit");
+    asking.send("done");
+    assert!(asking.finish().success());
+    let exited = wait_wrote(&collector.lines, &a, "exit");
+
+    // Each is the exact live set of the pattern's site_malloc.
+    for f in [&requested, &died, &exited] {
+        assert_eq!(site_malloc_blocks(f), 100, "{}", f.display());
+    }
+    // The collector outlived them and stops cleanly.
+    let mut collector = collector;
+    // SAFETY: SIGTERM to the collector this test started.
+    unsafe { libc::kill(collector.child.id() as i32, libc::SIGTERM) };
+    assert!(collector.child.wait().unwrap().success());
+}

@@ -233,6 +233,9 @@ pub fn command(a: RunArgs) -> anyhow::Result<i32> {
                 answer_pending: true,
                 keep: None,
                 ages: AgeFilter::default(),
+                all: false,
+                scan: Duration::from_secs(1),
+                max_total: None,
             };
             Some(std::thread::spawn(move || -> anyhow::Result<()> {
                 crate::commands::watch::wait_instrumented(pid, Duration::from_secs(30))?;

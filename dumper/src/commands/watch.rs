@@ -65,6 +65,14 @@ pub struct WatchOptions {
     /// Keep only blocks allocated in this time range; a duration is
     /// counted back from each snapshot.
     pub ages: AgeFilter,
+    /// Host-wide collector: also watch every instrumented process found
+    /// later (scanned every `scan`), run until stopped.
+    pub all: bool,
+    /// How often `all` looks for new instrumented processes.
+    pub scan: Duration,
+    /// Keep the snapshot files in the directory under this many bytes in
+    /// all, deleting the oldest first.
+    pub max_total: Option<u64>,
 }
 
 /// Why a snapshot was taken.
@@ -367,24 +375,7 @@ impl Watcher {
         let mut build_ids = BuildIds::default();
         let mut watched = Vec::new();
         for &pid in pids {
-            let target = open_target(pid)?;
-            let exit = ExitWatch::new(pid);
-            let maps = read_maps(pid, &mut build_ids).unwrap_or_default();
-            let last_request = if opts.answer_pending {
-                0
-            } else {
-                read_request(&target.allocations.view()).count
-            };
-            watched.push(Watched {
-                target,
-                exit,
-                maps,
-                last_request,
-                seq: 0,
-                last_snapshot: Instant::now(),
-                done: false,
-                periodic: Default::default(),
-            });
+            watched.push(open_one(pid, opts.answer_pending, &mut build_ids)?);
         }
         // Open the target's files while it is alive: its final snapshot
         // is symbolized after it exited.
@@ -402,6 +393,20 @@ impl Watcher {
         })
     }
 
+    /// Starts watching `pid`, found after the watch began (`all`): every
+    /// request it made is answered, since it started after the collector.
+    /// Prints `watching PID (NAME)`.
+    fn adopt(&mut self, pid: u32) -> Result<(), WatchError> {
+        let w = open_one(pid, true, &mut self.build_ids)?;
+        if self.opts.symbolize {
+            self.symbolizer.open_modules(&w.maps);
+        }
+        println!("watching {pid} ({})", w.target.name);
+        let _ = std::io::stdout().flush();
+        self.watched.push(w);
+        Ok(())
+    }
+
     /// The pids watched.
     pub fn pids(&self) -> Vec<u32> {
         self.watched.iter().map(|w| w.target.pid).collect()
@@ -416,49 +421,146 @@ impl Watcher {
         mut on_written: impl FnMut(&Written),
     ) -> Result<(), WatchError> {
         let opts = self.opts.clone();
+        let mut last_scan: Option<Instant> = None;
         loop {
             let stopping = stop.load(Ordering::Relaxed) || stop_requested();
+            if opts.all && !stopping && last_scan.is_none_or(|t| t.elapsed() >= opts.scan) {
+                last_scan = Some(Instant::now());
+                let known: Vec<u32> = self.watched.iter().map(|w| w.target.pid).collect();
+                for pid in crate::target::discovery::instrumented_pids() {
+                    if !known.contains(&pid) && pid != std::process::id() {
+                        // A process being set up, gone, or not ours to
+                        // read: looked at again at the next scan.
+                        let _ = self.adopt(pid);
+                    }
+                }
+            }
+            let (symbolizer, build_ids) = (&mut self.symbolizer, &mut self.build_ids);
+            let mut shoot_or_drop =
+                |w: &mut Watched, reason: Reason| -> Result<Option<Written>, WatchError> {
+                    match shoot(w, reason, &opts, symbolizer, build_ids) {
+                        Ok(mut written) => {
+                            if let Some(max) = opts.max_total {
+                                enforce_total(&opts.dir, max, &mut written);
+                            }
+                            Ok(Some(written))
+                        }
+                        // The collector outlives any one target: a failed
+                        // snapshot ends that target's watch, not the others'.
+                        Err(e) if opts.all => {
+                            eprintln!("heapdump: {e}");
+                            w.done = true;
+                            Ok(None)
+                        }
+                        Err(e) => Err(e),
+                    }
+                };
             for w in self.watched.iter_mut().filter(|w| !w.done) {
                 let exited = w.exit.exited();
                 let req = read_request(&w.target.allocations.view());
                 if req.count > w.last_request {
                     w.last_request = req.count;
                     let name = req.name.unwrap_or_default();
-                    let written = shoot(
-                        w,
-                        Reason::Request(name),
-                        &opts,
-                        &mut self.symbolizer,
-                        &mut self.build_ids,
-                    )?;
-                    on_written(&written);
-                } else if let Some(iv) = opts.interval {
-                    if w.last_snapshot.elapsed() >= iv && !exited {
-                        let mut written = shoot(
-                            w,
-                            Reason::Interval,
-                            &opts,
-                            &mut self.symbolizer,
-                            &mut self.build_ids,
-                        )?;
-                        w.rotate(&mut written, opts.keep);
+                    if let Some(written) = shoot_or_drop(w, Reason::Request(name))? {
                         on_written(&written);
                     }
+                } else if let Some(iv) = opts.interval {
+                    if w.last_snapshot.elapsed() >= iv && !exited {
+                        if let Some(mut written) = shoot_or_drop(w, Reason::Interval)? {
+                            w.rotate(&mut written, opts.keep);
+                            on_written(&written);
+                        }
+                    }
                 }
-                if exited || stopping {
+                if (exited || stopping) && !w.done {
                     let reason = if exited { Reason::Exit } else { Reason::Stop };
                     // After exit, /proc/PID/maps is gone: keep the last maps.
                     w.done = exited;
-                    let written =
-                        shoot(w, reason, &opts, &mut self.symbolizer, &mut self.build_ids)?;
+                    let written = shoot_or_drop(w, reason)?;
                     w.done = true;
-                    on_written(&written);
+                    if let Some(written) = written {
+                        on_written(&written);
+                    }
                 }
             }
-            if self.watched.iter().all(|w| w.done) {
+            if opts.all {
+                // Forget the targets that are done (memory stays bounded
+                // over days of processes coming and going).
+                self.watched.retain(|w| !w.done);
+                if stopping {
+                    return Ok(());
+                }
+            } else if self.watched.iter().all(|w| w.done) {
                 return Ok(());
             }
             std::thread::sleep(opts.poll);
+        }
+    }
+}
+
+/// Opens one target; with `answer_pending`, its earlier requests count as
+/// unanswered.
+fn open_one(
+    pid: u32,
+    answer_pending: bool,
+    build_ids: &mut BuildIds,
+) -> Result<Watched, WatchError> {
+    let target = open_target(pid)?;
+    let exit = ExitWatch::new(pid);
+    let maps = read_maps(pid, build_ids).unwrap_or_default();
+    let last_request = if answer_pending {
+        0
+    } else {
+        read_request(&target.allocations.view()).count
+    };
+    Ok(Watched {
+        target,
+        exit,
+        maps,
+        last_request,
+        seq: 0,
+        last_snapshot: Instant::now(),
+        done: false,
+        periodic: Default::default(),
+    })
+}
+
+/// Deletes the oldest snapshot files (`heapdump-*`) in `dir` until their
+/// total size is at most `max` bytes, never the files just written;
+/// deletions go into `written` for the caller to report.
+fn enforce_total(dir: &std::path::Path, max: u64, written: &mut Written) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    let mut files: Vec<(std::time::SystemTime, u64, PathBuf)> = entries
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with("heapdump-"))
+        .filter_map(|e| {
+            let m = e.metadata().ok()?;
+            m.is_file().then(|| {
+                (
+                    m.modified().unwrap_or(std::time::UNIX_EPOCH),
+                    m.len(),
+                    e.path(),
+                )
+            })
+        })
+        .collect();
+    files.sort();
+    let mut total: u64 = files.iter().map(|f| f.1).sum();
+    for (_, len, path) in files {
+        if total <= max {
+            break;
+        }
+        if written.paths.contains(&path) {
+            continue;
+        }
+        match std::fs::remove_file(&path) {
+            Ok(()) => {
+                total = total.saturating_sub(len);
+                written.removed.push(path);
+            }
+            Err(e) => written.not_removed.push((path, e.to_string())),
         }
     }
 }
@@ -497,8 +599,21 @@ pub fn wait_instrumented(pid: u32, timeout: Duration) -> Result<(), DiscoveryErr
 pub struct WatchArgs {
     /// Processes to watch: pids, or names each of only one instrumented
     /// process.
-    #[arg(required = true, value_name = "PID|NAME", value_parser = crate::target::discovery::resolve_target)]
+    #[arg(required_unless_present = "all", value_name = "PID|NAME", value_parser = crate::target::discovery::resolve_target)]
     pub(crate) pids: Vec<u32>,
+    /// Host-wide collector: watch every instrumented process of the host,
+    /// those running now and those started later (every request they make
+    /// is answered, and a final snapshot written when they exit), until
+    /// stopped (SIGINT/SIGTERM). See dist/heapdump-collector.service.
+    #[arg(long)]
+    pub(crate) all: bool,
+    /// With --all: how often to look for new instrumented processes.
+    #[arg(long, default_value = "1s", value_parser = humantime::parse_duration)]
+    pub(crate) scan: Duration,
+    /// Keep the snapshot files in the directory under SIZE bytes in all
+    /// (e.g. 2GiB, 500MiB), deleting the oldest first.
+    #[arg(long, value_name = "SIZE", value_parser = parse_size)]
+    pub(crate) max_total: Option<u64>,
     /// Directory for the snapshot files (created with mode 0700). Files are
     /// named heapdump-PID-SEQ-REASON-TIME.EXT.
     #[arg(short, long, default_value = ".")]
@@ -527,6 +642,25 @@ pub struct WatchArgs {
     pub(crate) sym: SymArgs,
     #[command(flatten)]
     pub(crate) ages: AgeArgs,
+}
+
+/// Parses a size: `500MiB`, `2GiB`, `1048576` (binary units, optional
+/// `B`).
+fn parse_size(v: &str) -> Result<u64, String> {
+    let v = v.trim();
+    let digits = v.find(|c: char| !c.is_ascii_digit()).unwrap_or(v.len());
+    let (n, unit) = v.split_at(digits);
+    let n: u64 = n.parse().map_err(|_| format!("not a size: {v:?}"))?;
+    let shift = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 0,
+        "k" | "kib" | "kb" => 10,
+        "m" | "mib" | "mb" => 20,
+        "g" | "gib" | "gb" => 30,
+        "t" | "tib" | "tb" => 40,
+        _ => return Err(format!("unknown unit in {v:?} (use KiB, MiB, GiB, TiB)")),
+    };
+    n.checked_mul(1 << shift)
+        .ok_or_else(|| format!("{v:?} is too large"))
 }
 
 /// Prints what a watch wrote or removed (the lines scripts and tests read).
@@ -563,6 +697,9 @@ pub fn command(a: WatchArgs) -> anyhow::Result<i32> {
         answer_pending: a.answer_pending,
         keep: a.keep.map(|n| n as usize),
         ages: a.ages.filter(),
+        all: a.all,
+        scan: a.scan,
+        max_total: a.max_total,
     };
     let dir = opts.dir.clone();
     let watcher = Watcher::open(&a.pids, opts)?;
