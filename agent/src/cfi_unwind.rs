@@ -471,22 +471,8 @@ pub fn walk(
                     exact: true,
                 })
             }
-            K_FP_FRAME => {
-                let Some(rbp) = f.rbp else { break };
-                match (
-                    read(rbp, f.sp),
-                    rbp.checked_add(8).and_then(|a| read(a, f.sp)),
-                ) {
-                    (Some(next_rbp), Some(ra)) => Some(Frame {
-                        pc: ra as u64,
-                        sp: rbp + 16,
-                        rbp: Some(next_rbp),
-                        exact: false,
-                    }),
-                    _ => None,
-                }
-            }
-            K_NO_CFI if fallback_fp => {
+            // A frame-pointer frame, or (mode auto) a counter without CFI.
+            k if k == K_FP_FRAME || (k == K_NO_CFI && fallback_fp) => {
                 let Some(rbp) = f.rbp else { break };
                 match (
                     read(rbp, f.sp),

@@ -42,8 +42,14 @@ fn compile_nofp(src: &str, out: &str, extra: &[&str]) -> PathBuf {
     out
 }
 
-/// The chain program and its library.
+/// The chain program and its library, built once per test process (the
+/// tests using it run in parallel).
 fn chain_program() -> PathBuf {
+    static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    BUILT.get_or_init(build_chain_program).clone()
+}
+
+fn build_chain_program() -> PathBuf {
     let lib = compile_nofp("chain_lib.c", "libchain.so", &["-fPIC", "-shared"]);
     // Linked by path with an rpath to its directory: the library's file
     // name carries the pid, so link it under a fixed name next to it.
