@@ -27,7 +27,7 @@
 //!   from the seed and the order in which threads first allocate).
 
 use std::cell::Cell;
-use std::sync::atomic::{AtomicU16, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 
 /// Mean bytes between samples for the process; 0 = exact mode. Set once
 /// at start (Relaxed: a free that reads 0 before start takes the exact
@@ -39,9 +39,11 @@ static SEED: AtomicU64 = AtomicU64::new(0);
 static THREADS: AtomicU64 = AtomicU64::new(0);
 
 /// Slots of the sampled-address filter (a counting filter: a slot counts
-/// the live recorded blocks whose address hashes to it).
-const FILTER_SLOTS: usize = 1 << 16;
-static FILTER: [AtomicU16; FILTER_SLOTS] = [const { AtomicU16::new(0) }; FILTER_SLOTS];
+/// the live recorded blocks whose address hashes to it). 32 KiB, so it
+/// stays in the L1 cache of a thread that frees often; a slot that reaches
+/// 255 stays there (answers "maybe" for good), which only costs lookups.
+const FILTER_SLOTS: usize = 1 << 15;
+static FILTER: [AtomicU8; FILTER_SLOTS] = [const { AtomicU8::new(0) }; FILTER_SLOTS];
 
 /// Turns sampled mode on with mean `rate` bytes between samples (0: off).
 pub fn configure(rate: u64, seed: u64) {
@@ -56,8 +58,8 @@ pub fn rate() -> u64 {
 }
 
 #[inline]
-fn slot(addr: usize) -> &'static AtomicU16 {
-    let h = (addr as u64 >> 4).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 48;
+fn slot(addr: usize) -> &'static AtomicU8 {
+    let h = (addr as u64 >> 4).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 49;
     &FILTER[h as usize % FILTER_SLOTS]
 }
 
@@ -67,14 +69,20 @@ pub fn note_recorded(addr: usize) {
     // Relaxed: a free of this block happens after the allocation returned
     // (the program's own synchronisation hands the pointer over), so it
     // reads this increment or a later value.
-    slot(addr).fetch_add(1, Ordering::Relaxed);
+    let s = slot(addr);
+    let _ = s.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| {
+        (v < u8::MAX).then_some(v + 1)
+    });
 }
 
 /// Unmarks `addr` (after its record was removed).
 #[inline]
 pub fn note_removed(addr: usize) {
     let s = slot(addr);
-    let _ = s.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| v.checked_sub(1));
+    // A saturated slot no longer knows its count: it stays "maybe".
+    let _ = s.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| {
+        (v != 0 && v != u8::MAX).then(|| v - 1)
+    });
 }
 
 /// False only when no recorded block can be at `addr`: then a free needs
