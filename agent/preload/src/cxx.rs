@@ -22,21 +22,12 @@
 
 use std::ffi::c_void;
 
-use heapdump_agent::recorder::{forwarding, on_alloc, on_free, Role};
+use heapdump_agent::recorder::{forwarding, on_free};
 use heapdump_agent::stack_capture::frame_pointer;
 
 use crate::bootstrap_arena as arena;
-use crate::malloc_family::{raw_free, raw_malloc, raw_memalign};
+use crate::malloc_family::{raw_free, raw_malloc, raw_memalign, recorded_or_arena};
 use crate::next_allocator as next;
-
-/// Records the block a `new` returned (null for a failed nothrow `new`).
-#[inline(always)]
-fn recorded(p: *mut c_void, size: usize, fp: usize) -> *mut c_void {
-    if !arena::contains(p as usize) {
-        on_alloc(p as usize, size, fp, Role::Preload);
-    }
-    p
-}
 
 /// The no-next-definition path of a throwing `new`.
 #[cold]
@@ -84,7 +75,7 @@ pub extern "C-unwind" fn _Znwm(size: usize) -> *mut c_void {
         Some(f) => forwarding(|| unsafe { f(size) }),
         None => new_without_runtime(size, 0),
     };
-    recorded(p, size, fp)
+    recorded_or_arena(p, size, fp)
 }
 
 /// `operator new[](size_t)`.
@@ -96,7 +87,7 @@ pub extern "C-unwind" fn _Znam(size: usize) -> *mut c_void {
         Some(f) => forwarding(|| unsafe { f(size) }),
         None => new_without_runtime(size, 0),
     };
-    recorded(p, size, fp)
+    recorded_or_arena(p, size, fp)
 }
 
 /// `operator new(size_t, align_val_t)`.
@@ -108,7 +99,7 @@ pub extern "C-unwind" fn _ZnwmSt11align_val_t(size: usize, align: usize) -> *mut
         Some(f) => forwarding(|| unsafe { f(size, align) }),
         None => new_without_runtime(size, align),
     };
-    recorded(p, size, fp)
+    recorded_or_arena(p, size, fp)
 }
 
 /// `operator new[](size_t, align_val_t)`.
@@ -120,7 +111,7 @@ pub extern "C-unwind" fn _ZnamSt11align_val_t(size: usize, align: usize) -> *mut
         Some(f) => forwarding(|| unsafe { f(size, align) }),
         None => new_without_runtime(size, align),
     };
-    recorded(p, size, fp)
+    recorded_or_arena(p, size, fp)
 }
 
 /// `operator new(size_t, nothrow_t const&)`.
@@ -132,7 +123,7 @@ pub unsafe extern "C-unwind" fn _ZnwmRKSt9nothrow_t(size: usize, nt: *const c_vo
         Some(f) => forwarding(|| unsafe { f(size, nt) }),
         None => nothrow_without_runtime(size, 0),
     };
-    recorded(p, size, fp)
+    recorded_or_arena(p, size, fp)
 }
 
 /// `operator new[](size_t, nothrow_t const&)`.
@@ -144,7 +135,7 @@ pub unsafe extern "C-unwind" fn _ZnamRKSt9nothrow_t(size: usize, nt: *const c_vo
         Some(f) => forwarding(|| unsafe { f(size, nt) }),
         None => nothrow_without_runtime(size, 0),
     };
-    recorded(p, size, fp)
+    recorded_or_arena(p, size, fp)
 }
 
 /// `operator new(size_t, align_val_t, nothrow_t const&)`.
@@ -160,7 +151,7 @@ pub unsafe extern "C-unwind" fn _ZnwmSt11align_val_tRKSt9nothrow_t(
         Some(f) => forwarding(|| unsafe { f(size, align, nt) }),
         None => nothrow_without_runtime(size, align.max(1)),
     };
-    recorded(p, size, fp)
+    recorded_or_arena(p, size, fp)
 }
 
 /// `operator new[](size_t, align_val_t, nothrow_t const&)`.
@@ -176,7 +167,7 @@ pub unsafe extern "C-unwind" fn _ZnamSt11align_val_tRKSt9nothrow_t(
         Some(f) => forwarding(|| unsafe { f(size, align, nt) }),
         None => nothrow_without_runtime(size, align.max(1)),
     };
-    recorded(p, size, fp)
+    recorded_or_arena(p, size, fp)
 }
 
 /// Defines `operator delete` overloads that forward to the next

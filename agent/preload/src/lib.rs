@@ -48,8 +48,6 @@ extern "C" fn preload_init() {
     // agent's own doing, not the program's, and is not recorded.
     forwarding(|| {
         next_allocator::bind();
-        thread_names::bind();
-        dlclose_hook::bind();
         // Held-back frees (see `recorder::on_free_deferred`) were designed
         // and measured for glibc: its free reads the chunk header just below
         // the block, which the recorder prefetches while the release waits.

@@ -221,11 +221,8 @@ fn resize_impl(
 pub unsafe extern "C" fn realloc(p: *mut c_void, size: usize) -> *mut c_void {
     let fp = frame_pointer();
     if p.is_null() {
-        return match next::malloc() {
-            // SAFETY: realloc(NULL, n) is malloc(n).
-            Some(f) => recorded(unsafe { f(size) }, size, fp),
-            None => from_arena(size, 16),
-        };
+        // realloc(NULL, n) is malloc(n).
+        return recorded_or_arena(raw_malloc(size), size, fp);
     }
     if arena::contains(p as usize) {
         return realloc_arena_block(p, size, fp);
@@ -262,7 +259,7 @@ pub unsafe extern "C" fn reallocarray(p: *mut c_void, n: usize, size: usize) -> 
 
 /// Records `p` unless it is an arena block.
 #[inline(always)]
-fn recorded_or_arena(p: *mut c_void, size: usize, fp: usize) -> *mut c_void {
+pub(crate) fn recorded_or_arena(p: *mut c_void, size: usize, fp: usize) -> *mut c_void {
     if arena::contains(p as usize) {
         p
     } else {

@@ -1,7 +1,10 @@
-//! The allocator the program would use without heapdump: for each entry
-//! point the preload library exports, the definition that comes after it
-//! in the dynamic lookup order (glibc, jemalloc, tcmalloc, mimalloc, or a
-//! library preloaded after ours), found with `dlsym(RTLD_NEXT, name)`.
+//! What the program would call without heapdump: for each entry point the
+//! preload library exports, the definition that comes after it in the
+//! dynamic lookup order, found with `dlsym(RTLD_NEXT, name)`. For the
+//! allocation calls that is the program's allocator (glibc, jemalloc,
+//! tcmalloc, mimalloc, or a library preloaded after ours); the few other
+//! calls interposed only to observe them (`pthread_setname_np`, `prctl`,
+//! `dlclose`) are glibc's.
 //!
 //! Invariants:
 //! - Every entry point is looked up once, by the one thread that wins the
@@ -24,7 +27,7 @@
 //!   unloaded while the process allocates (the allocator), so no other data
 //!   is published through it.
 
-use std::ffi::{c_int, c_void, CStr};
+use std::ffi::{c_char, c_int, c_ulong, c_void, CStr};
 use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
 
 const UNBOUND: u8 = 0;
@@ -162,6 +165,13 @@ next_functions! {
     /// `operator delete[](void*, align_val_t, nothrow_t const&)`.
     delete_array_aligned_nothrow = c"_ZdaPvSt11align_val_tRKSt9nothrow_t":
         unsafe extern "C-unwind" fn(*mut c_void, usize, *const c_void);
+    /// `pthread_setname_np(3)` (observed, see `thread_names`).
+    pthread_setname_np = c"pthread_setname_np":
+        unsafe extern "C" fn(libc::pthread_t, *const c_char) -> c_int;
+    /// `prctl(2)` with its four further arguments (see `thread_names`).
+    prctl = c"prctl": unsafe extern "C" fn(c_int, c_ulong, c_ulong, c_ulong, c_ulong) -> c_int;
+    /// `dlclose(3)` (observed, see `dlclose_hook`).
+    dlclose = c"dlclose": unsafe extern "C" fn(*mut c_void) -> c_int;
 }
 
 /// The slot's value once binding is done (0: absent), or 0 while binding
