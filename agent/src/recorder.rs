@@ -73,10 +73,9 @@ struct Writers {
     allocations: AllocationsWriter<'static>,
     counters: HeaderCounters,
     clock_base_ns: u64,
+    /// The settings in force (`unwind` is the unwinder actually used: frame
+    /// pointers where CFI cannot be read).
     config: Config,
-    /// The unwinder in use: the configured one, or frame pointers where CFI
-    /// cannot be read (no `_dl_find_object`, another architecture).
-    unwind: UnwindMode,
 }
 
 /// The writers, if the agent is READY.
@@ -209,8 +208,9 @@ fn init(role: Role) -> Option<&'static Writers> {
             STATE.store(DISABLED, Ordering::Release);
             return None;
         };
-        let unwind = effective_unwind(config.unwind);
-        alloc.set_unwinder(unwind.code());
+        let mut config = config;
+        config.unwind = effective_unwind(config.unwind);
+        alloc.set_unwinder(config.unwind.code());
         alloc.set_sample_rate(config.sample_rate);
         crate::sampling::configure(config.sample_rate, config.sample_seed);
         (*WRITERS.0.get()).write(Writers {
@@ -219,7 +219,6 @@ fn init(role: Role) -> Option<&'static Writers> {
             counters: alloc.counters(),
             clock_base_ns: alloc.header().clock_monotonic_ns,
             config,
-            unwind,
         })
     };
     let missed = NOT_READY.swap(0, Ordering::Relaxed);
@@ -503,7 +502,7 @@ fn stack_key<'t>(
     let (n, h) = if !stack_capture::walkable(sp, hi) {
         stack_capture::walk(0, 1, 0, &mut [])
     } else {
-        match w.unwind {
+        match w.config.unwind {
             #[cfg(target_arch = "x86_64")]
             UnwindMode::Auto | UnwindMode::Cfi => crate::cfi_unwind::walk(
                 fp,
@@ -511,7 +510,7 @@ fn stack_key<'t>(
                 hi,
                 &mut frames[..max],
                 &t.rules,
-                w.unwind == UnwindMode::Auto,
+                w.config.unwind == UnwindMode::Auto,
             ),
             _ => stack_capture::walk(fp, sp, hi, &mut frames[..max]),
         }
