@@ -6,7 +6,7 @@ use std::io::Write;
 use anyhow::Result;
 
 use crate::formats::text::human_bytes;
-use crate::target::{discovery, snapshot};
+use crate::target::{discovery, snapshot, visibility};
 
 /// Prints the table of instrumented processes; returns the exit status.
 pub fn command() -> Result<i32> {
@@ -37,7 +37,8 @@ pub fn command() -> Result<i32> {
         }
         for e in &entries {
             if let Ok((c, _)) = &e.state {
-                for note in snapshot::notes(e.pid, c.total_allocs) {
+                let blind = visibility::inspect_process(e.pid).described();
+                for note in snapshot::notes(&blind, c.total_allocs) {
                     writeln!(out, "{:>8}: {note}", e.pid)?;
                 }
             }

@@ -36,9 +36,22 @@ pub struct Target {
     pub resources: RegionReader,
     /// The allocations region (live blocks, counters, requests).
     pub allocations: RegionReader,
+    /// What the agent cannot see in this program, read from its files
+    /// once (see [`Target::blind_spots`]).
+    blind_spots: std::sync::OnceLock<Vec<String>>,
 }
 
 impl Target {
+    /// What the agent cannot see in this program, in words
+    /// ([`crate::target::visibility`]): read from its files at the first
+    /// call (while it runs) and kept, so that repeated snapshots (watch,
+    /// top, serve) do not read them again, and a final snapshot after it
+    /// exited still says it.
+    pub fn blind_spots(&self) -> &[String] {
+        self.blind_spots
+            .get_or_init(|| crate::target::visibility::inspect_process(self.pid).described())
+    }
+
     /// The process-wide counters in the allocations header.
     pub fn counters(&self) -> Result<Counters, TableError> {
         Ok(AllocationsReader::new(&self.allocations)?.counters())
@@ -298,6 +311,7 @@ pub fn open_target(pid: u32) -> Result<Target, DiscoveryError> {
             name,
             resources,
             allocations,
+            blind_spots: std::sync::OnceLock::new(),
         }),
         _ if first_err.is_some() => Err(first_err.expect("checked")),
         (None, None) => match inherited {

@@ -644,7 +644,7 @@ pub fn take(
             live_bytes: selected.0,
             live_blocks: selected.1,
         }),
-        notes: notes(target.pid, counters.total_allocs),
+        notes: notes(target.blind_spots(), counters.total_allocs),
         unwinder: heapdump_table::header::read_unwinder(&target.allocations.view())
             .name()
             .to_string(),
@@ -656,11 +656,11 @@ pub fn take(
     })
 }
 
-/// What a snapshot of `pid` cannot show: "no allocation recorded" when
-/// the agent saw none, and what the program's files say it cannot see.
-pub fn notes(pid: u32, total_allocs: u64) -> Vec<String> {
-    let info = crate::target::visibility::inspect_process(pid);
-    let mut notes: Vec<String> = info.blind_spots.iter().map(|b| b.to_string()).collect();
+/// What a snapshot cannot show: "no allocation recorded" when the agent
+/// saw none, and `blind_spots`, what the program's files say the agent
+/// cannot see ([`crate::target::visibility`]).
+pub fn notes(blind_spots: &[String], total_allocs: u64) -> Vec<String> {
+    let mut notes = blind_spots.to_vec();
     if total_allocs == 0 {
         let why = if notes.is_empty() {
             "the program has not allocated through malloc or C++ new since the agent started; \

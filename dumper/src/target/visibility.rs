@@ -71,6 +71,13 @@ pub struct ProgramInfo {
     pub links_jemalloc: bool,
 }
 
+impl ProgramInfo {
+    /// The blind spots in words, one each.
+    pub fn described(&self) -> Vec<String> {
+        self.blind_spots.iter().map(ToString::to_string).collect()
+    }
+}
+
 /// Symbols by which a statically linked allocator is recognised, and its
 /// name.
 const ALLOCATOR_SYMBOLS: &[(&str, &str)] = &[
