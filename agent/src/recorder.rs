@@ -756,7 +756,7 @@ fn remove_block(t: &ThreadState, w: &Writers, addr: usize, token: u64) -> Option
         heapdump_table::allocations_table::prefetch_line((addr as *const u8).wrapping_sub(16));
     }
     let removed = w.allocations.remove_cached(addr as u64, nodes);
-    if removed.is_some() && w.config.sample_rate != 0 {
+    if removed.is_some() && crate::sampling::rate() != 0 {
         crate::sampling::note_removed(addr);
     }
     removed
