@@ -38,7 +38,7 @@ use gimli::{
     RegisterRule, UnwindContext, UnwindContextStorage, UnwindSection, UnwindTableRow, X86_64,
 };
 
-use crate::stack_capture::{MAX_RETURN_ADDRESS, MIN_RETURN_ADDRESS};
+use crate::stack_capture::{TraceHash, MAX_RETURN_ADDRESS, MIN_RETURN_ADDRESS};
 
 /// Bumped when a module may have been unloaded (see the module doc).
 pub static GENERATION: AtomicU64 = AtomicU64::new(0);
@@ -395,12 +395,7 @@ pub fn walk(
     cache: &RuleCache,
     fallback_fp: bool,
 ) -> (usize, u64) {
-    const K: u64 = 0x9e37_79b9_7f4a_7c15;
-    let mut h: u64 = 0xc2b2_ae3d_27d4_eb4f;
-    let finish = |h: u64, n: usize| {
-        let h = (h ^ n as u64).wrapping_mul(K);
-        (n, (h ^ (h >> 29)) | 1)
-    };
+    let mut h = TraceHash::new();
     let generation = GENERATION.load(Ordering::Relaxed);
     if cache.generation.get() != generation {
         cache.clear();
@@ -419,7 +414,7 @@ pub fn walk(
     // The hook's own frame, by its frame pointer.
     let (Some(caller_rbp), Some(ret)) = (read(fp, sp), fp.checked_add(8).and_then(|a| read(a, sp)))
     else {
-        return finish(h, 0);
+        return h.finish(0);
     };
     let mut f = Frame {
         pc: ret as u64,
@@ -434,7 +429,7 @@ pub fn walk(
             break;
         }
         out[n] = f.pc;
-        h = (h ^ f.pc).wrapping_mul(K).rotate_left(29);
+        h.add(f.pc);
         n += 1;
         let lookup = if f.exact { f.pc } else { f.pc - 1 };
         let rule = cache.rule(lookup);
@@ -497,7 +492,7 @@ pub fn walk(
         }
         f = next;
     }
-    finish(h, n)
+    h.finish(n)
 }
 
 /// One step by a CFI rule (`K_CFA_*`).

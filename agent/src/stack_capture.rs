@@ -148,26 +148,54 @@ pub const MIN_RETURN_ADDRESS: usize = 0x1_0000;
 /// even with 5-level page tables.
 pub const MAX_RETURN_ADDRESS: usize = 1 << 56;
 
+/// The 64-bit hash of a trace that both walkers compute frame by frame
+/// (every frame through a multiply and a rotation, finalised with the
+/// frame count): the agent's per-thread stack cache takes equal hashes as
+/// equal traces. The multiply chain runs in the shadow of the walk's
+/// loads, so hashing costs almost nothing extra.
+#[derive(Clone, Copy, Debug)]
+pub struct TraceHash(u64);
+
+impl TraceHash {
+    const K: u64 = 0x9e37_79b9_7f4a_7c15;
+
+    /// The hash of no frame yet.
+    #[inline(always)]
+    pub fn new() -> Self {
+        TraceHash(0xc2b2_ae3d_27d4_eb4f)
+    }
+
+    /// Mixes in the next frame's return address.
+    #[inline(always)]
+    pub fn add(&mut self, ret: u64) {
+        self.0 = (self.0 ^ ret).wrapping_mul(Self::K).rotate_left(29);
+    }
+
+    /// `(n, hash)` of a trace of `n` frames; the hash is never 0.
+    #[inline(always)]
+    pub fn finish(self, n: usize) -> (usize, u64) {
+        let h = (self.0 ^ n as u64).wrapping_mul(Self::K);
+        (n, (h ^ (h >> 29)) | 1)
+    }
+}
+
+impl Default for TraceHash {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 /// Walks the frame chain from `fp`, writing return addresses into `out`;
 /// returns how many were written and a 64-bit hash of them (never 0).
 ///
 /// The caller guarantees `[sp, hi)` is this thread's live, mapped stack
-/// (see [`walkable`]); `sp` is the current stack pointer. The hash is
-/// computed in the same loop: the multiply chain runs in the shadow of
-/// the walk's dependent loads, so hashing costs almost nothing extra.
-/// Equal hashes are taken as equal traces by the agent's per-thread cache,
-/// so every frame goes through a multiply and a rotation, and the result
-/// is finalised with the frame count.
+/// (see [`walkable`]); `sp` is the current stack pointer. The hash
+/// ([`TraceHash`]) is computed in the same loop.
 #[inline]
 pub fn walk(fp: usize, sp: usize, hi: usize, out: &mut [u64]) -> (usize, u64) {
-    const K: u64 = 0x9e37_79b9_7f4a_7c15;
-    let mut h: u64 = 0xc2b2_ae3d_27d4_eb4f;
-    let finish = |h: u64, n: usize| {
-        let h = (h ^ n as u64).wrapping_mul(K);
-        (n, (h ^ (h >> 29)) | 1)
-    };
+    let mut h = TraceHash::new();
     if hi < sp + 16 || fp < sp {
-        return finish(h, 0);
+        return h.finish(0);
     }
     let limit = hi - 16;
     let mut fp = fp;
@@ -192,14 +220,14 @@ pub fn walk(fp: usize, sp: usize, hi: usize, out: &mut [u64]) -> (usize, u64) {
             break;
         }
         out[n] = ret as u64;
-        h = (h ^ ret as u64).wrapping_mul(K).rotate_left(29);
+        h.add(ret as u64);
         n += 1;
         if next <= fp {
             break;
         }
         fp = next;
     }
-    finish(h, n)
+    h.finish(n)
 }
 
 #[cfg(test)]
