@@ -1,5 +1,6 @@
 //! Signals arriving while the agent is inside the allocator: a handler for
-//! SIGUSR1 and SIGALRM that itself allocates and frees, fired at a high
+//! SIGUSR1 and SIGALRM that itself allocates and frees (its first 200 000
+//! invocations), fired at a high
 //! rate by an interval timer and by another thread's `pthread_kill`, while
 //! the main thread allocates in a loop (keeping every 100th block from
 //! `site_kept`). Prints `ready PID hits=N`, then waits for stdin.
@@ -77,8 +78,19 @@ static A: heapdump_agent::Agent<Bump> = heapdump_agent::Agent::new(Bump);
 static HITS: AtomicU64 = AtomicU64::new(0);
 static STOP: AtomicBool = AtomicBool::new(false);
 
+/// Handler invocations that allocate. The arena never reuses memory and
+/// the pinger signals as fast as it can, so without a bound the handler
+/// could exhaust the arena on a slow machine (with CFI unwinding, each
+/// handler allocation's stack crosses the signal frame into a different
+/// interrupted instruction: a new trace to intern, dearer than the
+/// frame-pointer walk that stopped at the signal frame).
+const ALLOCATING_HITS: usize = 200_000;
+
 extern "C" fn handler(_sig: libc::c_int) {
     let n = HITS.fetch_add(1, Ordering::Relaxed) as usize;
+    if n >= ALLOCATING_HITS {
+        return;
+    }
     let v: Vec<u8> = Vec::with_capacity(64 + n % 512);
     black_box(&v);
     let b = Box::new(n);
