@@ -73,9 +73,13 @@ pub fn module_unloaded() {
 }
 
 /// How to step out of one frame, packed in a `u64`:
-/// bits 0..3 the kind, 3..5 where the caller's `rbp` is, 8..32 the CFA
+/// bits 0..4 the kind, 4..6 where the caller's `rbp` is, 8..32 the CFA
 /// offset (signed), 32..48 the return address's offset from the CFA,
 /// 48..64 the saved `rbp`'s offset (both signed).
+///
+/// The two kinds that make up nearly every frame are stepped by the walk's
+/// own loop without decoding the rest: [`K_FP_FRAME`] (compared as a whole
+/// word) and [`K_RSP_RA8`] (its CFA offset is the word shifted right by 8).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Rule(u64);
 
@@ -99,10 +103,15 @@ const K_STOP: u64 = 6;
 /// frame-pointer walk (two loads), the most common rule in code built with
 /// frame pointers.
 const K_FP_FRAME: u64 = 7;
-
-/// Bits 32..64 of a rule whose return address is at CFA - 8 and whose
-/// saved-rbp offset is 0 (unused).
-const RSP_RA8_TAIL: u64 = 0xfff8;
+/// The common rule of code without frame pointers, in canonical form:
+/// CFA = rsp + off with `off` a positive multiple of 8 (bits 8..32, the
+/// bits above them zero but for the rbp offset), the return address at
+/// CFA - 8, and the caller's `rbp` either unchanged (rbp offset 0) or saved
+/// at CFA + off with `-off` a multiple of 8 in `[16, cfa offset]`. So every
+/// read it implies lies in `[rsp, CFA)` and the new stack pointer (the
+/// CFA) is above the old one: the walk checks only that the CFA is within
+/// the stack. Made by [`Rule::new`] from a [`K_CFA_RSP`] rule that fits.
+const K_RSP_RA8: u64 = 8;
 
 /// The caller's `rbp` is this frame's (not saved).
 const RBP_SAME: u64 = 0;
@@ -120,14 +129,28 @@ impl Rule {
     const SIGNAL: Rule = Rule(K_SIGNAL);
     const FP_FRAME: Rule = Rule(K_FP_FRAME);
 
-    /// A rule, or [`Rule::STOP`] when an offset does not fit its field.
+    /// A rule, or [`Rule::STOP`] when an offset does not fit its field. A
+    /// [`K_CFA_RSP`] rule of the canonical shape becomes [`K_RSP_RA8`].
     fn new(kind: u64, rbp: u64, cfa_off: i64, ra_off: i64, rbp_off: i64) -> Rule {
         let fits = |v: i64, bits: u32| v >= -(1 << (bits - 1)) && v < 1 << (bits - 1);
         if !fits(cfa_off, 24) || !fits(ra_off, 16) || !fits(rbp_off, 16) {
             return Rule::STOP;
         }
+        let canonical = kind == K_CFA_RSP
+            && ra_off == -8
+            && cfa_off >= 8
+            && cfa_off % 8 == 0
+            && match rbp {
+                RBP_SAME => true,
+                RBP_AT_CFA => rbp_off <= -16 && rbp_off % 8 == 0 && cfa_off + rbp_off >= 0,
+                _ => false,
+            };
+        if canonical {
+            let rbp_off = if rbp == RBP_SAME { 0 } else { rbp_off };
+            return Rule(K_RSP_RA8 | (cfa_off as u64) << 8 | ((rbp_off as u64) & 0xffff) << 48);
+        }
         Rule(
-            kind | rbp << 3
+            kind | rbp << 4
                 | ((cfa_off as u64) & 0xff_ffff) << 8
                 | ((ra_off as u64) & 0xffff) << 32
                 | ((rbp_off as u64) & 0xffff) << 48,
@@ -135,10 +158,10 @@ impl Rule {
     }
 
     fn kind(self) -> u64 {
-        self.0 & 7
+        self.0 & 15
     }
     fn rbp_where(self) -> u64 {
-        (self.0 >> 3) & 3
+        (self.0 >> 4) & 3
     }
     fn cfa_off(self) -> i64 {
         ((self.0 << 32) as i64) >> 40
@@ -151,12 +174,32 @@ impl Rule {
     }
 }
 
-/// Entries in a thread's rule cache (direct-mapped, 16 bytes each).
+/// Entries in a thread's rule cache (direct-mapped, 20 bytes each).
 pub const RULE_CACHE_ENTRIES: usize = 512;
 
+/// Set in a cache key (and in [`Frame::pc`]) for a counter that a
+/// signal interrupted, whose rule is looked up at the counter itself, not
+/// at the byte before it as for a return address. User-space counters are
+/// below 2^56, so the bit never collides with an address.
+const EXACT: u64 = 1 << 63;
+
 /// A thread's cache from program counter to [`Rule`].
+///
+/// Three parallel arrays rather than one array of entries: the entry's
+/// index is the counter's low bits (one mask, scaled by the load itself),
+/// and [`K_RSP_RA8`]'s CFA offset has its own array, so the walk's next
+/// load waits for a mask, one load and an add, not for the rule to be
+/// decoded. Return addresses vary in their low bits; a multiplicative hash
+/// spread them better but cost more on that chain than its conflicts saved.
 pub struct RuleCache {
-    entries: [Cell<(u64, Rule)>; RULE_CACHE_ENTRIES],
+    /// The counter (tagged with [`EXACT`] where so) each entry is for; 0
+    /// for an empty entry (no counter is 0).
+    keys: [Cell<u64>; RULE_CACHE_ENTRIES],
+    /// The entry's rule.
+    rules: [Cell<Rule>; RULE_CACHE_ENTRIES],
+    /// For a [`K_RSP_RA8`] rule, its CFA offset minus 8: where the return
+    /// address is from the stack pointer (else unused).
+    ra_offsets: [Cell<u32>; RULE_CACHE_ENTRIES],
     generation: Cell<u64>,
 }
 
@@ -164,31 +207,61 @@ impl RuleCache {
     /// An empty cache (usable in a `const` thread-local initialiser).
     #[allow(clippy::declare_interior_mutable_const)]
     pub const fn new() -> Self {
-        const E: Cell<(u64, Rule)> = Cell::new((0, Rule::EMPTY));
+        const K: Cell<u64> = Cell::new(0);
+        const R: Cell<Rule> = Cell::new(Rule::EMPTY);
+        const O: Cell<u32> = Cell::new(0);
         RuleCache {
-            entries: [E; RULE_CACHE_ENTRIES],
+            keys: [K; RULE_CACHE_ENTRIES],
+            rules: [R; RULE_CACHE_ENTRIES],
+            ra_offsets: [O; RULE_CACHE_ENTRIES],
             generation: Cell::new(0),
         }
     }
 
     fn clear(&self) {
-        for e in &self.entries {
-            e.set((0, Rule::EMPTY));
+        for k in &self.keys {
+            k.set(0);
         }
     }
 
-    /// The rule for looking up `addr` (a return address - 1, or an exact
-    /// counter after a signal frame).
+    /// The rule for `key` (a return address, or an interrupted counter
+    /// tagged with [`EXACT`]) and, for a [`K_RSP_RA8`] rule, the return
+    /// address's offset from the stack pointer (loaded whatever the rule,
+    /// so that load waits only for the key).
     #[inline(always)]
-    fn rule(&self, addr: u64) -> Rule {
-        let i = (addr.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 55) as usize % RULE_CACHE_ENTRIES;
-        let (k, r) = self.entries[i].get();
-        if k == addr && r != Rule::EMPTY {
-            return r;
+    fn rule(&self, key: u64) -> (Rule, u32) {
+        let i = key as usize % RULE_CACHE_ENTRIES;
+        let (k, r, o) = (
+            self.keys[i].get(),
+            self.rules[i].get(),
+            self.ra_offsets[i].get(),
+        );
+        if k == key {
+            (r, o)
+        } else {
+            self.fill(i, key)
         }
+    }
+
+    /// A miss: computes the rule and caches it.
+    #[cold]
+    #[inline(never)]
+    fn fill(&self, i: usize, key: u64) -> (Rule, u32) {
+        let addr = if key & EXACT != 0 {
+            key & !EXACT
+        } else {
+            key - 1
+        };
         let r = rule_for(addr);
-        self.entries[i].set((addr, r));
-        r
+        let o = if r.kind() == K_RSP_RA8 {
+            (r.0 >> 8) as u32 - 8
+        } else {
+            0
+        };
+        self.keys[i].set(key);
+        self.rules[i].set(r);
+        self.ra_offsets[i].set(o);
+        (r, o)
     }
 }
 
@@ -356,20 +429,6 @@ fn rule_from_module(addr: u64, hdr: usize, end: usize) -> Option<Rule> {
     Some(rule)
 }
 
-/// Registers of one frame while walking.
-#[derive(Clone, Copy, Debug)]
-struct Frame {
-    /// Program counter: a return address (or, after a signal frame, the
-    /// interrupted instruction).
-    pc: u64,
-    /// Stack pointer in this frame.
-    sp: usize,
-    /// `rbp` in this frame, if known.
-    rbp: Option<usize>,
-    /// `pc` is exact (after a signal frame), not a return address.
-    exact: bool,
-}
-
 /// Offsets in the `ucontext_t` that a signal frame's stack pointer points
 /// at (x86_64 Linux): `uc_mcontext.gregs` starts at byte 40; `REG_RBP` is
 /// greg 10, `REG_RSP` 15, `REG_RIP` 16.
@@ -377,6 +436,23 @@ const UC_GREGS: usize = 40;
 const REG_RBP: usize = 10;
 const REG_RSP: usize = 15;
 const REG_RIP: usize = 16;
+
+/// Registers of one frame while walking.
+#[derive(Clone, Copy, Debug)]
+struct Frame {
+    /// Program counter: a return address, or (after a signal frame) the
+    /// interrupted instruction tagged with [`EXACT`]: its rule is looked
+    /// up at the counter itself, a return address's at the byte before it
+    /// (the call instruction's last). Kept in one register with its tag:
+    /// the loop is short of registers.
+    pc: u64,
+    /// Stack pointer in this frame: a multiple of 8 in `[sp, hi]` (the
+    /// walk's bounds), strictly rising from frame to frame.
+    sp: usize,
+    /// `rbp` in this frame, 0 when unknown (0 is never a readable address,
+    /// so every use of an unknown `rbp` fails its bounds check).
+    rbp: usize,
+}
 
 /// Walks the stack from the frame of a hook built with frame pointers
 /// (`fp`, the hook's frame pointer), writing return addresses into `out`;
@@ -387,6 +463,11 @@ const REG_RIP: usize = 16;
 /// The caller guarantees `[sp, hi)` is this thread's live, mapped stack
 /// (see [`crate::stack_capture::walkable`]); `sp` is the current stack
 /// pointer.
+///
+/// The loop is shaped for the processor: the two common rules are stepped
+/// inline, and the next frame's loads depend on the cached rule only
+/// through a branch (predicted), so for frame-pointer frames the walk's
+/// critical path is the same chain of loads as the frame-pointer walk's.
 pub fn walk(
     fp: usize,
     sp: usize,
@@ -395,132 +476,180 @@ pub fn walk(
     cache: &RuleCache,
     fallback_fp: bool,
 ) -> (usize, u64) {
-    let mut h = TraceHash::new();
+    let h = TraceHash::new();
     let generation = GENERATION.load(Ordering::Relaxed);
     if cache.generation.get() != generation {
         cache.clear();
         cache.generation.set(generation);
     }
-    // Reads the stack word at `a` if `[a, a + 8)` lies in `[lo, hi)`.
-    let read = |a: usize, lo: usize| -> Option<usize> {
-        if a < lo || !a.is_multiple_of(8) || a > hi.checked_sub(8)? {
-            return None;
-        }
-        // SAFETY: `[a, a + 8)` lies inside `[sp, hi)`, the live part of this
-        // thread's own stack (`lo >= sp`), mapped and readable (the
-        // caller's guarantee). Volatile: nothing may be assumed of it.
-        Some(unsafe { std::ptr::read_volatile(a as *const usize) })
-    };
-    // The hook's own frame, by its frame pointer.
-    let (Some(caller_rbp), Some(ret)) = (read(fp, sp), fp.checked_add(8).and_then(|a| read(a, sp)))
-    else {
+    // `top`: the highest address of a readable stack word.
+    if hi < 16 || sp > hi - 16 || fp < sp || fp > hi - 16 || !fp.is_multiple_of(8) {
         return h.finish(0);
+    }
+    let top = hi - 8;
+    // SAFETY: `sp <= fp` and `fp + 16 <= hi`: both words lie in `[sp, hi)`,
+    // the live part of this thread's own stack, mapped and readable (the
+    // caller's guarantee). Volatile: nothing may be assumed of them.
+    let (caller_rbp, ret) = unsafe {
+        (
+            std::ptr::read_volatile(fp as *const usize),
+            std::ptr::read_volatile((fp + 8) as *const usize),
+        )
     };
-    let mut f = Frame {
+    let f = Frame {
         pc: ret as u64,
         sp: fp + 16,
-        rbp: Some(caller_rbp),
-        exact: false,
+        rbp: caller_rbp,
     };
+    walk_from(f, sp, top, out, cache, fallback_fp, h)
+}
+
+/// The walk's loop, from the hook's caller's frame `f` (see [`walk`]).
+/// Every read lies in `[f.sp, top + 8)` for the frame being stepped, and
+/// `[sp, top + 8)` is the caller's readable stack.
+#[inline(always)]
+fn walk_from(
+    mut f: Frame,
+    sp: usize,
+    top: usize,
+    out: &mut [u64],
+    cache: &RuleCache,
+    fallback_fp: bool,
+    mut h: TraceHash,
+) -> (usize, u64) {
     let mut n = 0;
     while n < out.len() {
-        let pc = f.pc as usize;
-        if pc.wrapping_sub(MIN_RETURN_ADDRESS) >= MAX_RETURN_ADDRESS - MIN_RETURN_ADDRESS {
+        let pc = f.pc & !EXACT;
+        if (pc as usize).wrapping_sub(MIN_RETURN_ADDRESS) >= MAX_RETURN_ADDRESS - MIN_RETURN_ADDRESS
+        {
             break;
         }
-        out[n] = f.pc;
-        h.add(f.pc);
+        out[n] = pc;
+        h.add(pc);
         n += 1;
-        let lookup = if f.exact { f.pc } else { f.pc - 1 };
-        let rule = cache.rule(lookup);
-        let next = match rule.kind() {
-            // The common rule of code without frame pointers: the CFA above
-            // the stack pointer, the return address just below it, rbp
-            // untouched. Stepped without decoding the rest of the rule.
-            K_CFA_RSP if rule.0 >> 32 == RSP_RA8_TAIL && rule.rbp_where() == RBP_SAME => {
-                let cfa = f.sp.wrapping_add(rule.cfa_off() as usize);
-                let Some(ra) = read(cfa.wrapping_sub(8), f.sp) else {
-                    break;
-                };
-                Some(Frame {
-                    pc: ra as u64,
-                    sp: cfa,
-                    rbp: f.rbp,
-                    exact: false,
-                })
+        let (rule, ra_offset) = cache.rule(f.pc);
+        if rule == Rule::FP_FRAME {
+            let rbp = f.rbp;
+            if rbp < f.sp || rbp > top - 8 || !rbp.is_multiple_of(8) {
+                break;
             }
-            K_CFA_RSP | K_CFA_RBP | K_CFA_DEREF_RBP => step_cfi(rule, f, sp, &read),
-            K_SIGNAL => {
-                let uc = f.sp + UC_GREGS;
-                let (Some(rip), Some(rsp), Some(rbp)) = (
-                    read(uc + REG_RIP * 8, f.sp),
-                    read(uc + REG_RSP * 8, f.sp),
-                    read(uc + REG_RBP * 8, f.sp),
-                ) else {
-                    break;
-                };
-                Some(Frame {
-                    pc: rip as u64,
-                    sp: rsp,
-                    rbp: Some(rbp),
-                    exact: true,
-                })
+            // SAFETY: `f.sp <= rbp` and `rbp + 16 <= top + 8`: both words
+            // lie in the readable stack (see above).
+            let (next_rbp, ra) = unsafe {
+                (
+                    std::ptr::read_volatile(rbp as *const usize),
+                    std::ptr::read_volatile((rbp + 8) as *const usize),
+                )
+            };
+            // The new sp, rbp + 16, is above f.sp and at most top + 8.
+            f = Frame {
+                pc: ra as u64,
+                sp: rbp + 16,
+                rbp: next_rbp,
+            };
+        } else if rule.kind() == K_RSP_RA8 {
+            // The canonical form (see K_RSP_RA8): the CFA offset is
+            // positive and a multiple of 8; the return address lies 8 below
+            // the CFA, `ra_offset` above the stack pointer.
+            let at = f.sp + ra_offset as usize;
+            if at > top {
+                break;
             }
-            // A frame-pointer frame, or (mode auto) a counter without CFI.
-            k if k == K_FP_FRAME || (k == K_NO_CFI && fallback_fp) => {
-                let Some(rbp) = f.rbp else { break };
-                match (
-                    read(rbp, f.sp),
-                    rbp.checked_add(8).and_then(|a| read(a, f.sp)),
-                ) {
-                    (Some(next_rbp), Some(ra)) => Some(Frame {
-                        pc: ra as u64,
-                        sp: rbp + 16,
-                        rbp: Some(next_rbp),
-                        exact: false,
-                    }),
-                    _ => None,
+            // SAFETY: `f.sp <= at <= top`: the word lies in the readable
+            // stack; aligned since `f.sp` and the offset are multiples of 8.
+            let ra = unsafe { std::ptr::read_volatile(at as *const usize) };
+            let cfa = at + 8;
+            let rbp_off = rule.rbp_off();
+            let rbp = if rbp_off == 0 {
+                f.rbp
+            } else {
+                // SAFETY: `-rbp_off` is a multiple of 8 in `[16, offset]`,
+                // so `cfa + rbp_off` lies in `[f.sp, cfa - 16]`.
+                unsafe {
+                    std::ptr::read_volatile(
+                        cfa.wrapping_add_signed(rbp_off as isize) as *const usize
+                    )
                 }
+            };
+            f = Frame {
+                pc: ra as u64,
+                sp: cfa,
+                rbp,
+            };
+        } else {
+            match step_other(rule, f, sp, top, fallback_fp) {
+                Some(next) => f = next,
+                None => break,
             }
-            _ => None,
-        };
-        let Some(next) = next else { break };
-        // The stack pointer must rise: the walk cannot loop, and it ends
-        // within the stack.
-        if next.sp <= f.sp || next.sp > hi {
-            break;
         }
-        f = next;
     }
     h.finish(n)
 }
 
-/// One step by a CFI rule (`K_CFA_*`).
-#[inline(always)]
-fn step_cfi(
-    rule: Rule,
-    f: Frame,
-    sp: usize,
-    read: &impl Fn(usize, usize) -> Option<usize>,
-) -> Option<Frame> {
-    let cfa = match rule.kind() {
-        K_CFA_RSP => f.sp.checked_add_signed(rule.cfa_off() as isize)?,
-        K_CFA_RBP => f.rbp?.checked_add_signed(rule.cfa_off() as isize)?,
-        _ => read(f.rbp?.checked_add_signed(rule.cfa_off() as isize)?, sp)?,
+/// One step by any rule but the two the loop takes inline: a general CFI
+/// rule, a signal frame, or (mode `auto`) the frame pointer where there is
+/// no CFI. `None` ends the walk. The new frame's stack pointer is checked
+/// to rise, to stay within the stack and to be a multiple of 8.
+#[inline(never)]
+fn step_other(rule: Rule, f: Frame, sp: usize, top: usize, fallback_fp: bool) -> Option<Frame> {
+    // Reads the stack word at `a` if it lies in `[lo, top + 8)` (`lo >= sp`).
+    let read = |a: usize, lo: usize| -> Option<usize> {
+        if a < lo || a < sp || a > top || !a.is_multiple_of(8) {
+            return None;
+        }
+        // SAFETY: `[a, a + 8)` lies inside `[sp, top + 8)`, the live part of
+        // this thread's own stack, mapped and readable (the caller's
+        // guarantee). Volatile: nothing may be assumed of it.
+        Some(unsafe { std::ptr::read_volatile(a as *const usize) })
     };
-    let ra = read(cfa.checked_add_signed(rule.ra_off() as isize)?, f.sp)?;
-    let rbp = match rule.rbp_where() {
-        RBP_SAME => f.rbp,
-        RBP_AT_CFA => read(cfa.checked_add_signed(rule.rbp_off() as isize)?, f.sp),
-        RBP_AT_RBP => read(f.rbp?.checked_add_signed(rule.rbp_off() as isize)?, f.sp),
-        _ => None,
+    let known = |rbp: usize| (rbp != 0).then_some(rbp);
+    let next = match rule.kind() {
+        K_CFA_RSP | K_CFA_RBP | K_CFA_DEREF_RBP => {
+            let cfa = match rule.kind() {
+                K_CFA_RSP => f.sp.checked_add_signed(rule.cfa_off() as isize)?,
+                K_CFA_RBP => known(f.rbp)?.checked_add_signed(rule.cfa_off() as isize)?,
+                _ => read(
+                    known(f.rbp)?.checked_add_signed(rule.cfa_off() as isize)?,
+                    sp,
+                )?,
+            };
+            let ra = read(cfa.checked_add_signed(rule.ra_off() as isize)?, f.sp)?;
+            let rbp = match rule.rbp_where() {
+                RBP_SAME => Some(f.rbp),
+                RBP_AT_CFA => read(cfa.checked_add_signed(rule.rbp_off() as isize)?, f.sp),
+                RBP_AT_RBP => read(
+                    known(f.rbp)?.checked_add_signed(rule.rbp_off() as isize)?,
+                    f.sp,
+                ),
+                _ => None,
+            };
+            Frame {
+                pc: ra as u64,
+                sp: cfa,
+                rbp: rbp.unwrap_or(0),
+            }
+        }
+        K_SIGNAL => {
+            let uc = f.sp + UC_GREGS;
+            Frame {
+                pc: read(uc + REG_RIP * 8, f.sp)? as u64 | EXACT,
+                sp: read(uc + REG_RSP * 8, f.sp)?,
+                rbp: read(uc + REG_RBP * 8, f.sp)?,
+            }
+        }
+        K_FP_FRAME | K_NO_CFI if rule.kind() == K_FP_FRAME || fallback_fp => {
+            let rbp = known(f.rbp)?;
+            Frame {
+                pc: read(rbp.checked_add(8)?, f.sp)? as u64,
+                sp: rbp + 16,
+                rbp: read(rbp, f.sp)?,
+            }
+        }
+        _ => return None,
     };
-    Some(Frame {
-        pc: ra as u64,
-        sp: cfa,
-        rbp,
-        exact: false,
-    })
+    // The stack pointer must rise: the walk cannot loop, and it ends
+    // within the stack.
+    (next.sp > f.sp && next.sp <= top + 8 && next.sp.is_multiple_of(8)).then_some(next)
 }
 
 #[cfg(test)]
@@ -543,6 +672,31 @@ mod tests {
         let r = Rule::new(K_CFA_RSP, RBP_SAME, 1 << 20, 8, 0);
         assert_eq!((r.cfa_off(), r.ra_off()), (1 << 20, 8));
         assert_eq!(Rule::new(K_CFA_RSP, RBP_SAME, 1 << 24, -8, 0), Rule::STOP);
+    }
+
+    #[test]
+    fn rsp_rules_of_the_canonical_shape_take_the_inline_step() {
+        let r = Rule::new(K_CFA_RSP, RBP_SAME, 56, -8, 0);
+        assert_eq!((r.kind(), r.0 >> 8, r.rbp_off()), (K_RSP_RA8, 56, 0));
+        let r = Rule::new(K_CFA_RSP, RBP_AT_CFA, 48, -8, -16);
+        assert_eq!(
+            (r.kind(), (r.0 >> 8) as u32, r.rbp_off()),
+            (K_RSP_RA8, 48, -16)
+        );
+        // Anything the inline step could not bound stays general.
+        for (rbp, cfa, ra, rbp_off) in [
+            (RBP_SAME, 4, -8, 0),      // offset below 8
+            (RBP_SAME, 20, -8, 0),     // not a multiple of 8
+            (RBP_SAME, 16, -16, 0),    // return address elsewhere
+            (RBP_AT_CFA, 16, -8, -24), // saved rbp below the stack pointer
+            (RBP_AT_CFA, 32, -8, -8),  // saved rbp in the return address
+            (RBP_AT_RBP, 32, -8, -16), // rbp-relative
+        ] {
+            assert_eq!(
+                Rule::new(K_CFA_RSP, rbp, cfa, ra, rbp_off).kind(),
+                K_CFA_RSP
+            );
+        }
     }
 
     #[test]
