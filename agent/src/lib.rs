@@ -20,6 +20,7 @@ pub mod ablation;
 pub mod cfi_unwind;
 pub mod config;
 mod global_alloc;
+pub mod initial_exec_tls;
 pub mod recorder;
 pub mod sampling;
 mod signal;

@@ -596,9 +596,15 @@ fn record_alloc<const DIRECT: bool>(addr: usize, size: usize, fp: usize, role: R
     let weight = if rate == 0 {
         1
     } else {
+        if crate::sampling::skips(size as u64) {
+            return 0;
+        }
         let sampled = THREAD
             .try_with(|t| {
                 if t.busy.get() {
+                    // Not recordable now: a fresh distance keeps the next
+                    // allocation's weight right (see `sampling`).
+                    t.sampler.redraw(rate);
                     None
                 } else {
                     t.sampler.sample(size as u64, rate)
@@ -720,10 +726,20 @@ pub fn on_free_direct(addr: usize, token: u64) -> Option<u64> {
 }
 
 /// In sampled mode, true when no recorded block can be at `addr` (the
-/// cheap answer for a block that was not sampled: one load).
+/// cheap answer for a block that was not sampled: one load). A hook may
+/// then release the block without calling [`on_free`].
 #[inline(always)]
-fn not_sampled(addr: usize) -> bool {
+pub fn not_sampled(addr: usize) -> bool {
     crate::sampling::rate() != 0 && !crate::sampling::maybe_sampled(addr)
+}
+
+/// In sampled mode, true when an allocation of `size` bytes is not
+/// sampled; it has then been counted down, and a hook need not call
+/// [`on_alloc`] (which would answer the same, later). A hook may call this
+/// first to keep the recording path out of line.
+#[inline(always)]
+pub fn sampled_out(size: usize) -> bool {
+    crate::sampling::rate() != 0 && crate::sampling::skips(size as u64)
 }
 
 /// Takes the block at `addr` out of the table (the common part of

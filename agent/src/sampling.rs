@@ -18,10 +18,19 @@
 //! unbiased).
 //!
 //! Invariants:
-//! - An allocation that is not sampled costs a subtraction and a compare
-//!   on this thread's state; its free costs one load of the sampled-address
-//!   filter ([`maybe_sampled`]), which can only answer "maybe" for an
-//!   address that was recorded, never "no".
+//! - An allocation that is not sampled costs a compare and a subtraction
+//!   on this thread's countdown ([`skips`]: an initial-exec thread-local
+//!   word, see `initial_exec_tls`), before any other thread state is
+//!   touched; its free costs one load of the sampled-address filter
+//!   ([`maybe_sampled`]), which can only answer "maybe" for an address
+//!   that was recorded, never "no".
+//! - The countdown is 0 until the thread's first draw, and every
+//!   allocation that reaches it goes to [`SamplerState::sample`]. An
+//!   allocation made while the agent is busy on this thread (its own, or
+//!   the `malloc` inside a forwarded C++ `new`) also counts down; if it
+//!   reaches the sample point it is not recorded, and a fresh distance is
+//!   drawn ([`SamplerState::redraw`]). By the exponential's lack of memory
+//!   the next allocation's chance is still `p(s)`: its weight stays right.
 //! - The random source is a per-thread xorshift generator (no lock, no
 //!   system call); `HEAPDUMP_SAMPLE_SEED` makes it reproducible (seeded
 //!   from the seed and the order in which threads first allocate).
@@ -92,10 +101,41 @@ pub fn maybe_sampled(addr: usize) -> bool {
     slot(addr).load(Ordering::Relaxed) != 0
 }
 
-/// A thread's sampling state (in its `ThreadState`).
+/// Whether an allocation of `size` bytes is certainly not sampled: then
+/// it has been counted down and needs nothing more. False means "ask
+/// [`SamplerState::sample`]" (the sample point is reached, or this thread
+/// has not drawn yet).
+#[inline(always)]
+pub fn skips(size: u64) -> bool {
+    let p = crate::initial_exec_tls::sample_countdown();
+    // SAFETY: this thread's own countdown word, valid while the thread
+    // runs, touched by no other thread.
+    unsafe {
+        let left = *p;
+        if left as u64 > size && left > 0 {
+            *p = left - size as i64;
+            return true;
+        }
+    }
+    false
+}
+
+/// This thread's countdown (see [`skips`]).
+fn countdown() -> i64 {
+    // SAFETY: as in `skips`.
+    unsafe { *crate::initial_exec_tls::sample_countdown() }
+}
+
+fn set_countdown(v: i64) {
+    // SAFETY: as in `skips`.
+    unsafe { *crate::initial_exec_tls::sample_countdown() = v }
+}
+
+/// A thread's sampling state (in its `ThreadState`); the countdown itself
+/// is an initial-exec thread-local word (see [`skips`]).
 pub struct SamplerState {
-    /// Bytes until the next sample; `i64::MIN`: not drawn yet.
-    left: Cell<i64>,
+    /// The countdown has been drawn on this thread.
+    drawn: Cell<bool>,
     /// xorshift64* state; 0: not seeded yet.
     rng: Cell<u64>,
 }
@@ -104,7 +144,7 @@ impl SamplerState {
     /// A fresh state (usable in a `const` thread-local initialiser).
     pub const fn new() -> Self {
         SamplerState {
-            left: Cell::new(i64::MIN),
+            drawn: Cell::new(false),
             rng: Cell::new(0),
         }
     }
@@ -142,24 +182,37 @@ impl SamplerState {
 
     /// Whether an allocation of `size` bytes is sampled; if so, how many
     /// allocations it stands for in the cumulative counters (`w(size)`
-    /// rounded at random, see the module doc).
+    /// rounded at random, see the module doc). Must be called on the
+    /// thread that owns this state; [`skips`] is its fast path.
     #[inline]
     pub fn sample(&self, size: u64, rate: u64) -> Option<u64> {
-        let mut left = self.left.get();
-        if left == i64::MIN {
+        if skips(size) {
+            return None;
+        }
+        let mut left = countdown();
+        if !self.drawn.get() {
+            self.drawn.set(true);
             left = self.draw(rate);
         }
         left = left.saturating_sub(size.min(i64::MAX as u64) as i64);
         if left > 0 {
-            self.left.set(left);
+            set_countdown(left);
             return None;
         }
         self.sampled(size, rate)
     }
 
+    /// An allocation that reached the sample point while the agent could
+    /// not record it (see the module doc): a fresh distance.
+    #[cold]
+    pub fn redraw(&self, rate: u64) {
+        self.drawn.set(true);
+        set_countdown(self.draw(rate));
+    }
+
     #[cold]
     fn sampled(&self, size: u64, rate: u64) -> Option<u64> {
-        self.left.set(self.draw(rate));
+        set_countdown(self.draw(rate));
         let w = weight(size, rate);
         let whole = w.floor();
         let extra = u64::from(self.uniform() <= w - whole);
@@ -193,6 +246,13 @@ mod tests {
         // 400 000. Its standard deviation is sqrt(N (1-p)/p) ~ 10 100
         // (2.5 %); the bound is 6 of them: with a fixed seed the test is
         // deterministic, and for any seed it fails with probability < 1e-8.
+        // A thread of its own: the countdown is per thread.
+        std::thread::spawn(sampled_fraction_matches_the_model)
+            .join()
+            .unwrap();
+    }
+
+    fn sampled_fraction_matches_the_model() {
         let s = SamplerState::new();
         s.rng.set(0x1234_5678_9abc_def1);
         let (n, size, rate) = (400_000u64, 256u64, 64u64 << 10);

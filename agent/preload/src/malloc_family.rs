@@ -22,7 +22,9 @@
 
 use std::ffi::{c_int, c_void};
 
-use heapdump_agent::recorder::{on_alloc, on_free, on_free_deferred, Role};
+use heapdump_agent::recorder::{
+    not_sampled, on_alloc, on_free, on_free_deferred, sampled_out, Role,
+};
 use heapdump_agent::stack_capture::frame_pointer;
 
 use crate::bootstrap_arena as arena;
@@ -44,10 +46,22 @@ fn page_size() -> usize {
 }
 
 /// Records `p` (if an allocation of the next allocator) and returns it.
+/// In sampled mode, a block that is not sampled costs only the countdown
+/// here: the recording path is out of line, so the hook's own frame stays
+/// small.
 #[inline(always)]
 fn recorded(p: *mut c_void, size: usize, fp: usize) -> *mut c_void {
-    on_alloc(p as usize, size, fp, Role::Preload);
+    if !sampled_out(size) {
+        record(p, size, fp);
+    }
     p
+}
+
+/// The recording path of [`recorded`]. `fp` is the hook's frame pointer:
+/// the walk starts there, above this function's frame.
+#[inline(never)]
+fn record(p: *mut c_void, size: usize, fp: usize) {
+    on_alloc(p as usize, size, fp, Role::Preload);
 }
 
 /// An arena block (binding under way), with errno set when there is none.
@@ -106,6 +120,18 @@ pub unsafe extern "C" fn malloc(size: usize) -> *mut c_void {
 /// `free(3)`: the block leaves the table before the memory is released.
 #[no_mangle]
 pub unsafe extern "C" fn free(p: *mut c_void) {
+    // Sampled mode, a block that was not sampled: straight to the next
+    // allocator (free(NULL) included, a no-op there too).
+    if not_sampled(p as usize) && !arena::contains(p as usize) {
+        raw_free(p);
+        return;
+    }
+    free_recorded(p);
+}
+
+/// The rest of [`free`], out of line (see [`recorded`]).
+#[inline(never)]
+fn free_recorded(p: *mut c_void) {
     if p.is_null() || arena::contains(p as usize) {
         return;
     }

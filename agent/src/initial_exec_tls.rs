@@ -1,0 +1,111 @@
+//! Thread-local words that the allocation hooks reach in two instructions,
+//! without a call.
+//!
+//! Rust's `thread_local!` in a shared library (the preload agent is one)
+//! uses the general-dynamic TLS model: every access calls
+//! `__tls_get_addr`, about a dozen instructions and a call on each hook.
+//! Stable Rust cannot ask for another model, so the words the hottest
+//! path needs are declared here in assembly, in `.tbss`, and reached by
+//! the initial-exec model: the thread pointer (`%fs:0`) plus the word's
+//! offset, which the dynamic loader writes into the GOT once at load time.
+//!
+//! Invariants:
+//! - A word lives as long as its thread's static TLS block: from the
+//!   thread's first instruction to its last, destructors included. It
+//!   needs no lazy initialisation (it starts at 0) and no destructor.
+//! - The initial-exec model needs the library in the static TLS block: true
+//!   of a library loaded at start (`LD_PRELOAD`, a dependency of the
+//!   executable) and of an executable (the Rust `Agent`; the linker turns
+//!   the access into a constant offset). A library `dlopen`ed later takes
+//!   the words from glibc's reserve of static TLS for that purpose (8
+//!   bytes here, of at least 512 reserved); if that were exhausted, the
+//!   `dlopen` would fail with a clear error, never a wrong access.
+//! - The symbols are hidden: not exported, never interposed.
+//!
+//! Other architectures fall back to `thread_local!`.
+
+/// This thread's sampled-mode countdown (bytes to the next sample; see
+/// `sampling`), as a raw pointer valid for the calling thread's lifetime.
+/// Starts at 0.
+#[inline(always)]
+pub fn sample_countdown() -> *mut i64 {
+    imp::sample_countdown()
+}
+
+#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+mod imp {
+    // One 8-byte word in the thread-local BSS, global (so the inline
+    // assembly in any object file of the crate can name it) but hidden.
+    std::arch::global_asm!(
+        ".pushsection .tbss,\"awT\",@nobits",
+        ".p2align 3",
+        ".globl heapdump_agent_sample_countdown",
+        ".hidden heapdump_agent_sample_countdown",
+        ".type heapdump_agent_sample_countdown, @object",
+        ".size heapdump_agent_sample_countdown, 8",
+        "heapdump_agent_sample_countdown:",
+        ".zero 8",
+        ".popsection",
+    );
+
+    #[inline(always)]
+    pub fn sample_countdown() -> *mut i64 {
+        let p: usize;
+        // SAFETY: the initial-exec sequence: %fs:0 holds the thread
+        // pointer (x86_64 TLS ABI), and the GOT entry the `@GOTTPOFF`
+        // relocation names holds the word's offset from it, filled in by
+        // the loader before any code of this object runs. It reads no Rust
+        // memory and writes only `p` (and the flags `add` sets).
+        unsafe {
+            std::arch::asm!(
+                "mov {p}, qword ptr fs:[0]",
+                "add {p}, qword ptr [rip + heapdump_agent_sample_countdown@GOTTPOFF]",
+                p = out(reg) p,
+                options(pure, nomem, nostack),
+            );
+        }
+        p as *mut i64
+    }
+}
+
+#[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
+mod imp {
+    use std::cell::Cell;
+
+    thread_local! {
+        static COUNTDOWN: Cell<i64> = const { Cell::new(0) };
+    }
+
+    #[inline(always)]
+    pub fn sample_countdown() -> *mut i64 {
+        COUNTDOWN.with(|c| c.as_ptr())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_thread_has_its_own_word_starting_at_zero() {
+        let p = sample_countdown();
+        // SAFETY: this thread's word, valid while the thread lives.
+        unsafe {
+            assert_eq!(*p, 0);
+            *p = 42;
+        }
+        let other = std::thread::spawn(|| {
+            let q = sample_countdown();
+            // SAFETY: as above, for the spawned thread.
+            let v = unsafe { *q };
+            (q as usize, v)
+        })
+        .join()
+        .unwrap();
+        assert_ne!(other.0, p as usize);
+        assert_eq!(other.1, 0);
+        // SAFETY: as above.
+        assert_eq!(unsafe { *p }, 42);
+        assert_eq!(sample_countdown(), p);
+    }
+}
