@@ -120,3 +120,33 @@ fn sampled_estimates_are_within_their_variance_and_freed_churn_is_never_live() {
     target.send("done");
     assert!(target.finish().success());
 }
+
+/// C++ `new` under sampling: the agent's `new` forwards to libstdc++'s,
+/// whose `malloc` passes through the agent's `malloc` hook as well (which
+/// counts down too, see `sampling`); each block must still be sampled with
+/// probability `1 - exp(-s/R)`, or the estimate drifts by far more than 6
+/// sd (sampling twice would give p^2, about half the blocks at this size).
+/// Same false-failure bound as above.
+#[test]
+fn sampled_cxx_new_estimates_are_unbiased() {
+    let exe = compile_c("sampled_cxx");
+    let mut cmd = Command::new(&exe);
+    cmd.env("LD_PRELOAD", preload_lib())
+        .env("HEAPDUMP_SAMPLE_RATE", "64KiB")
+        .env("HEAPDUMP_SAMPLE_SEED", "7");
+    let mut target = Target::spawn(cmd);
+    let pid = target.pid().to_string();
+    let dir = TempDir::new("sampled-cxx");
+    let json = dir.str("s.json");
+    let out = heapdump(&["snapshot", &pid, "--format", "json", "-o", &json]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let j = read_json(std::path::Path::new(&json));
+    within(site(&j, "site_new()"), 100_000, 512, "site_new");
+    assert_eq!(
+        site(&j, "site_new_churn()"),
+        (0, 0),
+        "freed churn counted live"
+    );
+    target.send("done");
+    assert!(target.finish().success());
+}
