@@ -13,16 +13,16 @@
 //! - A word lives as long as its thread's static TLS block: from the
 //!   thread's first instruction to its last, destructors included. It
 //!   needs no lazy initialisation (it starts at 0) and no destructor.
-//! - The initial-exec model needs the library in the static TLS block: true
-//!   of a library loaded at start (`LD_PRELOAD`, a dependency of the
-//!   executable) and of an executable (the Rust `Agent`; the linker turns
-//!   the access into a constant offset). A library `dlopen`ed later takes
-//!   the words from glibc's reserve of static TLS for that purpose (8
-//!   bytes here, of at least 512 reserved); if that were exhausted, the
-//!   `dlopen` would fail with a clear error, never a wrong access.
+//! - Only with the `initial-exec-tls` feature, which the preload library
+//!   (loaded at start through `LD_PRELOAD`) turns on. The initial-exec
+//!   model marks the whole library `STATIC_TLS`: all its thread-local
+//!   storage (the agent's per-thread state, ~27 KiB) must then sit in the
+//!   static TLS block, which a library loaded at start does and a
+//!   `dlopen`ed one cannot (glibc refuses it: "cannot allocate memory in
+//!   static TLS block"). Without the feature (the Rust `Agent`, in an
+//!   executable whose thread-locals are reached directly anyway, or in a
+//!   library that may be `dlopen`ed) the word is a `thread_local!`.
 //! - The symbols are hidden: not exported, never interposed.
-//!
-//! Other architectures fall back to `thread_local!`.
 
 /// This thread's sampled-mode countdown (bytes to the next sample; see
 /// `sampling`), as a raw pointer valid for the calling thread's lifetime.
@@ -32,7 +32,11 @@ pub fn sample_countdown() -> *mut i64 {
     imp::sample_countdown()
 }
 
-#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+#[cfg(all(
+    feature = "initial-exec-tls",
+    target_arch = "x86_64",
+    target_os = "linux"
+))]
 mod imp {
     // One 8-byte word in the thread-local BSS, global (so the inline
     // assembly in any object file of the crate can name it) but hidden.
@@ -68,7 +72,11 @@ mod imp {
     }
 }
 
-#[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
+#[cfg(not(all(
+    feature = "initial-exec-tls",
+    target_arch = "x86_64",
+    target_os = "linux"
+)))]
 mod imp {
     use std::cell::Cell;
 
