@@ -61,20 +61,28 @@ fn within(site: (u64, u64), n: u64, size: u64, name: &str) {
     );
 }
 
-#[test]
-fn sampled_estimates_are_within_their_variance_and_freed_churn_is_never_live() {
-    let exe = compile_c("sampled");
+/// Starts `tests/c/NAME` under the preload agent sampled at [`RATE`] with
+/// `seed`, and snapshots it as JSON: the running target, its pid, the
+/// snapshot's directory and the snapshot.
+fn sampled_snapshot(name: &str, seed: &str) -> (Target, String, TempDir, Value) {
+    let exe = compile_c(name);
     let mut cmd = Command::new(&exe);
     cmd.env("LD_PRELOAD", preload_lib())
         .env("HEAPDUMP_SAMPLE_RATE", "64KiB")
-        .env("HEAPDUMP_SAMPLE_SEED", "42");
-    let mut target = Target::spawn(cmd);
+        .env("HEAPDUMP_SAMPLE_SEED", seed);
+    let target = Target::spawn(cmd);
     let pid = target.pid().to_string();
-    let dir = TempDir::new("sampled");
+    let dir = TempDir::new(name);
     let json = dir.str("s.json");
     let out = heapdump(&["snapshot", &pid, "--format", "json", "-o", &json]);
     assert!(out.status.success(), "{}", stderr(&out));
     let j = read_json(std::path::Path::new(&json));
+    (target, pid, dir, j)
+}
+
+#[test]
+fn sampled_estimates_are_within_their_variance_and_freed_churn_is_never_live() {
+    let (mut target, pid, dir, j) = sampled_snapshot("sampled", "42");
     assert_eq!(j["sampling"]["rate_bytes"], RATE);
     assert_eq!(j["sampling"]["estimated"], true);
     assert!(j["partial"].is_null());
@@ -124,23 +132,13 @@ fn sampled_estimates_are_within_their_variance_and_freed_churn_is_never_live() {
 /// C++ `new` under sampling: the agent's `new` forwards to libstdc++'s,
 /// whose `malloc` passes through the agent's `malloc` hook as well (which
 /// counts down too, see `sampling`); each block must still be sampled with
-/// probability `1 - exp(-s/R)`, or the estimate drifts by far more than 6
-/// sd (sampling twice would give p^2, about half the blocks at this size).
-/// Same false-failure bound as above.
+/// probability `p = 1 - exp(-s/R)`, or the estimate drifts by far more
+/// than 6 sd (deciding twice would give `p^2`, about 1 % of the truth at
+/// this size; keeping a sample point reached inside `new`'s `malloc` gave
+/// 3x the truth). Same false-failure bound as above.
 #[test]
 fn sampled_cxx_new_estimates_are_unbiased() {
-    let exe = compile_c("sampled_cxx");
-    let mut cmd = Command::new(&exe);
-    cmd.env("LD_PRELOAD", preload_lib())
-        .env("HEAPDUMP_SAMPLE_RATE", "64KiB")
-        .env("HEAPDUMP_SAMPLE_SEED", "7");
-    let mut target = Target::spawn(cmd);
-    let pid = target.pid().to_string();
-    let dir = TempDir::new("sampled-cxx");
-    let json = dir.str("s.json");
-    let out = heapdump(&["snapshot", &pid, "--format", "json", "-o", &json]);
-    assert!(out.status.success(), "{}", stderr(&out));
-    let j = read_json(std::path::Path::new(&json));
+    let (mut target, _pid, _dir, j) = sampled_snapshot("sampled_cxx", "7");
     within(site(&j, "site_new()"), 100_000, 512, "site_new");
     assert_eq!(
         site(&j, "site_new_churn()"),
