@@ -79,7 +79,8 @@ pub fn module_unloaded() {
 ///
 /// The two kinds that make up nearly every frame are stepped by the walk's
 /// own loop without decoding the rest: [`K_FP_FRAME`] (compared as a whole
-/// word) and [`K_RSP_RA8`] (its CFA offset is the word shifted right by 8).
+/// word) and [`K_RSP_RA8`] (its return address's offset is kept beside it
+/// in the [`RuleCache`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Rule(u64);
 
@@ -283,26 +284,9 @@ impl<T: gimli::ReaderOffset> UnwindContextStorage<T> for StoreOnStack {
 
 type Slice = EndianSlice<'static, LittleEndian>;
 
-/// `DW_OP_breg6` (rbp + SLEB offset) and `DW_OP_deref`.
-const DW_OP_BREG6: u8 = 0x76;
-const DW_OP_DEREF: u8 = 0x06;
-
-/// Reads a SLEB128 at the start of `b`: the value and its length.
-fn sleb128(b: &[u8]) -> Option<(i64, usize)> {
-    let mut v: i64 = 0;
-    let mut shift = 0;
-    for (i, byte) in b.iter().enumerate().take(10) {
-        v |= i64::from(byte & 0x7f) << shift;
-        shift += 7;
-        if byte & 0x80 == 0 {
-            if shift < 64 && byte & 0x40 != 0 {
-                v |= -1 << shift;
-            }
-            return Some((v, i + 1));
-        }
-    }
-    None
-}
+/// `DW_OP_breg6` (rbp + SLEB offset) and `DW_OP_deref`, as bytes.
+const DW_OP_BREG6: u8 = gimli::DW_OP_breg6.0;
+const DW_OP_DEREF: u8 = gimli::DW_OP_deref.0;
 
 /// `rbp + off` if `expr` is exactly `DW_OP_breg6 off` (and then, with
 /// `deref`, `DW_OP_deref`): the forms GCC emits for frames that realign
@@ -312,8 +296,9 @@ fn breg6_expression(expr: &[u8], deref: bool) -> Option<i64> {
     if op != DW_OP_BREG6 {
         return None;
     }
-    let (off, n) = sleb128(rest)?;
-    match (&rest[n..], deref) {
+    let mut r = EndianSlice::new(rest, LittleEndian);
+    let off = gimli::leb128::read::signed(&mut r).ok()?;
+    match (r.slice(), deref) {
         ([], false) => Some(off),
         ([DW_OP_DEREF], true) => Some(off),
         _ => None,

@@ -607,7 +607,7 @@ fn record_alloc<const DIRECT: bool>(addr: usize, size: usize, fp: usize, role: R
                     t.sampler.redraw(rate);
                     None
                 } else {
-                    t.sampler.sample(size as u64, rate)
+                    t.sampler.reached(size as u64, rate)
                 }
             })
             .ok()

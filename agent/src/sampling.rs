@@ -25,7 +25,7 @@
 //!   ([`maybe_sampled`]), which can only answer "maybe" for an address
 //!   that was recorded, never "no".
 //! - The countdown is 0 until the thread's first draw, and every
-//!   allocation that reaches it goes to [`SamplerState::sample`]. An
+//!   allocation that reaches it goes to [`SamplerState::reached`]. An
 //!   allocation made while the agent is busy on this thread (its own, or
 //!   the `malloc` inside a forwarded C++ `new`) also counts down; if it
 //!   reaches the sample point it is not recorded, and a fresh distance is
@@ -103,8 +103,8 @@ pub fn maybe_sampled(addr: usize) -> bool {
 
 /// Whether an allocation of `size` bytes is certainly not sampled: then
 /// it has been counted down and needs nothing more. False means "ask
-/// [`SamplerState::sample`]" (the sample point is reached, or this thread
-/// has not drawn yet).
+/// [`SamplerState::reached`]" (the sample point is reached, or this
+/// thread has not drawn yet).
 #[inline(always)]
 pub fn skips(size: u64) -> bool {
     let p = crate::initial_exec_tls::sample_countdown();
@@ -134,19 +134,15 @@ fn set_countdown(v: i64) {
 /// A thread's sampling state (in its `ThreadState`); the countdown itself
 /// is an initial-exec thread-local word (see [`skips`]).
 pub struct SamplerState {
-    /// The countdown has been drawn on this thread.
-    drawn: Cell<bool>,
-    /// xorshift64* state; 0: not seeded yet.
+    /// xorshift64* state; 0: not seeded yet, so no distance has been
+    /// drawn on this thread either (a draw seeds it).
     rng: Cell<u64>,
 }
 
 impl SamplerState {
     /// A fresh state (usable in a `const` thread-local initialiser).
     pub const fn new() -> Self {
-        SamplerState {
-            drawn: Cell::new(false),
-            rng: Cell::new(0),
-        }
+        SamplerState { rng: Cell::new(0) }
     }
 
     /// The next 64 random bits.
@@ -180,18 +176,15 @@ impl SamplerState {
         (d.min(i64::MAX as f64 / 2.0) as i64).max(1)
     }
 
-    /// Whether an allocation of `size` bytes is sampled; if so, how many
-    /// allocations it stands for in the cumulative counters (`w(size)`
-    /// rounded at random, see the module doc). Must be called on the
-    /// thread that owns this state; [`skips`] is its fast path.
+    /// For an allocation of `size` bytes that [`skips`] did not skip:
+    /// whether it is sampled, and if so how many allocations it stands for
+    /// in the cumulative counters (`w(size)` rounded at random, see the
+    /// module doc). Must be called on the thread that owns this state.
     #[inline]
-    pub fn sample(&self, size: u64, rate: u64) -> Option<u64> {
-        if skips(size) {
-            return None;
-        }
+    pub fn reached(&self, size: u64, rate: u64) -> Option<u64> {
         let mut left = countdown();
-        if !self.drawn.get() {
-            self.drawn.set(true);
+        if self.rng.get() == 0 {
+            // This thread's first allocation: its first distance.
             left = self.draw(rate);
         }
         left = left.saturating_sub(size.min(i64::MAX as u64) as i64);
@@ -206,7 +199,6 @@ impl SamplerState {
     /// not record it (see the module doc): a fresh distance.
     #[cold]
     pub fn redraw(&self, rate: u64) {
-        self.drawn.set(true);
         set_countdown(self.draw(rate));
     }
 
@@ -254,12 +246,16 @@ mod tests {
 
     fn sampled_fraction_matches_the_model() {
         let s = SamplerState::new();
-        s.rng.set(0x1234_5678_9abc_def1);
         let (n, size, rate) = (400_000u64, 256u64, 64u64 << 10);
+        s.rng.set(0x1234_5678_9abc_def1);
+        set_countdown(s.draw(rate));
         let mut samples = 0u64;
         let mut estimate = 0u64;
         for _ in 0..n {
-            if let Some(k) = s.sample(size, rate) {
+            if skips(size) {
+                continue;
+            }
+            if let Some(k) = s.reached(size, rate) {
                 samples += 1;
                 estimate += k;
             }
