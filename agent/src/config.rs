@@ -104,23 +104,6 @@ fn parse_u64(v: &[u8]) -> Option<u64> {
     s.parse().ok()
 }
 
-/// Parses a byte count: `524288`, `512KiB`, `512K`, `2MiB`, `2M`, `1GiB`
-/// (binary units; case-insensitive; optional `B`).
-pub fn parse_bytes(v: &[u8]) -> Option<u64> {
-    let s = std::str::from_utf8(v).ok()?.trim();
-    let digits = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
-    let (n, unit) = s.split_at(digits);
-    let n: u64 = n.parse().ok()?;
-    let shift = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 0,
-        "k" | "kb" | "kib" => 10,
-        "m" | "mb" | "mib" => 20,
-        "g" | "gb" | "gib" => 30,
-        _ => return None,
-    };
-    n.checked_mul(1 << shift)
-}
-
 fn truthy(v: &[u8]) -> bool {
     !matches!(v, b"" | b"0" | b"false" | b"no" | b"off")
 }
@@ -218,7 +201,10 @@ impl Config {
             }
         }
         if let Some(v) = env(c"HEAPDUMP_SAMPLE_RATE") {
-            match parse_bytes(v) {
+            let n = std::str::from_utf8(v)
+                .ok()
+                .and_then(|v| heapdump_table::byte_size::parse_byte_size(v).ok());
+            match n {
                 Some(n) if n <= 1 << 40 => c.sample_rate = n,
                 _ => w.bad_sample_rate = true,
             }
@@ -270,17 +256,5 @@ mod tests {
         assert_eq!(parse_signal(b"SIGRTMIN+2"), Some(libc::SIGRTMIN() + 2));
         assert_eq!(parse_signal(b"SIGKILLME"), None);
         assert_eq!(parse_signal(b"999"), None);
-    }
-
-    #[test]
-    fn byte_counts_parse_with_binary_units() {
-        assert_eq!(parse_bytes(b"524288"), Some(524288));
-        assert_eq!(parse_bytes(b"512KiB"), Some(512 << 10));
-        assert_eq!(parse_bytes(b"2MiB"), Some(2 << 20));
-        assert_eq!(parse_bytes(b"2m"), Some(2 << 20));
-        assert_eq!(parse_bytes(b"0"), Some(0));
-        assert_eq!(parse_bytes(b"1GiB"), Some(1 << 30));
-        assert_eq!(parse_bytes(b"12 parsecs"), None);
-        assert_eq!(parse_bytes(b"KiB"), None);
     }
 }

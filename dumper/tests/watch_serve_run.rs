@@ -495,3 +495,33 @@ fn watch_all_collects_processes_started_later_their_requests_and_deaths() {
     unsafe { libc::kill(collector.child.id() as i32, libc::SIGTERM) };
     assert!(collector.child.wait().unwrap().success());
 }
+
+/// Byte-count flags take the agent's spellings (one parser for both), hand
+/// the agent the parsed number, and refuse a bad one with a clear error
+/// before anything runs.
+#[test]
+fn size_flags_are_parsed_before_the_program_starts() {
+    let out = heapdump(&[
+        "run",
+        "--sample-rate",
+        "2MiB",
+        "--",
+        "sh",
+        "-c",
+        "echo rate=$HEAPDUMP_SAMPLE_RATE",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("rate=2097152"),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    for args in [
+        &["run", "--sample-rate", "12parsecs", "--", "true"][..],
+        &["watch", "--all", "--max-total", "5XB"][..],
+    ] {
+        let out = heapdump(args);
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        assert!(stderr(&out).contains("unknown unit"), "{}", stderr(&out));
+    }
+}

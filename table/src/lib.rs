@@ -13,6 +13,7 @@
 #![deny(missing_docs)]
 
 pub mod allocations_table;
+pub mod byte_size;
 pub mod error;
 pub mod header;
 pub mod region;

@@ -160,8 +160,8 @@ pub struct AgentArgs {
     /// per BYTES allocated (e.g. 512KiB, 2MiB), each weighted so that every
     /// figure is an unbiased estimate (HEAPDUMP_SAMPLE_RATE; 0: every
     /// allocation, the default).
-    #[arg(long, value_name = "BYTES")]
-    pub(crate) sample_rate: Option<String>,
+    #[arg(long, value_name = "BYTES", value_parser = heapdump_table::byte_size::parse_byte_size)]
+    pub(crate) sample_rate: Option<u64>,
     /// Path of libheapdump_preload.so (default: $HEAPDUMP_PRELOAD, else
     /// next to this executable).
     #[arg(long)]
@@ -173,7 +173,7 @@ impl AgentArgs {
         AgentEnv {
             signal: self.signal.clone(),
             max_frames: self.max_frames,
-            sample_rate: self.sample_rate.clone(),
+            sample_rate: self.sample_rate,
             preload: self.preload.clone(),
         }
     }

@@ -66,8 +66,8 @@ pub struct AgentEnv {
     pub signal: Option<String>,
     /// `HEAPDUMP_MAX_FRAMES`.
     pub max_frames: Option<u32>,
-    /// `HEAPDUMP_SAMPLE_RATE` (`512KiB`, `524288`, ...).
-    pub sample_rate: Option<String>,
+    /// `HEAPDUMP_SAMPLE_RATE` in bytes.
+    pub sample_rate: Option<u64>,
     /// Explicit preload library path (overrides discovery).
     pub preload: Option<PathBuf>,
 }
@@ -146,8 +146,8 @@ pub fn program_command(
     if let Some(s) = &env.signal {
         cmd.env("HEAPDUMP_SIGNAL", s);
     }
-    if let Some(r) = &env.sample_rate {
-        cmd.env("HEAPDUMP_SAMPLE_RATE", r);
+    if let Some(r) = env.sample_rate {
+        cmd.env("HEAPDUMP_SAMPLE_RATE", r.to_string());
     }
     if let Some(n) = env.max_frames {
         cmd.env("HEAPDUMP_MAX_FRAMES", n.to_string());

@@ -612,7 +612,7 @@ pub struct WatchArgs {
     pub(crate) scan: Duration,
     /// Keep the snapshot files in the directory under SIZE bytes in all
     /// (e.g. 2GiB, 500MiB), deleting the oldest first.
-    #[arg(long, value_name = "SIZE", value_parser = parse_size)]
+    #[arg(long, value_name = "SIZE", value_parser = heapdump_table::byte_size::parse_byte_size)]
     pub(crate) max_total: Option<u64>,
     /// Directory for the snapshot files (created with mode 0700). Files are
     /// named heapdump-PID-SEQ-REASON-TIME.EXT.
@@ -642,25 +642,6 @@ pub struct WatchArgs {
     pub(crate) sym: SymArgs,
     #[command(flatten)]
     pub(crate) ages: AgeArgs,
-}
-
-/// Parses a size: `500MiB`, `2GiB`, `1048576` (binary units, optional
-/// `B`).
-fn parse_size(v: &str) -> Result<u64, String> {
-    let v = v.trim();
-    let digits = v.find(|c: char| !c.is_ascii_digit()).unwrap_or(v.len());
-    let (n, unit) = v.split_at(digits);
-    let n: u64 = n.parse().map_err(|_| format!("not a size: {v:?}"))?;
-    let shift = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 0,
-        "k" | "kib" | "kb" => 10,
-        "m" | "mib" | "mb" => 20,
-        "g" | "gib" | "gb" => 30,
-        "t" | "tib" | "tb" => 40,
-        _ => return Err(format!("unknown unit in {v:?} (use KiB, MiB, GiB, TiB)")),
-    };
-    n.checked_mul(1 << shift)
-        .ok_or_else(|| format!("{v:?} is too large"))
 }
 
 /// Prints what a watch wrote or removed (the lines scripts and tests read).
