@@ -46,15 +46,22 @@ impl Bound {
         }
     }
 
-    /// The address, bound on first use. Two threads may both look it up
-    /// and store the same value; Relaxed suffices (code addresses of
-    /// loaded libraries publish no data).
+    /// The address (0: absent), looked up on first use only: an absent
+    /// symbol is remembered as [`ABSENT`], so a misconfigured process does
+    /// not pay a `dlsym` on every call. Two threads may both look it up and
+    /// store the same value; Relaxed suffices (code addresses of loaded
+    /// libraries publish no data).
     #[inline]
     fn get(&self) -> usize {
-        let f = self.addr.load(Ordering::Relaxed);
-        if f != 0 {
-            return f;
+        match self.addr.load(Ordering::Relaxed) {
+            0 => self.look_up(),
+            ABSENT => 0,
+            f => f,
         }
+    }
+
+    #[cold]
+    fn look_up(&self) -> usize {
         let handle = if self.next {
             libc::RTLD_NEXT
         } else {
@@ -63,10 +70,15 @@ impl Bound {
         // SAFETY: dlsym with a NUL-terminated name. It may call malloc,
         // which is libheapdump_preload.so's or jemalloc's, never ours.
         let f = unsafe { libc::dlsym(handle, self.name.as_ptr()) } as usize;
-        self.addr.store(f, Ordering::Relaxed);
+        self.addr
+            .store(if f == 0 { ABSENT } else { f }, Ordering::Relaxed);
         f
     }
 }
+
+/// [`Bound::addr`] of a symbol looked up and not found (no code is at
+/// address 1).
+const ABSENT: usize = 1;
 
 static MALLOCX: Bound = Bound::new(c"mallocx", true);
 static RALLOCX: Bound = Bound::new(c"rallocx", true);

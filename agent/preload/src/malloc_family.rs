@@ -51,7 +51,8 @@ fn page_size() -> usize {
 /// small.
 #[inline(always)]
 fn recorded(p: *mut c_void, size: usize, fp: usize) -> *mut c_void {
-    if !sampled_out(size) {
+    // A failed allocation is not counted down either.
+    if !p.is_null() && !sampled_out(size) {
         record(p, size, fp);
     }
     p
