@@ -27,11 +27,13 @@ pub enum UnwindMode {
 impl UnwindMode {
     /// The number recorded in the region header (`offsets::UNWINDER`).
     pub fn code(self) -> u64 {
+        use heapdump_table::header::Unwinder;
         match self {
-            UnwindMode::FramePointer => 1,
-            UnwindMode::Auto => 2,
-            UnwindMode::Cfi => 3,
+            UnwindMode::FramePointer => Unwinder::FramePointer,
+            UnwindMode::Auto => Unwinder::CfiWithFramePointerFallback,
+            UnwindMode::Cfi => Unwinder::Cfi,
         }
+        .code()
     }
 }
 

@@ -145,7 +145,18 @@ pub enum Unwinder {
 }
 
 impl Unwinder {
-    /// The number stored in the header (see the agent's `UnwindMode`).
+    /// The number stored in the header for this unwinder (0: unknown).
+    pub fn code(self) -> u64 {
+        match self {
+            Unwinder::Unknown => 0,
+            Unwinder::FramePointer => 1,
+            Unwinder::CfiWithFramePointerFallback => 2,
+            Unwinder::Cfi => 3,
+        }
+    }
+
+    /// The unwinder a header number stands for (the inverse of
+    /// [`Self::code`]; `Unknown` for any other number).
     pub fn from_code(code: u64) -> Unwinder {
         match code {
             1 => Unwinder::FramePointer,
@@ -490,5 +501,23 @@ pub fn read_request(view: &SharedView) -> SnapshotRequest {
         count,
         time_monotonic_ns: time,
         name,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unwinder_codes_round_trip() {
+        for u in [
+            Unwinder::Unknown,
+            Unwinder::FramePointer,
+            Unwinder::CfiWithFramePointerFallback,
+            Unwinder::Cfi,
+        ] {
+            assert_eq!(Unwinder::from_code(u.code()), u);
+        }
+        assert_eq!(Unwinder::from_code(99), Unwinder::Unknown);
     }
 }
