@@ -207,7 +207,7 @@ impl Config {
                 .ok()
                 .and_then(|v| heapdump_table::byte_size::parse_byte_size(v).ok());
             match n {
-                Some(n) if n <= 1 << 40 => c.sample_rate = n,
+                Some(n) if n <= heapdump_table::sampling::MAX_RATE => c.sample_rate = n,
                 _ => w.bad_sample_rate = true,
             }
         }

@@ -9,6 +9,11 @@
 //! weights a reader applies are exactly the inverse of the probabilities
 //! the agent sampled with.
 
+/// The largest sample rate (1 TiB): the agent refuses a larger
+/// `HEAPDUMP_SAMPLE_RATE`, and a reader takes a larger header word for a
+/// damaged one.
+pub const MAX_RATE: u64 = 1 << 40;
+
 /// `1 / (1 - exp(-s/R))`: how many blocks of `size` bytes one sampled block
 /// stands for at `rate` (a block of 0 bytes counts as one of 1 byte).
 pub fn weight(size: u64, rate: u64) -> f64 {

@@ -408,7 +408,11 @@ pub fn take(
     // Sampled mode: each live block stands for `weight(size)` blocks. A
     // rate beyond any sane setting is a damaged header: refused.
     let raw_rate = heapdump_table::header::read_sample_rate(&target.allocations.view());
-    let rate = if raw_rate > 1 << 40 { 0 } else { raw_rate };
+    let rate = if raw_rate > heapdump_table::sampling::MAX_RATE {
+        0
+    } else {
+        raw_rate
+    };
     let weigh = |size: u64| -> (f64, f64) {
         if rate == 0 {
             (size as f64, 1.0)
