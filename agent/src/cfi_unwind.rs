@@ -38,7 +38,9 @@ use gimli::{
     RegisterRule, UnwindContext, UnwindContextStorage, UnwindSection, UnwindTableRow, X86_64,
 };
 
-use crate::stack_capture::{TraceHash, MAX_RETURN_ADDRESS, MIN_RETURN_ADDRESS};
+use crate::stack_capture::{is_return_address, TraceHash};
+use crate::stack_memo::{End, StackMemo, Step, Visited, MEMO_ENTRIES};
+use heapdump_table::stack_compression::MAX_FRAMES;
 
 /// Bumped when a module may have been unloaded (see the module doc).
 pub static GENERATION: AtomicU64 = AtomicU64::new(0);
@@ -182,7 +184,7 @@ pub const RULE_CACHE_ENTRIES: usize = 512;
 /// signal interrupted, whose rule is looked up at the counter itself, not
 /// at the byte before it as for a return address. User-space counters are
 /// below 2^56, so the bit never collides with an address.
-const EXACT: u64 = 1 << 63;
+pub(crate) const EXACT: u64 = 1 << 63;
 
 /// A thread's cache from program counter to [`Rule`].
 ///
@@ -440,14 +442,17 @@ struct Frame {
 }
 
 /// Walks the stack from the frame of a hook built with frame pointers
-/// (`fp`, the hook's frame pointer), writing return addresses into `out`;
-/// returns how many were written and a 64-bit hash of them (never 0), as
-/// [`crate::stack_capture::walk`] does. `fallback_fp`: use the frame
-/// pointer where a counter has no CFI (mode `auto`).
+/// (`fp`, the hook's frame pointer), writing return addresses into `out`
+/// (at most [`MAX_FRAMES`] of them); returns how many were written and a
+/// 64-bit hash of them (never 0), as [`crate::stack_capture::walk`] does.
+/// `fallback_fp`: use the frame pointer where a counter has no CFI (mode
+/// `auto`). `memo` is this thread's previous walk: the walk takes the
+/// frames it shares with it from there (see [`crate::stack_memo`]) and
+/// leaves itself there for the next.
 ///
 /// The caller guarantees `[sp, hi)` is this thread's live, mapped stack
 /// (see [`crate::stack_capture::walkable`]); `sp` is the current stack
-/// pointer.
+/// pointer. `cache` and `memo` are this thread's own.
 ///
 /// The loop is shaped for the processor: the two common rules are stepped
 /// inline, and the next frame's loads depend on the cached rule only
@@ -459,6 +464,7 @@ pub fn walk(
     hi: usize,
     out: &mut [u64],
     cache: &RuleCache,
+    memo: &mut StackMemo,
     fallback_fp: bool,
 ) -> (usize, u64) {
     let h = TraceHash::new();
@@ -486,13 +492,72 @@ pub fn walk(
         sp: fp + 16,
         rbp: caller_rbp,
     };
-    walk_from(f, sp, top, out, cache, fallback_fp, h)
+    let max = out.len().min(MAX_FRAMES);
+    let mut visited = [const { std::mem::MaybeUninit::<Visited>::uninit() }; MEMO_ENTRIES];
+    let memo_start = memo.start(top, generation);
+    let (walked, n, end, h) = walk_from(
+        f,
+        sp,
+        top,
+        &mut out[..max],
+        cache,
+        fallback_fp,
+        h,
+        memo,
+        memo_start,
+        &mut visited,
+    );
+    // SAFETY: `walk_from` wrote `visited[..walked]` (it says so).
+    let visited = unsafe { std::slice::from_raw_parts(visited.as_ptr() as *const Visited, walked) };
+    let classify = |rule| replay_step(Rule(rule), fallback_fp);
+    match end {
+        Ok(end) => {
+            memo.record(visited, end, classify);
+            h.finish(n)
+        }
+        Err((b, rbp, finished)) => {
+            memo.record_above(b, rbp, visited, classify);
+            finished
+        }
+    }
 }
+
+/// How the memo replays a step by `rule` (see [`Step`]).
+#[inline(always)]
+fn replay_step(rule: Rule, fallback_fp: bool) -> Step {
+    // Tested in order of frequency (an if-chain predicts better here than
+    // the jump table a `match` becomes).
+    let kind = rule.kind();
+    if kind == K_RSP_RA8 {
+        Step::Rsp {
+            rbp_off: rule.rbp_off(),
+        }
+    } else if kind == K_FP_FRAME || (kind == K_NO_CFI && fallback_fp) {
+        Step::FramePointer
+    } else if kind == K_STOP || kind == K_NO_CFI {
+        Step::End
+    } else {
+        Step::Other
+    }
+}
+
+/// What [`walk_from`] found: the states it visited itself (`visited[..walked]`),
+/// the frames it wrote, and either how it ended (`Ok`) or (`Err`) the memo
+/// entry it finished from, its `rbp` there, and the finished `(frames, hash)`.
+type Walked = (
+    usize,
+    usize,
+    Result<End, (usize, usize, (usize, u64))>,
+    TraceHash,
+);
 
 /// The walk's loop, from the hook's caller's frame `f` (see [`walk`]).
 /// Every read lies in `[f.sp, top + 8)` for the frame being stepped, and
-/// `[sp, top + 8)` is the caller's readable stack.
+/// `[sp, top + 8)` is the caller's readable stack. Writes each state it
+/// visits into `visited`, and stops stepping as soon as the memo can tell
+/// the rest (candidates below `p`).
 #[inline(always)]
+#[allow(clippy::too_many_arguments)]
 fn walk_from(
     mut f: Frame,
     sp: usize,
@@ -501,74 +566,104 @@ fn walk_from(
     cache: &RuleCache,
     fallback_fp: bool,
     mut h: TraceHash,
-) -> (usize, u64) {
+    memo: &StackMemo,
+    mut p: usize,
+    visited: &mut [std::mem::MaybeUninit<Visited>; MEMO_ENTRIES],
+) -> Walked {
     let mut n = 0;
-    while n < out.len() {
-        let pc = f.pc & !EXACT;
-        if (pc as usize).wrapping_sub(MIN_RETURN_ADDRESS) >= MAX_RETURN_ADDRESS - MIN_RETURN_ADDRESS
-        {
-            break;
-        }
-        out[n] = pc;
-        h.add(pc);
-        n += 1;
-        let (rule, ra_offset) = cache.rule(f.pc);
-        if rule == Rule::FP_FRAME {
-            let rbp = f.rbp;
-            if rbp < f.sp || rbp > top - 8 || !rbp.is_multiple_of(8) {
-                break;
+    let end = 'walk: loop {
+        // Walk until the memo may tell the rest (`break b`) or the walk ends.
+        let b = loop {
+            if n == out.len() {
+                break 'walk End::Limit;
             }
-            // SAFETY: `f.sp <= rbp` and `rbp + 16 <= top + 8`: both words
-            // lie in the readable stack (see above).
-            let (next_rbp, ra) = unsafe {
-                (
-                    std::ptr::read_volatile(rbp as *const usize),
-                    std::ptr::read_volatile((rbp + 8) as *const usize),
-                )
-            };
-            // The new sp, rbp + 16, is above f.sp and at most top + 8.
-            f = Frame {
-                pc: ra as u64,
-                sp: rbp + 16,
-                rbp: next_rbp,
-            };
-        } else if rule.kind() == K_RSP_RA8 {
-            // The canonical form (see K_RSP_RA8): the CFA offset is
-            // positive and a multiple of 8; the return address lies 8 below
-            // the CFA, `ra_offset` above the stack pointer.
-            let at = f.sp + ra_offset as usize;
-            if at > top {
-                break;
+            let pc = f.pc & !EXACT;
+            if !is_return_address(pc) {
+                visited[n].write(Visited {
+                    pc: f.pc,
+                    sp: f.sp,
+                    rbp: f.rbp,
+                    rule: 0,
+                });
+                return (n + 1, n, Ok(End::BadCounter), h);
             }
-            // SAFETY: `f.sp <= at <= top`: the word lies in the readable
-            // stack; aligned since `f.sp` and the offset are multiples of 8.
-            let ra = unsafe { std::ptr::read_volatile(at as *const usize) };
-            let cfa = at + 8;
-            let rbp_off = rule.rbp_off();
-            let rbp = if rbp_off == 0 {
-                f.rbp
-            } else {
-                // SAFETY: `-rbp_off` is a multiple of 8 in `[16, offset]`,
-                // so `cfa + rbp_off` lies in `[f.sp, cfa - 16]`.
-                unsafe {
-                    std::ptr::read_volatile(
-                        cfa.wrapping_add_signed(rbp_off as isize) as *const usize
-                    )
+            if let Some(b) = memo.candidate(&mut p, f.pc, f.sp, f.rbp) {
+                break b;
+            }
+            out[n] = pc;
+            h.add(pc);
+            let (rule, ra_offset) = cache.rule(f.pc);
+            visited[n].write(Visited {
+                pc: f.pc,
+                sp: f.sp,
+                rbp: f.rbp,
+                rule: rule.0,
+            });
+            n += 1;
+            if rule == Rule::FP_FRAME {
+                let rbp = f.rbp;
+                if rbp < f.sp || rbp > top - 8 || !rbp.is_multiple_of(8) {
+                    break 'walk End::Stepped;
                 }
-            };
-            f = Frame {
-                pc: ra as u64,
-                sp: cfa,
-                rbp,
-            };
-        } else {
-            match step_other(rule, f, sp, top, fallback_fp) {
-                Some(next) => f = next,
-                None => break,
+                // SAFETY: `f.sp <= rbp` and `rbp + 16 <= top + 8`: both
+                // words lie in the readable stack (see above).
+                let (next_rbp, ra) = unsafe {
+                    (
+                        std::ptr::read_volatile(rbp as *const usize),
+                        std::ptr::read_volatile((rbp + 8) as *const usize),
+                    )
+                };
+                // The new sp, rbp + 16, is above f.sp and at most top + 8.
+                f = Frame {
+                    pc: ra as u64,
+                    sp: rbp + 16,
+                    rbp: next_rbp,
+                };
+            } else if rule.kind() == K_RSP_RA8 {
+                // The canonical form (see K_RSP_RA8): the CFA offset is
+                // positive and a multiple of 8; the return address lies 8
+                // below the CFA, `ra_offset` above the stack pointer.
+                let at = f.sp + ra_offset as usize;
+                if at > top {
+                    break 'walk End::Stepped;
+                }
+                // SAFETY: `f.sp <= at <= top`: the word lies in the
+                // readable stack; aligned since `f.sp` and the offset are
+                // multiples of 8.
+                let ra = unsafe { std::ptr::read_volatile(at as *const usize) };
+                let cfa = at + 8;
+                let rbp_off = rule.rbp_off();
+                let rbp = if rbp_off == 0 {
+                    f.rbp
+                } else {
+                    // SAFETY: `-rbp_off` is a multiple of 8 in `[16,
+                    // offset]`, so `cfa + rbp_off` lies in `[f.sp, cfa -
+                    // 16]`.
+                    unsafe {
+                        std::ptr::read_volatile(
+                            cfa.wrapping_add_signed(rbp_off as isize) as *const usize
+                        )
+                    }
+                };
+                f = Frame {
+                    pc: ra as u64,
+                    sp: cfa,
+                    rbp,
+                };
+            } else {
+                match step_other(rule, f, sp, top, fallback_fp) {
+                    Some(next) => f = next,
+                    None => break 'walk End::Stepped,
+                }
             }
+        };
+        if let Some(done) = memo.follow(b, out, n, h, f.sp, top) {
+            return (n, done.0, Err((b, f.rbp, done)), h);
         }
-    }
-    h.finish(n)
+        // A word below changed: walk on, and record this walk instead.
+        p = 0;
+    };
+    (n, n, Ok(end), h)
 }
 
 /// One step by any rule but the two the loop takes inline: a general CFI
@@ -697,6 +792,18 @@ mod tests {
 
     #[inline(never)]
     fn recurse(n: u32, out: &mut [u64], cache: &RuleCache, fallback: bool) -> usize {
+        recurse_with(n, out, cache, &mut StackMemo::new(), fallback).0
+    }
+
+    /// Walks at the bottom of a recursion `n` deep, with `memo`.
+    #[inline(never)]
+    fn recurse_with(
+        n: u32,
+        out: &mut [u64],
+        cache: &RuleCache,
+        memo: &mut StackMemo,
+        fallback: bool,
+    ) -> (usize, u64) {
         if n == 0 {
             let sp = crate::stack_capture::stack_pointer();
             let hi = crate::stack_capture::thread_stack_top(sp).unwrap();
@@ -706,12 +813,48 @@ mod tests {
                 hi,
                 out,
                 cache,
+                memo,
                 fallback,
             )
-            .0
         } else {
-            std::hint::black_box(recurse(n - 1, out, cache, fallback))
+            std::hint::black_box(recurse_with(n - 1, out, cache, memo, fallback))
         }
+    }
+
+    #[test]
+    fn walks_that_reuse_the_previous_walk_equal_fresh_walks() {
+        assert!(init());
+        let cache = RuleCache::new();
+        let mut memo = StackMemo::new();
+        // Depths that share the outer frames with the walk before them in
+        // every way: deeper, shallower, equal, and past the frame limit
+        // (the memo then reaches the limit before its end).
+        for depth in [20, 20, 10, 30, 15, 15, 70, 60, 70, 5, 20] {
+            // One call site for both walks, so their outer frames are the
+            // same.
+            let mut walks = Vec::new();
+            for kept in [true, false] {
+                let mut fresh = StackMemo::new();
+                let m = if kept { &mut memo } else { &mut fresh };
+                let mut out = [0u64; MAX_FRAMES];
+                let (n, h) = recurse_with(depth, &mut out, &cache, m, true);
+                walks.push((out[..n].to_vec(), h));
+            }
+            assert_eq!(walks[0], walks[1], "depth {depth}");
+            assert!(
+                walks[0].0.len() > depth.min(60) as usize,
+                "depth {depth}: {} frames",
+                walks[0].0.len()
+            );
+        }
+        // The hash is the frame-by-frame one.
+        let mut out = [0u64; MAX_FRAMES];
+        let (n, h) = recurse_with(12, &mut out, &cache, &mut memo, true);
+        let mut by_frame = TraceHash::new();
+        for &pc in &out[..n] {
+            by_frame.add(pc);
+        }
+        assert_eq!(by_frame.finish(n), (n, h));
     }
 
     #[test]

@@ -25,6 +25,8 @@ pub mod recorder;
 pub mod sampling;
 mod signal;
 pub mod stack_capture;
+#[cfg(target_arch = "x86_64")]
+pub mod stack_memo;
 pub mod thread_state;
 
 pub use global_alloc::Agent;

@@ -510,6 +510,8 @@ fn stack_key<'t>(
                 hi,
                 &mut frames[..max],
                 &t.rules,
+                // SAFETY: `with_thread` set this thread's busy flag.
+                unsafe { t.memo() },
                 w.config.unwind == UnwindMode::Auto,
             ),
             _ => stack_capture::walk(fp, sp, hi, &mut frames[..max]),

@@ -148,16 +148,34 @@ pub const MIN_RETURN_ADDRESS: usize = 0x1_0000;
 /// even with 5-level page tables.
 pub const MAX_RETURN_ADDRESS: usize = 1 << 56;
 
-/// The 64-bit hash of a trace that both walkers compute frame by frame
-/// (every frame through a multiply and a rotation, finalised with the
-/// frame count): the agent's per-thread stack cache takes equal hashes as
-/// equal traces. The multiply chain runs in the shadow of the walk's
-/// loads, so hashing costs almost nothing extra.
+/// Whether `pc` is a believable return address (one compare for both
+/// bounds, 0 included).
+#[inline(always)]
+pub fn is_return_address(pc: u64) -> bool {
+    (pc as usize).wrapping_sub(MIN_RETURN_ADDRESS) < MAX_RETURN_ADDRESS - MIN_RETURN_ADDRESS
+}
+
+/// The 64-bit hash of a trace that both walkers compute frame by frame,
+/// finalised with the frame count: the agent's per-thread stack cache
+/// takes equal hashes as equal traces.
+///
+/// A polynomial over the frames' mixed addresses, outermost frame last:
+/// `H = c * P^n + sum over i of mix(pc_i) * P^(n - 1 - i)`, computed
+/// innermost first as `h = h * P + mix(pc)`. Its chain is a multiply and
+/// an add per frame (`mix` is off it), which runs in the shadow of the
+/// walk's loads; and a trace's outer part contributes a sum that does not
+/// depend on the frames above it, so a walk that reuses the outer part of
+/// its previous walk (see `stack_memo`) finishes the hash with one
+/// multiply-add ([`TraceHash::then`]). `mix` is a bijection (an odd
+/// multiply, then an xor-shift), so traces that differ in one frame never
+/// collide; the xor-shift makes the sum non-linear in the addresses.
 #[derive(Clone, Copy, Debug)]
 pub struct TraceHash(u64);
 
 impl TraceHash {
-    const K: u64 = 0x9e37_79b9_7f4a_7c15;
+    /// The polynomial's base (odd).
+    pub const P: u64 = 0x9e37_79b9_7f4a_7c15;
+    const K: u64 = 0xff51_afd7_ed55_8ccd;
 
     /// The hash of no frame yet.
     #[inline(always)]
@@ -165,10 +183,25 @@ impl TraceHash {
         TraceHash(0xc2b2_ae3d_27d4_eb4f)
     }
 
+    /// One frame's return address, mixed.
+    #[inline(always)]
+    pub fn mix(ret: u64) -> u64 {
+        let x = ret.wrapping_mul(Self::K);
+        x ^ (x >> 32)
+    }
+
     /// Mixes in the next frame's return address.
     #[inline(always)]
     pub fn add(&mut self, ret: u64) {
-        self.0 = (self.0 ^ ret).wrapping_mul(Self::K).rotate_left(29);
+        self.0 = self.0.wrapping_mul(Self::P).wrapping_add(Self::mix(ret));
+    }
+
+    /// Mixes in `k` more frames at once, given `pow = P^k` and `sum`, the
+    /// frames' own hash from 0 (what `k` calls of [`TraceHash::add`] would
+    /// add to a hash that was 0).
+    #[inline(always)]
+    pub fn then(self, pow: u64, sum: u64) -> Self {
+        TraceHash(self.0.wrapping_mul(pow).wrapping_add(sum))
     }
 
     /// `(n, hash)` of a trace of `n` frames; the hash is never 0.
@@ -215,8 +248,7 @@ pub fn walk(fp: usize, sp: usize, hi: usize, out: &mut [u64]) -> (usize, u64) {
                 std::ptr::read_volatile((fp + 8) as *const usize),
             )
         };
-        // One compare for both bounds (0 included).
-        if ret.wrapping_sub(MIN_RETURN_ADDRESS) >= MAX_RETURN_ADDRESS - MIN_RETURN_ADDRESS {
+        if !is_return_address(ret as u64) {
             break;
         }
         out[n] = ret as u64;
@@ -245,6 +277,33 @@ mod tests {
             let r = depth(n - 1, out);
             std::hint::black_box(r)
         }
+    }
+
+    #[test]
+    fn a_trace_hash_continued_by_a_sum_equals_the_frame_by_frame_hash() {
+        let frames: Vec<u64> = (0..20).map(|i| 0x5555_0000 + i * 0x1234).collect();
+        let mut whole = TraceHash::new();
+        for &f in &frames {
+            whole.add(f);
+        }
+        for split in 0..=frames.len() {
+            let mut head = TraceHash::new();
+            for &f in &frames[..split] {
+                head.add(f);
+            }
+            let mut tail = TraceHash(0);
+            for &f in &frames[split..] {
+                tail.add(f);
+            }
+            let pow = (split..frames.len()).fold(1u64, |p, _| p.wrapping_mul(TraceHash::P));
+            assert_eq!(head.then(pow, tail.0).finish(20), whole.finish(20));
+        }
+        // Traces differing in one frame never collide.
+        let mut other = TraceHash::new();
+        for (i, &f) in frames.iter().enumerate() {
+            other.add(if i == 7 { f + 1 } else { f });
+        }
+        assert_ne!(other.finish(20), whole.finish(20));
     }
 
     #[test]

@@ -104,6 +104,10 @@ pub struct ThreadState {
     /// Program counter to CFI rule (see `cfi_unwind`).
     #[cfg(target_arch = "x86_64")]
     pub rules: crate::cfi_unwind::RuleCache,
+    /// The thread's previous CFI walk (see `stack_memo`). Only touched
+    /// through [`ThreadState::memo`] while `busy` is set.
+    #[cfg(target_arch = "x86_64")]
+    memo: UnsafeCell<crate::stack_memo::StackMemo>,
 }
 
 /// How many freed blocks a thread keeps back from the allocator.
@@ -136,6 +140,8 @@ thread_local! {
             sampler: crate::sampling::SamplerState::new(),
             #[cfg(target_arch = "x86_64")]
             rules: crate::cfi_unwind::RuleCache::new(),
+            #[cfg(target_arch = "x86_64")]
+            memo: UnsafeCell::new(crate::stack_memo::StackMemo::new()),
         }
     };
 }
@@ -167,6 +173,18 @@ impl ThreadState {
     pub unsafe fn nodes(&self) -> &mut NodeCache {
         // SAFETY: uniqueness per the contract above.
         unsafe { &mut *self.nodes.get() }
+    }
+
+    /// The thread's previous CFI walk.
+    ///
+    /// # Safety
+    /// As for [`ThreadState::nodes`]: only while this thread's `busy` flag
+    /// is set by the caller.
+    #[cfg(target_arch = "x86_64")]
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn memo(&self) -> &mut crate::stack_memo::StackMemo {
+        // SAFETY: uniqueness per the contract above (as for `nodes`).
+        unsafe { &mut *self.memo.get() }
     }
 }
 

@@ -185,13 +185,36 @@ fn check_chain_program(unwind: &str) {
     );
     assert!(f.len() >= 4, "{f:?}");
 
+    // The same two frames at the same stack depth under two callers,
+    // alternately: each allocation is under its own caller (a walk that
+    // took the previous walk's outer frames without checking the return
+    // address below shared_mid would give both sites one stack).
+    for (caller, size) in [("via_left", 300), ("via_right", 301)] {
+        let found: Vec<_> = sites_with(&j, caller)
+            .into_iter()
+            .filter(|s| functions(s)[0] == "shared_leaf")
+            .collect();
+        assert_eq!(found.len(), 1, "{caller}: {found:#?}");
+        assert_eq!(
+            (
+                found[0]["live_blocks"].as_u64(),
+                found[0]["live_bytes"].as_u64()
+            ),
+            (Some(60), Some(60 * size)),
+            "{caller}"
+        );
+        assert_eq!(
+            down_to_main(found[0]),
+            ["shared_leaf", "shared_mid", caller, "main"]
+        );
+    }
     // The live set is exact: these and the few blocks of stdio and
     // the loader, nothing from the sites twice.
     let total: u64 = sites_with(&j, "main")
         .iter()
         .map(|s| s["live_blocks"].as_u64().unwrap())
         .sum();
-    assert!(total >= 115, "{total}");
+    assert!(total >= 235, "{total}");
     target.send("done");
     assert!(target.finish().success());
 }

@@ -5,6 +5,13 @@
 //!
 //!     cargo run --release -p heapdump-bench --bin walk_cost [-- --rounds N]
 //!
+//! The CFI walk is measured twice: with the thread's memo of its previous
+//! walk cleared before every walk (each frame is stepped through its rule,
+//! and the walk is recorded for the next: what a frame costs that the
+//! previous walk did not share), and with the memo kept (every walk
+//! repeats the previous one: what a frame costs that it shares, the outer
+//! part of a real stack).
+//!
 //! Prints a markdown table. Each (code, walker) cell is the median over
 //! rounds of the per-frame cost; configurations are interleaved round by
 //! round so machine noise hits them alike. The frame counts are checked:
@@ -13,7 +20,7 @@
 use std::ffi::c_void;
 use std::time::Instant;
 
-use heapdump_agent::{cfi_unwind, stack_capture};
+use heapdump_agent::{cfi_unwind, stack_capture, stack_memo};
 
 type Callback = extern "C" fn(*mut c_void);
 
@@ -34,12 +41,16 @@ const WALKS: u32 = 200_000;
 #[derive(Clone, Copy, PartialEq)]
 enum Walker {
     FramePointer,
-    Cfi,
+    /// The memo cleared before every walk.
+    CfiUnshared,
+    /// The memo kept from walk to walk.
+    CfiShared,
 }
 
 struct Job<'a> {
     walker: Walker,
     cache: &'a cfi_unwind::RuleCache,
+    memo: &'a mut stack_memo::StackMemo,
     ns_per_walk: f64,
     frames: usize,
 }
@@ -51,13 +62,17 @@ extern "C" fn at_bottom(arg: *mut c_void) {
     let sp = stack_capture::stack_pointer();
     let hi = stack_capture::thread_stack_top(sp).expect("stack top");
     let fp = stack_capture::frame_pointer();
-    let mut out = [0u64; 128];
+    let mut out = [0u64; 64];
     let mut frames = 0;
     let t = Instant::now();
     for _ in 0..WALKS {
         let (n, _) = match job.walker {
             Walker::FramePointer => stack_capture::walk(fp, sp, hi, &mut out),
-            Walker::Cfi => cfi_unwind::walk(fp, sp, hi, &mut out, job.cache, true),
+            Walker::CfiUnshared => {
+                job.memo.clear();
+                cfi_unwind::walk(fp, sp, hi, &mut out, job.cache, job.memo, true)
+            }
+            Walker::CfiShared => cfi_unwind::walk(fp, sp, hi, &mut out, job.cache, job.memo, true),
         };
         frames = std::hint::black_box(n);
     }
@@ -65,10 +80,17 @@ extern "C" fn at_bottom(arg: *mut c_void) {
     job.frames = frames;
 }
 
-fn measure(nofp: bool, walker: Walker, depth: i32, cache: &cfi_unwind::RuleCache) -> (f64, usize) {
+fn measure(
+    nofp: bool,
+    walker: Walker,
+    depth: i32,
+    cache: &cfi_unwind::RuleCache,
+    memo: &mut stack_memo::StackMemo,
+) -> (f64, usize) {
     let mut job = Job {
         walker,
         cache,
+        memo,
         ns_per_walk: 0.0,
         frames: 0,
     };
@@ -109,6 +131,7 @@ fn main() {
         "CFI unwinding needs glibc's _dl_find_object"
     );
     let cache = Box::new(cfi_unwind::RuleCache::new());
+    let mut memo = Box::new(stack_memo::StackMemo::new());
     let cells = [
         (
             "frame pointers",
@@ -116,8 +139,30 @@ fn main() {
             Walker::FramePointer,
             "frame-pointer walk",
         ),
-        ("frame pointers", false, Walker::Cfi, "CFI walk"),
-        ("no frame pointers", true, Walker::Cfi, "CFI walk"),
+        (
+            "frame pointers",
+            false,
+            Walker::CfiUnshared,
+            "CFI walk, frames not shared with the previous walk",
+        ),
+        (
+            "frame pointers",
+            false,
+            Walker::CfiShared,
+            "CFI walk, frames shared with the previous walk",
+        ),
+        (
+            "no frame pointers",
+            true,
+            Walker::CfiUnshared,
+            "CFI walk, frames not shared with the previous walk",
+        ),
+        (
+            "no frame pointers",
+            true,
+            Walker::CfiShared,
+            "CFI walk, frames shared with the previous walk",
+        ),
     ];
     let mut per_frame = vec![Vec::new(); cells.len()];
     let mut per_walk = vec![Vec::new(); cells.len()];
@@ -129,8 +174,8 @@ fn main() {
         };
         for i in order {
             let (_, nofp, walker, _) = cells[i];
-            let (t_shallow, n_shallow) = measure(nofp, walker, SHALLOW, &cache);
-            let (t_deep, n_deep) = measure(nofp, walker, DEEP, &cache);
+            let (t_shallow, n_shallow) = measure(nofp, walker, SHALLOW, &cache, &mut memo);
+            let (t_deep, n_deep) = measure(nofp, walker, DEEP, &cache, &mut memo);
             assert_eq!(
                 n_deep - n_shallow,
                 (DEEP - SHALLOW) as usize,

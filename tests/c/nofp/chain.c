@@ -6,6 +6,12 @@
  *   main -> recurse x 41 (depth 40 .. 0) (10 blocks of 2000 bytes)
  *   main -> spin_nofp -> raise(SIGUSR1) -> on_signal (5 blocks of 777
  *        bytes, allocated in the signal handler, across the signal frame)
+ *   main -> via_left -> shared_mid -> shared_leaf (60 blocks of 300 bytes)
+ *   main -> via_right -> shared_mid -> shared_leaf (60 blocks of 301
+ *        bytes), alternately with the one above: the same two frames at
+ *        the same stack depth under two callers, so a walk that reuses the
+ *        previous walk's outer frames must see the return address below
+ *        shared_mid change
  * Prints "ready PID" and waits for a line on stdin. */
 #include <signal.h>
 #include <stdio.h>
@@ -44,6 +50,24 @@ __attribute__((noinline)) void spin_nofp(void) {
     __asm__ volatile("" ::: "memory");
 }
 
+__attribute__((noinline)) void shared_leaf(size_t size) {
+    hold_block(malloc(size));
+    __asm__ volatile("" ::: "memory");
+}
+__attribute__((noinline)) void shared_mid(size_t size) {
+    shared_leaf(size);
+    __asm__ volatile("" ::: "memory");
+}
+/* Different sizes, so the compiler cannot fold the two into one. */
+__attribute__((noinline)) void via_left(void) {
+    shared_mid(300);
+    __asm__ volatile("" ::: "memory");
+}
+__attribute__((noinline)) void via_right(void) {
+    shared_mid(301);
+    __asm__ volatile("" ::: "memory");
+}
+
 int main(void) {
     struct sigaction sa;
     memset(&sa, 0, sizeof sa);
@@ -52,6 +76,10 @@ int main(void) {
     chain_a();
     recurse(40);
     spin_nofp();
+    for (int i = 0; i < 60; i++) {
+        via_left();
+        via_right();
+    }
     printf("ready %d\n", (int)getpid());
     fflush(stdout);
     char line[64];

@@ -1,0 +1,418 @@
+//! A thread's previous CFI walk, kept so that the next walk can take the
+//! frames it shares with it (the outer part of a stack: `main`, the event
+//! loop, the request handler) without stepping through them again.
+//!
+//! Why: on code without frame pointers every CFI step waits for two
+//! dependent loads (the frame's rule from the rule cache, then the return
+//! address the rule locates), so a walk is a chain of loads as long as the
+//! stack. Consecutive allocations of a thread mostly share the outer part
+//! of their stacks. Once a walk reaches a frame in the same state as a
+//! frame of the previous walk (same program counter, same stack pointer
+//! and, where the rest of the walk depends on it, the same `rbp`), the rest
+//! of the walk is decided by the stack words the previous walk read below
+//! that frame: if each still holds the value read then, the walk would
+//! find the same frames and end the same way. Those words' addresses are
+//! known in advance, so they are checked with independent loads that the
+//! processor overlaps instead of a chain of dependent ones.
+//!
+//! Invariants:
+//! - Entries are stored bottom-up: `e[0]` is where the recorded walk ended,
+//!   `e[len - 1]` its innermost frame. Stack pointers strictly fall as the
+//!   index rises (each step of a walk raises the stack pointer).
+//! - For `1 <= j < valid`, the step out of `e[j]` was a replayable one
+//!   ([`Step::FramePointer`] or [`Step::Rsp`]): it read exactly the return
+//!   address at `e[j - 1].sp - 8` (which became `e[j - 1].pc`) and, where
+//!   it read one, the caller's `rbp` (which became `e[j - 1].rbp`) at
+//!   `e[j - 1].chk_at`; the new stack pointer and everything else followed
+//!   from the rule of `e[j].pc` and the state of `e[j]`. Both words lie in
+//!   `[e[j].sp, e[j - 1].sp)` and are aligned. So a walk in a state equal
+//!   to `e[b]` (`b < valid`) reaches `e[b - 1]`, ..., `e[0]` exactly when
+//!   those words still hold those values ([`StackMemo::follow`] checks
+//!   them).
+//! - `needs_rbp` of `e[j]`: whether the walk from `e[j]` on uses the `rbp`
+//!   it has there before reloading it. When false, a state with another
+//!   `rbp` walks the same frames, and the entries' `rbp` above the reload
+//!   may be stale; nothing reads them.
+//! - `complete`: the recorded walk ended at `e[0]` for a reason that
+//!   depends only on `e[0]`'s state (its counter's rule, its stack pointer,
+//!   its `rbp` where `needs_rbp`), so a replay ends there too. Otherwise
+//!   (the walk was cut at the frame limit, or ended by a rule this memo
+//!   does not replay) only a walk that reaches the frame limit before
+//!   `e[0]` may take frames from the memo.
+//! - `first_output` is 1 when `e[0]` is the state whose counter ended the
+//!   walk (read as a return address, so checked like one, but not a frame
+//!   of the trace), else 0.
+//! - Every address an entry records lies in `[e[j + 1].sp, top]`, `top`
+//!   being the highest readable stack word of the thread when it was
+//!   recorded; a walk uses the memo only with the same `top` and from a
+//!   frame whose stack pointer is at least its own, so every read of a
+//!   replay lies in the part of the stack the walk may read. The replay
+//!   checks each address against those bounds anyway.
+//! - Rules come from the thread's rule cache, which is emptied when a
+//!   module may have been unloaded; the memo is emptied with it.
+//! - `sum` and `pow` of `e[j]` (`j >= first_output`): the trace hash's
+//!   contribution of `e[first_output..=j]` and `P^(j - first_output + 1)`
+//!   (see [`TraceHash`]), so a replayed walk's hash costs one multiply-add.
+
+use crate::stack_capture::TraceHash;
+use heapdump_table::stack_compression::MAX_FRAMES;
+
+/// Entries a memo holds: a walk's frames plus the state that ended it.
+pub const MEMO_ENTRIES: usize = MAX_FRAMES + 1;
+
+/// How a frame was stepped out of, as far as a replay is concerned.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Step {
+    /// Through the frame pointer: the new stack pointer is `rbp + 16`, the
+    /// return address at `rbp + 8`, the caller's `rbp` at `rbp`.
+    FramePointer,
+    /// CFA = rsp + k: the return address just below the CFA (the new stack
+    /// pointer); the caller's `rbp` at `CFA + rbp_off`, or (0) unchanged.
+    Rsp {
+        /// Offset of the saved `rbp` from the CFA; 0: `rbp` is not saved.
+        rbp_off: i64,
+    },
+    /// The walk ends in this frame whatever its `rbp` and the stack hold
+    /// (the outermost frame, or no CFI and no frame-pointer fallback).
+    End,
+    /// Any other rule (general CFI, a signal frame): not replayed.
+    Other,
+}
+
+/// One frame as the walk visited it, innermost first, with the raw rule
+/// the walk used to step out of it (classified by [`Step`] later, off the
+/// walk's loop).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Visited {
+    /// Program counter, tagged as the walk tags it.
+    pub pc: u64,
+    /// Stack pointer.
+    pub sp: usize,
+    /// `rbp` (0 = unknown).
+    pub rbp: usize,
+    /// The walker's rule for `pc`, opaque here.
+    pub rule: u64,
+}
+
+/// How a walk ended, for [`StackMemo::record`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum End {
+    /// `out` was full.
+    Limit,
+    /// The last visited state's counter is not a code address: it is not a
+    /// frame of the trace.
+    BadCounter,
+    /// Stepping out of the last visited frame failed.
+    Stepped,
+}
+
+/// `P^k` for every `k` a memo needs ([`TraceHash::P`]).
+const POW: [u64; MEMO_ENTRIES + 1] = {
+    let mut t = [1u64; MEMO_ENTRIES + 1];
+    let mut k = 1;
+    while k <= MEMO_ENTRIES {
+        t[k] = t[k - 1].wrapping_mul(TraceHash::P);
+        k += 1;
+    }
+    t
+};
+
+/// A thread's previous walk (see the module doc), one array per field so
+/// that a replay's loads are dense.
+pub struct StackMemo {
+    /// The entries' counters, tagged as the walk tags them.
+    pc: [u64; MEMO_ENTRIES],
+    /// The entries' stack pointers.
+    sp: [usize; MEMO_ENTRIES],
+    /// The entries' `rbp` (0 = unknown; stale where not `needs_rbp`).
+    rbp: [usize; MEMO_ENTRIES],
+    /// The second word the step into the entry read and its value: the
+    /// caller's `rbp`, or (where the step read none) the return address
+    /// again, so that a replay checks two words per entry without a
+    /// branch (frames that save `rbp` and frames that do not alternate
+    /// unpredictably).
+    chk_at: [usize; MEMO_ENTRIES],
+    chk_val: [u64; MEMO_ENTRIES],
+    /// The trace hash's contribution of `e[first_output..=j]`.
+    sum: [u64; MEMO_ENTRIES],
+    needs_rbp: [bool; MEMO_ENTRIES],
+    len: usize,
+    valid: usize,
+    complete: bool,
+    first_output: usize,
+    top: usize,
+    generation: u64,
+}
+
+impl Default for StackMemo {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl StackMemo {
+    /// An empty memo (usable in a `const` thread-local initialiser).
+    pub const fn new() -> Self {
+        StackMemo {
+            pc: [0; MEMO_ENTRIES],
+            sp: [0; MEMO_ENTRIES],
+            rbp: [0; MEMO_ENTRIES],
+            chk_at: [0; MEMO_ENTRIES],
+            chk_val: [0; MEMO_ENTRIES],
+            sum: [0; MEMO_ENTRIES],
+            needs_rbp: [false; MEMO_ENTRIES],
+            len: 0,
+            valid: 0,
+            complete: false,
+            first_output: 0,
+            top: 0,
+            generation: 0,
+        }
+    }
+
+    /// Forgets the recorded walk.
+    pub fn clear(&mut self) {
+        self.len = 0;
+        self.valid = 0;
+    }
+
+    /// Prepares a walk whose highest readable word is `top`, with rules of
+    /// module generation `generation`: a memo recorded with other ones is
+    /// forgotten. Returns the candidate bound for [`StackMemo::candidate`].
+    #[inline(always)]
+    pub fn start(&mut self, top: usize, generation: u64) -> usize {
+        if self.top != top || self.generation != generation {
+            self.clear();
+            self.top = top;
+            self.generation = generation;
+        }
+        self.valid
+    }
+
+    /// The entry a walk now in state (`pc`, `sp`, `rbp`) may continue
+    /// from, given the bound `p` (entries below `p` are the candidates; it
+    /// only falls as the walk's stack pointer rises, so the search costs
+    /// about one comparison per frame).
+    #[inline(always)]
+    pub fn candidate(&self, p: &mut usize, pc: u64, sp: usize, rbp: usize) -> Option<usize> {
+        while *p > 0 && self.sp[*p - 1] < sp {
+            *p -= 1;
+        }
+        let b = p.checked_sub(1)?;
+        (self.sp[b] == sp && self.pc[b] == pc && (!self.needs_rbp[b] || self.rbp[b] == rbp))
+            .then_some(b)
+    }
+
+    /// Replays the walk from entry `b` (found by [`StackMemo::candidate`]),
+    /// whose frames go to `out[n..]` after the `n` the walk found itself
+    /// (hashed into `h` so far). Checks every stack word the replayed
+    /// steps read; returns the finished `(frames, hash)`, or `None` (and
+    /// `out[n..]` is garbage) when a word changed or the memo cannot tell
+    /// the rest of this walk. `lo..=top` is what the walk may read.
+    #[inline(never)]
+    pub fn follow(
+        &self,
+        b: usize,
+        out: &mut [u64],
+        n: usize,
+        h: TraceHash,
+        lo: usize,
+        top: usize,
+    ) -> Option<(usize, u64)> {
+        let room = out.len().checked_sub(n)?;
+        let fo = self.first_output;
+        let frames = b + 1 - fo;
+        // The lowest entry output, and the lowest whose step is checked.
+        let (last, checked) = if frames <= room {
+            if !self.complete {
+                return None;
+            }
+            (fo, 0)
+        } else {
+            (b + 1 - room, b + 1 - room)
+        };
+        // Every word checked lies in `[sp[b], sp[checked] - 8]` (see
+        // `push`): within what the walk may read if those two ends are.
+        if self.sp[b] < lo || self.sp[checked] < 8 || self.sp[checked] - 8 > top {
+            return None;
+        }
+        let mut diff = 0;
+        for (((&sp, &pc), &at), &val) in self.sp[checked..b]
+            .iter()
+            .zip(&self.pc[checked..b])
+            .zip(&self.chk_at[checked..b])
+            .zip(&self.chk_val[checked..b])
+        {
+            // SAFETY: both words lie in `[sp[b], sp[checked] - 8]`, inside
+            // `[lo, top]`, the live part of this thread's stack that the
+            // walk may read (the caller's guarantee), and are aligned (both
+            // checked by `push` and above). Volatile: nothing may be
+            // assumed of them.
+            let (ra, word) = unsafe {
+                (
+                    std::ptr::read_volatile((sp - 8) as *const u64),
+                    std::ptr::read_volatile(at as *const u64),
+                )
+            };
+            diff |= (ra ^ pc) | (word ^ val);
+        }
+        if diff != 0 {
+            return None;
+        }
+        let k = n + (b + 1 - last);
+        for (o, &pc) in out[n..k].iter_mut().zip(self.pc[last..=b].iter().rev()) {
+            *o = pc & !crate::cfi_unwind::EXACT;
+        }
+        if frames <= room {
+            Some(h.then(POW[frames], self.sum[b]).finish(k))
+        } else {
+            let mut h = h;
+            for &pc in &out[n..k] {
+                h.add(pc);
+            }
+            Some(h.finish(k))
+        }
+    }
+
+    /// Records a walk that replayed entry `b` after visiting `visited`
+    /// (innermost first) itself, arriving at `b` with `rbp`.
+    #[inline(never)]
+    pub fn record_above(
+        &mut self,
+        b: usize,
+        rbp: usize,
+        visited: &[Visited],
+        classify: impl Fn(u64) -> Step,
+    ) {
+        let mut b = b;
+        let m = visited.len();
+        if b + 1 + m > MEMO_ENTRIES {
+            // Too deep to keep all: drop the outermost entries. The memo
+            // no longer reaches the walk's end (and its sums, counted from
+            // there, are no longer used).
+            let drop = b + 1 + m - MEMO_ENTRIES;
+            self.pc.copy_within(drop..=b, 0);
+            self.sp.copy_within(drop..=b, 0);
+            self.rbp.copy_within(drop..=b, 0);
+            self.chk_at.copy_within(drop..=b, 0);
+            self.chk_val.copy_within(drop..=b, 0);
+            self.needs_rbp.copy_within(drop..=b, 0);
+            b -= drop;
+            self.valid = self.valid.saturating_sub(drop).max(1);
+            self.complete = false;
+            self.first_output = 0;
+        }
+        self.rbp[b] = rbp;
+        self.valid = self.valid.min(b + 1);
+        self.len = b + 1;
+        self.extend(visited, classify);
+    }
+
+    /// Records a walk that took nothing from the memo: `visited` are its
+    /// states, innermost first (with the one that ended it when `end` is
+    /// [`End::BadCounter`]).
+    #[inline(never)]
+    pub fn record(&mut self, visited: &[Visited], end: End, classify: impl Fn(u64) -> Step) {
+        self.clear();
+        let Some((last, above)) = visited.split_last() else {
+            return;
+        };
+        let (step, complete) = match end {
+            End::Limit => (Step::Other, false),
+            End::BadCounter => (Step::End, true),
+            End::Stepped => {
+                let s = classify(last.rule);
+                (s, s != Step::Other)
+            }
+        };
+        self.complete = complete;
+        self.first_output = usize::from(end == End::BadCounter);
+        self.pc[0] = last.pc;
+        self.sp[0] = last.sp;
+        self.rbp[0] = last.rbp;
+        // Only a frame-pointer step's bounds depend on rbp.
+        self.needs_rbp[0] = step == Step::FramePointer;
+        self.sum[0] = if self.first_output == 0 {
+            TraceHash::mix(last.pc & !crate::cfi_unwind::EXACT)
+        } else {
+            0
+        };
+        self.len = 1;
+        self.valid = 1;
+        self.extend(above, classify);
+    }
+
+    /// Appends the frames `visited` (innermost first) above the current
+    /// innermost entry, each stepped out of by `classify(rule)` into the
+    /// one below it. Keeps the invariant [`StackMemo::follow`] relies on: a
+    /// step is replayable only if the words it read, the return address at
+    /// `below.sp - 8` and the one at `chk_at`, are aligned and lie in
+    /// `[v.sp, below.sp)`; so the words checked below an entry `e[b]` all
+    /// lie in `[e[b].sp, e[checked].sp - 8]`.
+    ///
+    /// The running values (the entry below, its hash sum and `needs_rbp`)
+    /// stay in locals: through memory, each entry would wait for the last
+    /// one's stores.
+    #[inline(always)]
+    fn extend(&mut self, visited: &[Visited], classify: impl Fn(u64) -> Step) {
+        let Some(mut j) = self.len.checked_sub(1) else {
+            return;
+        };
+        let mut below_sp = self.sp[j];
+        let mut below_pc = self.pc[j];
+        let mut below_rbp = self.rbp[j];
+        let mut needs = self.needs_rbp[j];
+        let mut sum = self.sum[j];
+        let mut valid = self.valid;
+        let fo = self.first_output;
+        for v in visited.iter().rev() {
+            j += 1;
+            if j >= MEMO_ENTRIES {
+                break;
+            }
+            // Branch-light: the kinds of neighbouring frames vary.
+            let (fp, rbp_off, stepped) = match classify(v.rule) {
+                Step::FramePointer => (true, 0, true),
+                Step::Rsp { rbp_off } => (false, rbp_off, true),
+                Step::End | Step::Other => (false, 0, false),
+            };
+            let ra_at = below_sp.wrapping_sub(8);
+            let rbp_at = if fp {
+                below_sp.wrapping_sub(16)
+            } else {
+                below_sp.wrapping_add_signed(rbp_off as isize)
+            };
+            let reads_rbp = fp | (rbp_off != 0);
+            let at = if reads_rbp { rbp_at } else { ra_at };
+            let replayable = stepped
+                & (v.sp <= at)
+                & (at < below_sp)
+                & (v.sp <= ra_at)
+                & (ra_at < below_sp)
+                & (below_sp | at | v.sp).is_multiple_of(8);
+            self.chk_at[j - 1] = at;
+            self.chk_val[j - 1] = if reads_rbp {
+                below_rbp as u64
+            } else {
+                below_pc
+            };
+            self.pc[j] = v.pc;
+            self.sp[j] = v.sp;
+            self.rbp[j] = v.rbp;
+            // Whether the walk from here uses this frame's rbp: a
+            // frame-pointer step does; a step that reloads rbp does not;
+            // one that passes it on does if the frame below does.
+            needs = !replayable | fp | (!reads_rbp & needs);
+            self.needs_rbp[j] = needs;
+            let pc = v.pc & !crate::cfi_unwind::EXACT;
+            sum = sum.wrapping_add(TraceHash::mix(pc).wrapping_mul(POW[j - fo]));
+            self.sum[j] = sum;
+            if replayable & (valid == j) {
+                valid = j + 1;
+            }
+            (below_sp, below_pc, below_rbp) = (v.sp, v.pc, v.rbp);
+            self.len = j + 1;
+        }
+        self.valid = valid;
+    }
+}
