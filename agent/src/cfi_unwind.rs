@@ -512,11 +512,21 @@ pub fn walk(
     let classify = |rule| replay_step(Rule(rule), fallback_fp);
     match end {
         Ok(end) => {
-            memo.record(visited, end, classify);
+            if memo.missed() {
+                memo.record(visited, end, classify);
+            }
             h.finish(n)
         }
         Err((b, rbp, finished)) => {
-            memo.record_above(b, rbp, visited, classify);
+            memo.met();
+            // The memo need not be the newest walk, only one of this
+            // thread's (a replay checks every word it relies on): it is
+            // refreshed only when this walk had to step through more than
+            // a few frames itself, so a thread whose walks keep meeting
+            // the memo soon (a deep memo, a changing top) records nothing.
+            if visited.len() > crate::stack_memo::REFRESH_AFTER {
+                memo.record_above(b, rbp, visited, classify);
+            }
             finished
         }
     }

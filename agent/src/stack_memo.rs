@@ -23,7 +23,7 @@
 //!   ([`Step::FramePointer`] or [`Step::Rsp`]): it read exactly the return
 //!   address at `e[j - 1].sp - 8` (which became `e[j - 1].pc`) and, where
 //!   it read one, the caller's `rbp` (which became `e[j - 1].rbp`) at
-//!   `e[j - 1].chk_at`; the new stack pointer and everything else followed
+//!   `checks[j - 1].at`; the new stack pointer and everything else followed
 //!   from the rule of `e[j].pc` and the state of `e[j]`. Both words lie in
 //!   `[e[j].sp, e[j - 1].sp)` and are aligned. So a walk in a state equal
 //!   to `e[b]` (`b < valid`) reaches `e[b - 1]`, ..., `e[0]` exactly when
@@ -59,6 +59,11 @@ use heapdump_table::stack_compression::MAX_FRAMES;
 
 /// Entries a memo holds: a walk's frames plus the state that ended it.
 pub const MEMO_ENTRIES: usize = MAX_FRAMES + 1;
+
+/// A walk that met the memo after stepping through at most this many
+/// frames itself leaves the memo as it is (recording costs more per frame
+/// than stepping; see [`crate::cfi_unwind::walk`]).
+pub const REFRESH_AFTER: usize = 3;
 
 /// How a frame was stepped out of, as far as a replay is concerned.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -117,7 +122,20 @@ const POW: [u64; MEMO_ENTRIES + 1] = {
     t
 };
 
-/// A thread's previous walk (see the module doc), one array per field so
+/// The two words the step into an entry read, and their values: the
+/// return address, and the caller's `rbp` or (where the step read none)
+/// the return address again, so that a replay checks two words per entry
+/// without a branch (frames that save `rbp` and frames that do not
+/// alternate unpredictably).
+#[derive(Clone, Copy, Debug)]
+struct Check {
+    ra_at: usize,
+    ra: u64,
+    at: usize,
+    val: u64,
+}
+
+/// A thread's previous walk (see the module doc), one array per use so
 /// that a replay's loads are dense.
 pub struct StackMemo {
     /// The entries' counters, tagged as the walk tags them.
@@ -126,13 +144,11 @@ pub struct StackMemo {
     sp: [usize; MEMO_ENTRIES],
     /// The entries' `rbp` (0 = unknown; stale where not `needs_rbp`).
     rbp: [usize; MEMO_ENTRIES],
-    /// The second word the step into the entry read and its value: the
-    /// caller's `rbp`, or (where the step read none) the return address
-    /// again, so that a replay checks two words per entry without a
-    /// branch (frames that save `rbp` and frames that do not alternate
-    /// unpredictably).
-    chk_at: [usize; MEMO_ENTRIES],
-    chk_val: [u64; MEMO_ENTRIES],
+    /// The words the step into each entry read (see [`Check`]).
+    checks: [Check; MEMO_ENTRIES],
+    /// The entries' counters untagged, in reverse (`e[j]`'s at
+    /// `MEMO_ENTRIES - 1 - j`): a replay's frames are one copy.
+    frames_rev: [u64; MEMO_ENTRIES],
     /// The trace hash's contribution of `e[first_output..=j]`.
     sum: [u64; MEMO_ENTRIES],
     needs_rbp: [bool; MEMO_ENTRIES],
@@ -142,6 +158,8 @@ pub struct StackMemo {
     first_output: usize,
     top: usize,
     generation: u64,
+    /// Walks in a row that took nothing from the memo.
+    misses: u32,
 }
 
 impl Default for StackMemo {
@@ -157,8 +175,13 @@ impl StackMemo {
             pc: [0; MEMO_ENTRIES],
             sp: [0; MEMO_ENTRIES],
             rbp: [0; MEMO_ENTRIES],
-            chk_at: [0; MEMO_ENTRIES],
-            chk_val: [0; MEMO_ENTRIES],
+            checks: [Check {
+                ra_at: 0,
+                ra: 0,
+                at: 0,
+                val: 0,
+            }; MEMO_ENTRIES],
+            frames_rev: [0; MEMO_ENTRIES],
             sum: [0; MEMO_ENTRIES],
             needs_rbp: [false; MEMO_ENTRIES],
             len: 0,
@@ -167,7 +190,25 @@ impl StackMemo {
             first_output: 0,
             top: 0,
             generation: 0,
+            misses: 0,
         }
+    }
+
+    /// Notes that a walk took frames from the memo.
+    #[inline(always)]
+    pub fn met(&mut self) {
+        self.misses = 0;
+    }
+
+    /// Notes that a walk took nothing from the memo; says whether to
+    /// record it. A thread whose walks keep missing (stacks that share no
+    /// replayable frame with each other, say a bottom frame whose rule the
+    /// memo does not replay) records only every 16th walk after the
+    /// second miss, so the memo costs it little.
+    #[inline(always)]
+    pub fn missed(&mut self) -> bool {
+        self.misses = self.misses.wrapping_add(1);
+        self.misses <= 2 || self.misses.is_multiple_of(16)
     }
 
     /// Forgets the recorded walk.
@@ -237,32 +278,25 @@ impl StackMemo {
             return None;
         }
         let mut diff = 0;
-        for (((&sp, &pc), &at), &val) in self.sp[checked..b]
-            .iter()
-            .zip(&self.pc[checked..b])
-            .zip(&self.chk_at[checked..b])
-            .zip(&self.chk_val[checked..b])
-        {
+        for c in &self.checks[checked..b] {
             // SAFETY: both words lie in `[sp[b], sp[checked] - 8]`, inside
             // `[lo, top]`, the live part of this thread's stack that the
             // walk may read (the caller's guarantee), and are aligned (both
-            // checked by `push` and above). Volatile: nothing may be
+            // checked by `extend` and above). Volatile: nothing may be
             // assumed of them.
             let (ra, word) = unsafe {
                 (
-                    std::ptr::read_volatile((sp - 8) as *const u64),
-                    std::ptr::read_volatile(at as *const u64),
+                    std::ptr::read_volatile(c.ra_at as *const u64),
+                    std::ptr::read_volatile(c.at as *const u64),
                 )
             };
-            diff |= (ra ^ pc) | (word ^ val);
+            diff |= (ra ^ c.ra) | (word ^ c.val);
         }
         if diff != 0 {
             return None;
         }
         let k = n + (b + 1 - last);
-        for (o, &pc) in out[n..k].iter_mut().zip(self.pc[last..=b].iter().rev()) {
-            *o = pc & !crate::cfi_unwind::EXACT;
-        }
+        out[n..k].copy_from_slice(&self.frames_rev[MEMO_ENTRIES - 1 - b..MEMO_ENTRIES - last]);
         if frames <= room {
             Some(h.then(POW[frames], self.sum[b]).finish(k))
         } else {
@@ -294,8 +328,11 @@ impl StackMemo {
             self.pc.copy_within(drop..=b, 0);
             self.sp.copy_within(drop..=b, 0);
             self.rbp.copy_within(drop..=b, 0);
-            self.chk_at.copy_within(drop..=b, 0);
-            self.chk_val.copy_within(drop..=b, 0);
+            self.checks.copy_within(drop..=b, 0);
+            self.frames_rev.copy_within(
+                MEMO_ENTRIES - 1 - b..MEMO_ENTRIES - drop,
+                MEMO_ENTRIES - 1 - b + drop,
+            );
             self.needs_rbp.copy_within(drop..=b, 0);
             b -= drop;
             self.valid = self.valid.saturating_sub(drop).max(1);
@@ -328,6 +365,7 @@ impl StackMemo {
         self.complete = complete;
         self.first_output = usize::from(end == End::BadCounter);
         self.pc[0] = last.pc;
+        self.frames_rev[MEMO_ENTRIES - 1] = last.pc & !crate::cfi_unwind::EXACT;
         self.sp[0] = last.sp;
         self.rbp[0] = last.rbp;
         // Only a frame-pointer step's bounds depend on rbp.
@@ -346,7 +384,7 @@ impl StackMemo {
     /// innermost entry, each stepped out of by `classify(rule)` into the
     /// one below it. Keeps the invariant [`StackMemo::follow`] relies on: a
     /// step is replayable only if the words it read, the return address at
-    /// `below.sp - 8` and the one at `chk_at`, are aligned and lie in
+    /// `below.sp - 8` and the one at `checks[below].at`, are aligned and lie in
     /// `[v.sp, below.sp)`; so the words checked below an entry `e[b]` all
     /// lie in `[e[b].sp, e[checked].sp - 8]`.
     ///
@@ -390,13 +428,18 @@ impl StackMemo {
                 & (v.sp <= ra_at)
                 & (ra_at < below_sp)
                 & (below_sp | at | v.sp).is_multiple_of(8);
-            self.chk_at[j - 1] = at;
-            self.chk_val[j - 1] = if reads_rbp {
-                below_rbp as u64
-            } else {
-                below_pc
+            self.checks[j - 1] = Check {
+                ra_at,
+                ra: below_pc,
+                at,
+                val: if reads_rbp {
+                    below_rbp as u64
+                } else {
+                    below_pc
+                },
             };
             self.pc[j] = v.pc;
+            self.frames_rev[MEMO_ENTRIES - 1 - j] = v.pc & !crate::cfi_unwind::EXACT;
             self.sp[j] = v.sp;
             self.rbp[j] = v.rbp;
             // Whether the walk from here uses this frame's rbp: a
