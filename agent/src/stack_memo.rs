@@ -22,8 +22,8 @@
 //! - For `1 <= j < valid`, the step out of `e[j]` was a replayable one
 //!   ([`Step::FramePointer`] or [`Step::Rsp`]): it read exactly the return
 //!   address at `e[j - 1].sp - 8` (which became `e[j - 1].pc`) and, where
-//!   it read one, the caller's `rbp` (which became `e[j - 1].rbp`) at
-//!   `checks[j - 1].at`; the new stack pointer and everything else followed
+//!   it read one, the caller's `rbp` (which became `e[j - 1].rbp`; checked
+//!   at `checks[j - 1].at` only where `e[j - 1].needs_rbp`); the new stack pointer and everything else followed
 //!   from the rule of `e[j].pc` and the state of `e[j]`. Both words lie in
 //!   `[e[j].sp, e[j - 1].sp)` and are aligned. So a walk in a state equal
 //!   to `e[b]` (`b < valid`) reaches `e[b - 1]`, ..., `e[0]` exactly when
@@ -421,7 +421,11 @@ impl StackMemo {
                 below_sp.wrapping_add_signed(rbp_off as isize)
             };
             let reads_rbp = fp | (rbp_off != 0);
-            let at = if reads_rbp { rbp_at } else { ra_at };
+            // The saved rbp is checked only where the walk below uses it:
+            // in code without frame pointers rbp is an ordinary register,
+            // and the values frames save of it change from call to call.
+            let check_rbp = reads_rbp & needs;
+            let at = if check_rbp { rbp_at } else { ra_at };
             let replayable = stepped
                 & (v.sp <= at)
                 & (at < below_sp)
@@ -432,7 +436,7 @@ impl StackMemo {
                 ra_at,
                 ra: below_pc,
                 at,
-                val: if reads_rbp {
+                val: if check_rbp {
                     below_rbp as u64
                 } else {
                     below_pc

@@ -6,11 +6,12 @@
 //!     cargo run --release -p heapdump-bench --bin walk_cost [-- --rounds N]
 //!
 //! The CFI walk is measured twice: with the thread's memo of its previous
-//! walk cleared before every walk (each frame is stepped through its rule,
-//! and the walk is recorded for the next: what a frame costs that the
-//! previous walk did not share), and with the memo kept (every walk
-//! repeats the previous one: what a frame costs that it shares, the outer
-//! part of a real stack).
+//! walk kept (every walk repeats the previous one, so all its frames are
+//! replayed from the memo: what a frame costs that the walk shares with
+//! an earlier one, as the outer part of a real stack does), and with the
+//! memo cleared before every walk (each frame is stepped through its rule;
+//! the walk is recorded for the next on the first misses, then on every
+//! 16th: what a frame costs that the walk shares with no earlier one).
 //!
 //! Prints a markdown table. Each (code, walker) cell is the median over
 //! rounds of the per-frame cost; configurations are interleaved round by
@@ -143,25 +144,25 @@ fn main() {
             "frame pointers",
             false,
             Walker::CfiUnshared,
-            "CFI walk, frames not shared with the previous walk",
+            "CFI walk, memo cleared before each walk (nothing shared)",
         ),
         (
             "frame pointers",
             false,
             Walker::CfiShared,
-            "CFI walk, frames shared with the previous walk",
+            "CFI walk, memo of the previous walk kept (every frame replayed)",
         ),
         (
             "no frame pointers",
             true,
             Walker::CfiUnshared,
-            "CFI walk, frames not shared with the previous walk",
+            "CFI walk, memo cleared before each walk (nothing shared)",
         ),
         (
             "no frame pointers",
             true,
             Walker::CfiShared,
-            "CFI walk, frames shared with the previous walk",
+            "CFI walk, memo of the previous walk kept (every frame replayed)",
         ),
     ];
     let mut per_frame = vec![Vec::new(); cells.len()];
