@@ -446,9 +446,9 @@ struct Frame {
 /// (at most [`MAX_FRAMES`] of them); returns how many were written and a
 /// 64-bit hash of them (never 0), as [`crate::stack_capture::walk`] does.
 /// `fallback_fp`: use the frame pointer where a counter has no CFI (mode
-/// `auto`). `memo` is this thread's previous walk: the walk takes the
-/// frames it shares with it from there (see [`crate::stack_memo`]) and
-/// leaves itself there for the next.
+/// `auto`). `memo` holds an earlier walk of this thread: the walk takes
+/// the frames it shares with it from there (see [`crate::stack_memo`]),
+/// and records itself there when it shared little.
 ///
 /// The caller guarantees `[sp, hi)` is this thread's live, mapped stack
 /// (see [`crate::stack_capture::walkable`]); `sp` is the current stack
@@ -495,7 +495,7 @@ pub fn walk(
     let max = out.len().min(MAX_FRAMES);
     let mut visited = [const { std::mem::MaybeUninit::<Visited>::uninit() }; MEMO_ENTRIES];
     let memo_start = memo.start(top, generation);
-    let (walked, n, end, h) = walk_from(
+    let walked = walk_from(
         f,
         sp,
         top,
@@ -507,17 +507,18 @@ pub fn walk(
         memo_start,
         &mut visited,
     );
-    // SAFETY: `walk_from` wrote `visited[..walked]` (it says so).
-    let visited = unsafe { std::slice::from_raw_parts(visited.as_ptr() as *const Visited, walked) };
+    // SAFETY: `walk_from` wrote `visited[..walked.visited]` (it says so).
+    let visited =
+        unsafe { std::slice::from_raw_parts(visited.as_ptr() as *const Visited, walked.visited) };
     let classify = |rule| replay_step(Rule(rule), fallback_fp);
-    match end {
-        Ok(end) => {
+    match walked.outcome {
+        Outcome::Ended { end, frames, hash } => {
             if memo.missed() {
                 memo.record(visited, end, classify);
             }
-            h.finish(n)
+            hash.finish(frames)
         }
-        Err((b, rbp, finished)) => {
+        Outcome::Replayed { entry, rbp, done } => {
             memo.met();
             // The memo need not be the newest walk, only one of this
             // thread's (a replay checks every word it relies on): it is
@@ -525,9 +526,9 @@ pub fn walk(
             // a few frames itself, so a thread whose walks keep meeting
             // the memo soon (a deep memo, a changing top) records nothing.
             if visited.len() > crate::stack_memo::REFRESH_AFTER {
-                memo.record_above(b, rbp, visited, classify);
+                memo.record_above(entry, rbp, visited, classify);
             }
-            finished
+            done
         }
     }
 }
@@ -551,15 +552,29 @@ fn replay_step(rule: Rule, fallback_fp: bool) -> Step {
     }
 }
 
-/// What [`walk_from`] found: the states it visited itself (`visited[..walked]`),
-/// the frames it wrote, and either how it ended (`Ok`) or (`Err`) the memo
-/// entry it finished from, its `rbp` there, and the finished `(frames, hash)`.
-type Walked = (
-    usize,
-    usize,
-    Result<End, (usize, usize, (usize, u64))>,
-    TraceHash,
-);
+/// What [`walk_from`] did: it wrote the states it stepped through itself
+/// into `visited[..visited]`, and ended as `outcome` says.
+struct Walked {
+    visited: usize,
+    outcome: Outcome,
+}
+
+/// How [`walk_from`] ended.
+enum Outcome {
+    /// By itself, after writing `frames` frames hashed into `hash`.
+    Ended {
+        end: End,
+        frames: usize,
+        hash: TraceHash,
+    },
+    /// By taking the rest from memo entry `entry`, met with `rbp`: the
+    /// finished `(frames, hash)`.
+    Replayed {
+        entry: usize,
+        rbp: usize,
+        done: (usize, u64),
+    },
+}
 
 /// The walk's loop, from the hook's caller's frame `f` (see [`walk`]).
 /// Every read lies in `[f.sp, top + 8)` for the frame being stepped, and
@@ -595,7 +610,14 @@ fn walk_from(
                     rbp: f.rbp,
                     rule: 0,
                 });
-                return (n + 1, n, Ok(End::BadCounter), h);
+                return Walked {
+                    visited: n + 1,
+                    outcome: Outcome::Ended {
+                        end: End::BadCounter,
+                        frames: n,
+                        hash: h,
+                    },
+                };
             }
             if let Some(b) = memo.candidate(&mut p, f.pc, f.sp, f.rbp) {
                 break b;
@@ -668,12 +690,26 @@ fn walk_from(
             }
         };
         if let Some(done) = memo.follow(b, out, n, h, f.sp, top) {
-            return (n, done.0, Err((b, f.rbp, done)), h);
+            return Walked {
+                visited: n,
+                outcome: Outcome::Replayed {
+                    entry: b,
+                    rbp: f.rbp,
+                    done,
+                },
+            };
         }
         // A word below changed: walk on, and record this walk instead.
         p = 0;
     };
-    (n, n, Ok(end), h)
+    Walked {
+        visited: n,
+        outcome: Outcome::Ended {
+            end,
+            frames: n,
+            hash: h,
+        },
+    }
 }
 
 /// One step by any rule but the two the loop takes inline: a general CFI

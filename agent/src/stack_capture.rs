@@ -165,7 +165,7 @@ pub fn is_return_address(pc: u64) -> bool {
 /// an add per frame (`mix` is off it), which runs in the shadow of the
 /// walk's loads; and a trace's outer part contributes a sum that does not
 /// depend on the frames above it, so a walk that reuses the outer part of
-/// its previous walk (see `stack_memo`) finishes the hash with one
+/// an earlier walk (see `stack_memo`) finishes the hash with one
 /// multiply-add ([`TraceHash::then`]). `mix` is a bijection (an odd
 /// multiply, then an xor-shift), so traces that differ in one frame never
 /// collide; the xor-shift makes the sum non-linear in the addresses.

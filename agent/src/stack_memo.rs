@@ -1,5 +1,5 @@
-//! A thread's previous CFI walk, kept so that the next walk can take the
-//! frames it shares with it (the outer part of a stack: `main`, the event
+//! An earlier CFI walk of a thread, kept so that its later walks can take
+//! the frames they share with it (the outer part of a stack: `main`, the event
 //! loop, the request handler) without stepping through them again.
 //!
 //! Why: on code without frame pointers every CFI step waits for two
@@ -7,13 +7,15 @@
 //! address the rule locates), so a walk is a chain of loads as long as the
 //! stack. Consecutive allocations of a thread mostly share the outer part
 //! of their stacks. Once a walk reaches a frame in the same state as a
-//! frame of the previous walk (same program counter, same stack pointer
+//! frame of the recorded walk (same program counter, same stack pointer
 //! and, where the rest of the walk depends on it, the same `rbp`), the rest
-//! of the walk is decided by the stack words the previous walk read below
+//! of the walk is decided by the stack words the recorded walk read below
 //! that frame: if each still holds the value read then, the walk would
 //! find the same frames and end the same way. Those words' addresses are
 //! known in advance, so they are checked with independent loads that the
-//! processor overlaps instead of a chain of dependent ones.
+//! processor overlaps instead of a chain of dependent ones. The memo need
+//! not be the newest walk, only one of this thread's: it is refreshed when
+//! a walk had to step through more than [`REFRESH_AFTER`] frames itself.
 //!
 //! Invariants:
 //! - Entries are stored bottom-up: `e[0]` is where the recorded walk ended,
@@ -23,8 +25,9 @@
 //!   ([`Step::FramePointer`] or [`Step::Rsp`]): it read exactly the return
 //!   address at `e[j - 1].sp - 8` (which became `e[j - 1].pc`) and, where
 //!   it read one, the caller's `rbp` (which became `e[j - 1].rbp`; checked
-//!   at `checks[j - 1].at` only where `e[j - 1].needs_rbp`); the new stack pointer and everything else followed
-//!   from the rule of `e[j].pc` and the state of `e[j]`. Both words lie in
+//!   at `checks[j - 1].at` only where `e[j - 1].needs_rbp`); the new stack
+//!   pointer and everything else followed from the rule of `e[j].pc` and
+//!   the state of `e[j]`. Both words lie in
 //!   `[e[j].sp, e[j - 1].sp)` and are aligned. So a walk in a state equal
 //!   to `e[b]` (`b < valid`) reaches `e[b - 1]`, ..., `e[0]` exactly when
 //!   those words still hold those values ([`StackMemo::follow`] checks
@@ -46,13 +49,15 @@
 //!   being the highest readable stack word of the thread when it was
 //!   recorded; a walk uses the memo only with the same `top` and from a
 //!   frame whose stack pointer is at least its own, so every read of a
-//!   replay lies in the part of the stack the walk may read. The replay
-//!   checks each address against those bounds anyway.
+//!   replay lies in the part of the stack the walk may read. `extend`
+//!   refuses to make a step replayable whose words break this, so a replay
+//!   need only check the two ends of the range.
 //! - Rules come from the thread's rule cache, which is emptied when a
 //!   module may have been unloaded; the memo is emptied with it.
-//! - `sum` and `pow` of `e[j]` (`j >= first_output`): the trace hash's
-//!   contribution of `e[first_output..=j]` and `P^(j - first_output + 1)`
-//!   (see [`TraceHash`]), so a replayed walk's hash costs one multiply-add.
+//! - `sum` of `e[j]` (`j >= first_output`, while `complete`): the trace
+//!   hash's contribution of `e[first_output..=j]`, to be scaled by
+//!   `P^(j - first_output + 1)` (see [`TraceHash`]), so a replayed walk's
+//!   hash costs one multiply-add.
 
 use crate::stack_capture::TraceHash;
 use heapdump_table::stack_compression::MAX_FRAMES;
@@ -135,7 +140,7 @@ struct Check {
     val: u64,
 }
 
-/// A thread's previous walk (see the module doc), one array per use so
+/// An earlier walk of a thread (see the module doc), one array per use so
 /// that a replay's loads are dense.
 pub struct StackMemo {
     /// The entries' counters, tagged as the walk tags them.
@@ -273,7 +278,7 @@ impl StackMemo {
             (b + 1 - room, b + 1 - room)
         };
         // Every word checked lies in `[sp[b], sp[checked] - 8]` (see
-        // `push`): within what the walk may read if those two ends are.
+        // `extend`): within what the walk may read if those two ends are.
         if self.sp[b] < lo || self.sp[checked] < 8 || self.sp[checked] - 8 > top {
             return None;
         }

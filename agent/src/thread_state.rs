@@ -104,7 +104,7 @@ pub struct ThreadState {
     /// Program counter to CFI rule (see `cfi_unwind`).
     #[cfg(target_arch = "x86_64")]
     pub rules: crate::cfi_unwind::RuleCache,
-    /// The thread's previous CFI walk (see `stack_memo`). Only touched
+    /// An earlier CFI walk of the thread (see `stack_memo`). Only touched
     /// through [`ThreadState::memo`] while `busy` is set.
     #[cfg(target_arch = "x86_64")]
     memo: UnsafeCell<crate::stack_memo::StackMemo>,
@@ -175,7 +175,7 @@ impl ThreadState {
         unsafe { &mut *self.nodes.get() }
     }
 
-    /// The thread's previous CFI walk.
+    /// An earlier CFI walk of the thread.
     ///
     /// # Safety
     /// As for [`ThreadState::nodes`]: only while this thread's `busy` flag
