@@ -358,7 +358,10 @@ fn watch_interval_and_stop_by_sigterm() {
 
 #[test]
 fn serve_answers_allocs_delta_profiles_and_targets_by_name_as_go_does() {
-    let exe = heapdump_tests::compile_c("pattern");
+    // A program name of its own: other tests of this file run the pattern
+    // program at the same time, and a name shared by two targets is
+    // (rightly) refused.
+    let exe = heapdump_tests::compile_c_variant("pattern", "by-name", &[]);
     let mut cmd = Command::new(&exe);
     cmd.env("LD_PRELOAD", heapdump_tests::preload_lib())
         .arg("hold");
