@@ -422,7 +422,7 @@ impl HeaderCounters {
         let mut spins = 0u32;
         let start = loop {
             let s = seq.load(Ordering::Relaxed);
-            if s % 2 == 0
+            if s.is_multiple_of(2)
                 && seq
                     .compare_exchange_weak(s, s + 1, Ordering::Acquire, Ordering::Relaxed)
                     .is_ok()

@@ -58,7 +58,7 @@ pub struct RegionWriter {
 impl RegionWriter {
     /// Creates, sizes, stamps and seals a new region of `size` bytes.
     pub fn create(kind: RegionKind, size: u64, layout: [u64; 8]) -> Result<Self, TableError> {
-        if size < HEADER_SIZE || size % 4096 != 0 {
+        if size < HEADER_SIZE || !size.is_multiple_of(4096) {
             return Err(TableError::CorruptHeader(format!(
                 "region size {size} must be a multiple of 4096 and at least {HEADER_SIZE}"
             )));
@@ -192,7 +192,7 @@ impl RegionWriter {
     /// the system: they read back as zeros. Used when a table moves data
     /// out of a range, so memory follows live data, not peaks.
     pub(crate) fn release_range(&self, offset: u64, len: u64) {
-        if len == 0 || offset % 4096 != 0 || len % 4096 != 0 {
+        if len == 0 || !offset.is_multiple_of(4096) || !len.is_multiple_of(4096) {
             return;
         }
         if offset.saturating_add(len) > self.map.len() as u64 {

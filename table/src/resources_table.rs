@@ -140,7 +140,7 @@ impl Layout {
         if self.buckets_off != HEADER_SIZE {
             return bad("bucket array not right after the header");
         }
-        if self.data_off % 8 != 0 || self.data_off < self.buckets_off + self.buckets * 8 {
+        if !self.data_off.is_multiple_of(8) || self.data_off < self.buckets_off + self.buckets * 8 {
             return bad("data area overlaps the buckets");
         }
         if self.data_end != region_size || self.data_end < self.data_off {
@@ -353,7 +353,7 @@ impl<'a> ResourcesWriter<'a> {
         // Never panic on the allocation path, whatever the key: compare
         // without overflowing.
         if k < self.layout.data_off
-            || k % 8 != 0
+            || !k.is_multiple_of(8)
             || k > self.layout.data_end.saturating_sub(STACK_HEADER)
         {
             return;
@@ -377,7 +377,7 @@ impl<'a> ResourcesWriter<'a> {
             // Only a well-formed block inside the data area is reused: the
             // counting path trusts a claimed block's bounds.
             let size = COUNTERS_HEADER + COUNTER_SLOTS * COUNTER_SLOT;
-            let well_formed = cur % 8 == 0
+            let well_formed = cur.is_multiple_of(8)
                 && cur >= self.layout.data_off
                 && cur
                     .checked_add(size)
@@ -590,7 +590,7 @@ impl<'a> ResourcesReader<'a> {
     fn check_key(&self, key: ResourceKey, tag: u32, hdr: u64) -> Result<(u64, u64), TableError> {
         let k = key.0;
         let bad = |why| Err(TableError::BadKey { key: k, why });
-        if k % 8 != 0 {
+        if !k.is_multiple_of(8) {
             return bad("misaligned");
         }
         let limit = self.limit();
@@ -678,7 +678,7 @@ impl<'a> ResourcesReader<'a> {
                 return Some("cycle in a list");
             }
             // `cur` is untrusted: compare without overflowing.
-            if cur % 8 != 0
+            if !cur.is_multiple_of(8)
                 || cur < self.layout.data_off
                 || cur > self.layout.data_end.saturating_sub(16)
             {

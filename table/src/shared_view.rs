@@ -51,7 +51,7 @@ impl SharedView {
 
     fn in_bounds(&self, offset: u64, width: u64) -> Option<usize> {
         let end = offset.checked_add(width)?;
-        if end > self.len as u64 || offset % width != 0 {
+        if end > self.len as u64 || !offset.is_multiple_of(width) {
             return None;
         }
         Some(offset as usize)
@@ -82,7 +82,7 @@ impl SharedView {
     /// `offset + 8 <= len` and `offset % 8 == 0`.
     #[inline(always)]
     pub(crate) unsafe fn atomic_u64_unchecked(&self, offset: u64) -> &AtomicU64 {
-        debug_assert!(offset + 8 <= self.len as u64 && offset % 8 == 0);
+        debug_assert!(offset + 8 <= self.len as u64 && offset.is_multiple_of(8));
         // SAFETY: in bounds and aligned per the caller's contract; the
         // mapping outlives `self`.
         unsafe { &*(self.base.add(offset as usize) as *const AtomicU64) }
@@ -94,7 +94,7 @@ impl SharedView {
     /// `offset + 4 <= len` and `offset % 4 == 0`.
     #[inline(always)]
     pub(crate) unsafe fn atomic_u32_unchecked(&self, offset: u64) -> &AtomicU32 {
-        debug_assert!(offset + 4 <= self.len as u64 && offset % 4 == 0);
+        debug_assert!(offset + 4 <= self.len as u64 && offset.is_multiple_of(4));
         // SAFETY: as above.
         unsafe { &*(self.base.add(offset as usize) as *const AtomicU32) }
     }
@@ -135,7 +135,7 @@ impl SharedView {
         let mut pos = offset;
         let mut i = 0;
         // Word-at-a-time while aligned, bytes for the ragged ends.
-        while pos < end && pos % 8 != 0 {
+        while pos < end && !pos.is_multiple_of(8) {
             out[i] = self.load_u8(pos)?;
             (pos, i) = (pos + 1, i + 1);
         }

@@ -153,7 +153,7 @@ impl Layout {
         }
         if self.shards_off != HEADER_SIZE
             || self.index_off < self.shards_off + self.shards * SHARD_SIZE
-            || self.index_off % 4096 != 0
+            || !self.index_off.is_multiple_of(4096)
         {
             return bad("shard array placement");
         }
@@ -163,7 +163,7 @@ impl Layout {
             Some(index_end) => self.nodes_off >= index_end,
             None => false,
         };
-        if !index_fits || self.nodes_off % 4096 != 0 {
+        if !index_fits || !self.nodes_off.is_multiple_of(4096) {
             return bad("index placement");
         }
         match (self.capacity * NODE_SIZE).checked_add(self.nodes_off) {

@@ -68,7 +68,12 @@ impl AllocationsWriter<'_> {
     pub(super) fn encode(rec: &AllocationRecord) -> Option<(u32, u64, u64, u64)> {
         let sk = rec.stack.0;
         let tk = rec.thread.0;
-        if rec.address == 0 || sk % 8 != 0 || tk % 8 != 0 || sk >> 35 != 0 || tk >> 35 != 0 {
+        if rec.address == 0
+            || !sk.is_multiple_of(8)
+            || !tk.is_multiple_of(8)
+            || sk >> 35 != 0
+            || tk >> 35 != 0
+        {
             return None;
         }
         let ts = rec.timestamp_us & SIZE_MASK;

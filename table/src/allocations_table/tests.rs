@@ -240,7 +240,11 @@ fn many_operations_match_a_model() {
             } else if op < 9 {
                 assert_eq!(w.remove(addr), m.free(addr));
             } else {
-                let new = if next() % 2 == 0 { addr } else { addr + 8 };
+                let new = if next().is_multiple_of(2) {
+                    addr
+                } else {
+                    addr + 8
+                };
                 let res = w.replace(addr, &rec(new, size));
                 let old = m.free(addr);
                 if m.live.contains_key(&new) {
@@ -291,7 +295,7 @@ fn direct_and_indexed_blocks_mix_exactly() {
                     };
                     assert_eq!(got, m.free(addr));
                 }
-            } else if next() % 2 == 0 {
+            } else if next().is_multiple_of(2) {
                 let node = w.insert_direct(&rec(addr, size), &mut cache).unwrap();
                 direct.insert(addr, node);
                 m.alloc(rec(addr, size));
