@@ -584,6 +584,40 @@ pub fn on_alloc_direct(addr: usize, size: usize, fp: usize, role: Role) -> u64 {
     record_alloc::<true>(addr, size, fp, role)
 }
 
+/// A sampling decision taken for an allocation before the allocator is
+/// called ([`decide`]). For a hook that has already looked at the
+/// countdown (a fast path that sends only allocations at the sample point
+/// on) and whose allocator calls back into the hooks (a C++ `new`
+/// forwarded to libstdc++'s, whose `malloc` is hooked too): the nested
+/// `malloc` reaches the sample point first and draws a fresh distance (it
+/// cannot record, see `sampling`), so a decision taken after the call
+/// would sample such a block with probability `p²`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Decision(u64);
+
+impl Decision {
+    /// Whether the block is to be recorded.
+    pub fn records(self) -> bool {
+        self.0 != 0
+    }
+}
+
+/// Takes the sampling decision for an allocation of `size` bytes now
+/// (counting it down): in exact mode every block is recorded.
+#[inline]
+pub fn decide(size: usize) -> Decision {
+    Decision(sample_weight(size).unwrap_or(0))
+}
+
+/// [`on_alloc`] for a block whose sampling decision [`decide`] took
+/// before the allocation.
+#[inline]
+pub fn on_alloc_decided(addr: usize, size: usize, fp: usize, role: Role, decision: Decision) {
+    if addr != 0 && decision.records() {
+        record_weighted::<false>(addr, size, fp, role, decision.0);
+    }
+}
+
 /// The work of [`on_alloc`] (`DIRECT = false`, returns 0) and
 /// [`on_alloc_direct`] (returns node + 1, or 0).
 #[inline(always)]
@@ -591,34 +625,52 @@ fn record_alloc<const DIRECT: bool>(addr: usize, size: usize, fp: usize, role: R
     if addr == 0 {
         return 0;
     }
-    // Sampled mode: most allocations stop here, before any other work (a
-    // thread-local subtraction and compare); a sampled one counts `weight`
-    // allocations cumulatively. The rate is 0 until the agent is READY.
+    match sample_weight(size) {
+        Some(weight) => record_weighted::<DIRECT>(addr, size, fp, role, weight),
+        None => 0,
+    }
+}
+
+/// Whether an allocation of `size` bytes is recorded, and how many
+/// allocations it then stands for in the cumulative counters: 1 in exact
+/// mode; in sampled mode, `None` for most allocations, which stop here
+/// before any other work (a thread-local subtraction and compare). The
+/// rate is 0 until the agent is READY.
+#[inline(always)]
+fn sample_weight(size: usize) -> Option<u64> {
     let rate = crate::sampling::rate();
-    let weight = if rate == 0 {
-        1
-    } else {
-        if crate::sampling::skips(size as u64) {
-            return 0;
-        }
-        let sampled = THREAD
-            .try_with(|t| {
-                if t.busy.get() {
-                    // Not recordable now: a fresh distance keeps the next
-                    // allocation's weight right (see `sampling`).
-                    t.sampler.redraw(rate);
-                    None
-                } else {
-                    t.sampler.reached(size as u64, rate)
-                }
-            })
-            .ok()
-            .flatten();
-        match sampled {
-            Some(n) => n,
-            None => return 0,
-        }
-    };
+    if rate == 0 {
+        return Some(1);
+    }
+    if crate::sampling::skips(size as u64) {
+        return None;
+    }
+    THREAD
+        .try_with(|t| {
+            if t.busy.get() {
+                // Not recordable now: a fresh distance keeps the next
+                // allocation's weight right (see `sampling`).
+                t.sampler.redraw(rate);
+                None
+            } else {
+                t.sampler.reached(size as u64, rate)
+            }
+        })
+        .ok()
+        .flatten()
+}
+
+/// Records a block that is to be recorded, standing for `weight`
+/// allocations in the cumulative counters (see [`record_alloc`]).
+#[inline(always)]
+fn record_weighted<const DIRECT: bool>(
+    addr: usize,
+    size: usize,
+    fp: usize,
+    role: Role,
+    weight: u64,
+) -> u64 {
+    let rate = crate::sampling::rate();
     with_thread(|t| {
         let Some(w) = ready_writers(role) else {
             return 0;
@@ -737,11 +789,17 @@ pub fn not_sampled(addr: usize) -> bool {
 
 /// In sampled mode, true when an allocation of `size` bytes is not
 /// sampled; it has then been counted down, and a hook need not call
-/// [`on_alloc`] (which would answer the same, later). A hook may call this
-/// first to keep the recording path out of line.
+/// [`on_alloc`] (which would answer the same, later). Always false in
+/// exact mode (see [`sampling::skips`](crate::sampling::skips)). A hook
+/// may ask this before it calls the allocator, so that an allocation
+/// that is not sampled goes straight to it: the countdown depends on the
+/// size asked for, not on the block returned (a failed allocation is then
+/// counted down too, which biases nothing: by the exponential's lack of
+/// memory, every later allocation is still sampled with probability
+/// `p(s)`).
 #[inline(always)]
 pub fn sampled_out(size: usize) -> bool {
-    crate::sampling::rate() != 0 && crate::sampling::skips(size as u64)
+    crate::sampling::skips(size as u64)
 }
 
 /// Takes the block at `addr` out of the table (the common part of

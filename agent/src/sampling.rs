@@ -104,16 +104,23 @@ pub fn maybe_sampled(addr: usize) -> bool {
 /// Whether an allocation of `size` bytes is certainly not sampled: then
 /// it has been counted down and needs nothing more. False means "ask
 /// [`SamplerState::reached`]" (the sample point is reached, or this
-/// thread has not drawn yet).
+/// thread has not drawn yet). Always false in exact mode and before the
+/// agent starts: only [`SamplerState`] sets the countdown, and only in
+/// sampled mode, so a hook may ask this before anything else, with no
+/// [`rate`] check.
+///
+/// One unsigned compare: the countdown is never negative (every store
+/// is a draw, at least 1, or a positive remainder), so `left > size`
+/// also says `left > 0`.
 #[inline(always)]
 pub fn skips(size: u64) -> bool {
     let p = crate::initial_exec_tls::sample_countdown();
     // SAFETY: this thread's own countdown word, valid while the thread
     // runs, touched by no other thread.
     unsafe {
-        let left = *p;
-        if left as u64 > size && left > 0 {
-            *p = left - size as i64;
+        let left = *p as u64;
+        if left > size {
+            *p = (left - size) as i64;
             return true;
         }
     }

@@ -48,6 +48,55 @@ pub fn frame_pointer() -> usize {
     fp
 }
 
+/// The frame pointer of the function that calls this one: where a hook's
+/// stack walk starts, so that none of the hook's own frames are reported.
+///
+/// Use this rather than [`frame_pointer`] in a hook. Inline assembly that
+/// reads `rbp` runs wherever the compiler puts it, and an optimising
+/// compiler may sink a function's prologue below the read (shrink
+/// wrapping, as LLVM did to a hook whose fast path makes no call): the
+/// read then gives the *caller's* frame, and the walk loses the hook's
+/// call site. A call cannot run before the caller's prologue (it needs the
+/// caller's frame), and this function has no prologue of its own (it is
+/// naked), so the value it returns is always the caller's frame.
+#[cfg(target_arch = "x86_64")]
+#[unsafe(naked)]
+pub extern "C" fn caller_frame() -> usize {
+    // Returns the caller's rbp untouched: no frame of its own, no stack
+    // use, no memory access.
+    core::arch::naked_asm!("mov rax, rbp", "ret")
+}
+
+/// See the x86_64 version.
+#[cfg(target_arch = "aarch64")]
+#[unsafe(naked)]
+pub extern "C" fn caller_frame() -> usize {
+    core::arch::naked_asm!("mov x0, x29", "ret")
+}
+
+/// The frame pointer of the function that called the caller of this one
+/// (the saved `rbp` in the caller's frame). For a hook's slow path: an
+/// `#[inline(never)]` function that the hook's entry point calls with an
+/// ordinary call, never a tail call (the entry point uses the result
+/// after the call), gets the entry point's frame, whether or not the
+/// entry point's fast path has a frame of its own. See [`caller_frame`]
+/// for why a call is needed.
+#[cfg(target_arch = "x86_64")]
+#[unsafe(naked)]
+pub extern "C" fn caller_parent_frame() -> usize {
+    // The caller has run its prologue (it is making a call), so its rbp
+    // points at the saved rbp of its own caller: a word of the stack that
+    // is live for as long as the caller runs.
+    core::arch::naked_asm!("mov rax, qword ptr [rbp]", "ret")
+}
+
+/// See the x86_64 version.
+#[cfg(target_arch = "aarch64")]
+#[unsafe(naked)]
+pub extern "C" fn caller_parent_frame() -> usize {
+    core::arch::naked_asm!("ldr x0, [x29]", "ret")
+}
+
 /// Reads the current stack pointer.
 #[inline(always)]
 pub fn stack_pointer() -> usize {

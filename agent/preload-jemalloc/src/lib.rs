@@ -26,7 +26,7 @@
 use std::ffi::{c_int, c_void, CStr};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use heapdump_agent::stack_capture::frame_pointer;
+use heapdump_agent::stack_capture::caller_frame;
 
 /// A function bound once by name; 0 until then (or if absent).
 struct Bound {
@@ -115,7 +115,7 @@ fn record_free(p: *mut c_void) -> Option<u64> {
 /// jemalloc's `mallocx`.
 #[no_mangle]
 pub unsafe extern "C" fn mallocx(size: usize, flags: c_int) -> *mut c_void {
-    let fp = frame_pointer();
+    let fp = caller_frame();
     let f = MALLOCX.get();
     if f == 0 {
         return std::ptr::null_mut();
@@ -131,7 +131,7 @@ pub unsafe extern "C" fn mallocx(size: usize, flags: c_int) -> *mut c_void {
 /// jemalloc's `rallocx`: the block may move; on failure the old one stays.
 #[no_mangle]
 pub unsafe extern "C" fn rallocx(p: *mut c_void, size: usize, flags: c_int) -> *mut c_void {
-    let fp = frame_pointer();
+    let fp = caller_frame();
     let f = RALLOCX.get();
     if f == 0 {
         return std::ptr::null_mut();
@@ -159,7 +159,7 @@ pub unsafe extern "C" fn rallocx(p: *mut c_void, size: usize, flags: c_int) -> *
 /// that), else the old size.
 #[no_mangle]
 pub unsafe extern "C" fn xallocx(p: *mut c_void, size: usize, extra: usize, flags: c_int) -> usize {
-    let fp = frame_pointer();
+    let fp = caller_frame();
     let f = XALLOCX.get();
     if f == 0 {
         return 0;

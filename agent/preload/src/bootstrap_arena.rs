@@ -9,9 +9,21 @@
 //! - Each block is preceded by an 8-byte word holding its size, at
 //!   `block - 8`, inside the arena: `usable_size` reads it back.
 //! - [`contains`] is a pure address-range test: every entry point that takes
-//!   a pointer (`free`, `realloc`, `malloc_usable_size`, C++ `delete`, the
-//!   jemalloc calls) asks it first and never hands an arena block to the
-//!   next allocator, which did not make it.
+//!   a pointer (`free`, `realloc`, C++ `delete`, the jemalloc calls) asks
+//!   it, or the sampled-address filter (below), before
+//!   handing a block to the next allocator, which did not make arena blocks.
+//! - Every block is marked in the sampled-address filter
+//!   (`heapdump_agent::sampling::note_recorded`) before it is handed out
+//!   and never unmarked, so the filter always answers "maybe" for it: the
+//!   sampled-mode fast paths of `free` and `realloc`, which skip the range
+//!   test, send it to their slow path.
+//! - `malloc_usable_size` is not interposed (see `malloc_family`), so it
+//!   must never be asked about an arena block. It is not: arena blocks go
+//!   to what allocates inside the binding's `dlsym` (the loader's and
+//!   libc's own buffers). The one way a program could get one, a thread
+//!   allocating while another binds, needs two threads before the first
+//!   allocation of the process has returned, and glibc's
+//!   `pthread_create` allocates (the new thread's TLS vector).
 //! - When the arena is exhausted `alloc` returns null (an allocation failure
 //!   the caller reports as such); binding needs a few hundred bytes, the
 //!   arena holds 256 KiB.
@@ -70,6 +82,7 @@ pub fn alloc(size: usize, align: usize) -> *mut u8 {
                 // to this block alone (won by the CAS above); the size word
                 // is 8-aligned because `start` is 16-aligned.
                 unsafe { p.sub(8).cast::<usize>().write(size) };
+                heapdump_agent::sampling::note_recorded(p as usize);
                 return p;
             }
             Err(now) => cur = now,

@@ -19,15 +19,98 @@
 //!   bound, or in a process with no C++ runtime), `new` uses the next
 //!   `malloc` / `memalign` and aborts on failure, as a C++ runtime without
 //!   exceptions would; `delete` uses the next `free`.
+//! - Sampled mode, when the next plain and sized operators are
+//!   libstdc++'s ([`LIBSTDCXX`]): a `new` that is not sampled is the next
+//!   `malloc` of at least one byte, counted down once, and a `delete` of a
+//!   block that was not sampled is the next `free`. That is what
+//!   libstdc++'s operators do (its `new` calls the new-handler and throws
+//!   only when `malloc` fails, which goes to the slow path, its full `new`;
+//!   its `new[]` and sized `delete`s end in the same calls), without the
+//!   per-thread state that [`forwarding`] needs: a block is decided once,
+//!   not at the operator and again at the `malloc` inside it. Every other
+//!   case (exact mode, a sampled block, another C++ runtime such as
+//!   tcmalloc's, the aligned and nothrow operators) takes the full path.
 
 use std::ffi::c_void;
+use std::sync::atomic::{AtomicBool, Ordering};
 
-use heapdump_agent::recorder::{forwarding, on_free};
-use heapdump_agent::stack_capture::frame_pointer;
+use heapdump_agent::recorder::{
+    decide, forwarding, not_sampled, on_alloc_decided, on_free, sampled_out, Role,
+};
+use heapdump_agent::stack_capture::{caller_frame, caller_parent_frame};
 
 use crate::bootstrap_arena as arena;
-use crate::malloc_family::{raw_free, raw_malloc, raw_memalign, recorded_or_arena};
+use crate::malloc_family::{
+    not_tail_called, raw_free, raw_malloc, raw_memalign, recorded_or_arena,
+};
 use crate::next_allocator as next;
+
+/// Whether the next `operator new`, `new[]`, `delete`, `delete[]` and the
+/// two sized `delete`s are all libstdc++'s (see the module doc). Set once
+/// at load time, after binding; false until then, which only means the
+/// full path. Relaxed: it publishes nothing but itself.
+static LIBSTDCXX: AtomicBool = AtomicBool::new(false);
+
+/// Looks at the next operators (after binding) and sets [`LIBSTDCXX`].
+pub fn note_next_operators() {
+    let all = [
+        next::new().map(|f| f as usize),
+        next::new_array().map(|f| f as usize),
+        next::delete().map(|f| f as usize),
+        next::delete_array().map(|f| f as usize),
+        next::delete_sized().map(|f| f as usize),
+        next::delete_array_sized().map(|f| f as usize),
+    ];
+    let libstdcxx = all.iter().all(|f| {
+        let mut buf = [0u8; 512];
+        let n = f.map_or(0, |f| next::object_name_of(f, &mut buf));
+        let path = &buf[..n];
+        let file = path.rsplit(|b| *b == b'/').next().unwrap_or(path);
+        file.starts_with(b"libstdc++.so")
+    });
+    LIBSTDCXX.store(libstdcxx, Ordering::Relaxed);
+}
+
+/// Sampled mode, libstdc++'s operators: a `new` of `size` bytes that is
+/// not sampled, served by the next `malloc` (see the module doc); `None`
+/// when the full path must serve it.
+#[inline(always)]
+fn unsampled_new(size: usize) -> Option<*mut c_void> {
+    if !LIBSTDCXX.load(Ordering::Relaxed) {
+        return None;
+    }
+    let f = next::loaded::malloc()?;
+    // libstdc++'s `new` asks `malloc` for at least one byte.
+    let size = size.max(1);
+    if !sampled_out(size) {
+        return None;
+    }
+    // SAFETY: the next allocator's malloc, same contract.
+    let p = unsafe { f(size) };
+    // Out of memory: the full path runs libstdc++'s `new`, with its
+    // new-handler and `std::bad_alloc`.
+    (!p.is_null()).then_some(p)
+}
+
+/// Sampled mode, libstdc++'s operators: true when `p` was not sampled and
+/// has been handed to the next `free` (see the module doc).
+#[inline(always)]
+fn unsampled_delete(p: *mut c_void) -> bool {
+    if !LIBSTDCXX.load(Ordering::Relaxed) || !not_sampled(p as usize) {
+        return false;
+    }
+    // The filter answers "maybe" for arena blocks, so `p` is not one.
+    match next::loaded::free() {
+        Some(f) => {
+            // SAFETY: the next allocator's free on a block that its malloc
+            // made (libstdc++'s `new` is that malloc) and the program
+            // deletes.
+            unsafe { f(p) };
+            true
+        }
+        None => false,
+    }
+}
 
 /// The no-next-definition path of a throwing `new`.
 #[cold]
@@ -69,31 +152,61 @@ fn delete_with(p: *mut c_void, release: impl FnOnce()) {
 /// `operator new(size_t)`.
 #[no_mangle]
 pub extern "C-unwind" fn _Znwm(size: usize) -> *mut c_void {
-    let fp = frame_pointer();
+    if let Some(p) = unsampled_new(size) {
+        return p;
+    }
+    not_tail_called(new_slow(size))
+}
+
+/// The full [`_Znwm`] (see `malloc_family::not_tail_called`).
+#[inline(never)]
+fn new_slow(size: usize) -> *mut c_void {
+    let fp = caller_parent_frame();
+    // Decided before the call: the fast path has already looked at the
+    // countdown (see `recorder::Decision`).
+    let decision = decide(size);
     let p = match next::new() {
-        // SAFETY: the next operator new, same contract (may throw).
+        // SAFETY: the next operator, same contract (may throw).
         Some(f) => forwarding(|| unsafe { f(size) }),
         None => new_without_runtime(size, 0),
     };
-    recorded_or_arena(p, size, fp)
+    if !arena::contains(p as usize) {
+        on_alloc_decided(p as usize, size, fp, Role::Preload, decision);
+    }
+    p
 }
 
 /// `operator new[](size_t)`.
 #[no_mangle]
 pub extern "C-unwind" fn _Znam(size: usize) -> *mut c_void {
-    let fp = frame_pointer();
+    if let Some(p) = unsampled_new(size) {
+        return p;
+    }
+    not_tail_called(new_array_slow(size))
+}
+
+/// The full [`_Znam`] (see `malloc_family::not_tail_called`).
+#[inline(never)]
+fn new_array_slow(size: usize) -> *mut c_void {
+    let fp = caller_parent_frame();
+    // Decided before the call: the fast path has already looked at the
+    // countdown (see `recorder::Decision`).
+    let decision = decide(size);
     let p = match next::new_array() {
-        // SAFETY: the next operator new[], same contract (may throw).
+        // SAFETY: the next operator, same contract (may throw).
         Some(f) => forwarding(|| unsafe { f(size) }),
         None => new_without_runtime(size, 0),
     };
-    recorded_or_arena(p, size, fp)
+    if !arena::contains(p as usize) {
+        on_alloc_decided(p as usize, size, fp, Role::Preload, decision);
+    }
+    p
 }
 
 /// `operator new(size_t, align_val_t)`.
 #[no_mangle]
 pub extern "C-unwind" fn _ZnwmSt11align_val_t(size: usize, align: usize) -> *mut c_void {
-    let fp = frame_pointer();
+    let fp = caller_frame();
     let p = match next::new_aligned() {
         // SAFETY: the next aligned operator new, same contract.
         Some(f) => forwarding(|| unsafe { f(size, align) }),
@@ -105,7 +218,7 @@ pub extern "C-unwind" fn _ZnwmSt11align_val_t(size: usize, align: usize) -> *mut
 /// `operator new[](size_t, align_val_t)`.
 #[no_mangle]
 pub extern "C-unwind" fn _ZnamSt11align_val_t(size: usize, align: usize) -> *mut c_void {
-    let fp = frame_pointer();
+    let fp = caller_frame();
     let p = match next::new_array_aligned() {
         // SAFETY: the next aligned operator new[], same contract.
         Some(f) => forwarding(|| unsafe { f(size, align) }),
@@ -117,7 +230,7 @@ pub extern "C-unwind" fn _ZnamSt11align_val_t(size: usize, align: usize) -> *mut
 /// `operator new(size_t, nothrow_t const&)`.
 #[no_mangle]
 pub unsafe extern "C-unwind" fn _ZnwmRKSt9nothrow_t(size: usize, nt: *const c_void) -> *mut c_void {
-    let fp = frame_pointer();
+    let fp = caller_frame();
     let p = match next::new_nothrow() {
         // SAFETY: the next nothrow operator new, same contract.
         Some(f) => forwarding(|| unsafe { f(size, nt) }),
@@ -129,7 +242,7 @@ pub unsafe extern "C-unwind" fn _ZnwmRKSt9nothrow_t(size: usize, nt: *const c_vo
 /// `operator new[](size_t, nothrow_t const&)`.
 #[no_mangle]
 pub unsafe extern "C-unwind" fn _ZnamRKSt9nothrow_t(size: usize, nt: *const c_void) -> *mut c_void {
-    let fp = frame_pointer();
+    let fp = caller_frame();
     let p = match next::new_array_nothrow() {
         // SAFETY: the next nothrow operator new[], same contract.
         Some(f) => forwarding(|| unsafe { f(size, nt) }),
@@ -145,7 +258,7 @@ pub unsafe extern "C-unwind" fn _ZnwmSt11align_val_tRKSt9nothrow_t(
     align: usize,
     nt: *const c_void,
 ) -> *mut c_void {
-    let fp = frame_pointer();
+    let fp = caller_frame();
     let p = match next::new_aligned_nothrow() {
         // SAFETY: the next aligned nothrow operator new, same contract.
         Some(f) => forwarding(|| unsafe { f(size, align, nt) }),
@@ -161,7 +274,7 @@ pub unsafe extern "C-unwind" fn _ZnamSt11align_val_tRKSt9nothrow_t(
     align: usize,
     nt: *const c_void,
 ) -> *mut c_void {
-    let fp = frame_pointer();
+    let fp = caller_frame();
     let p = match next::new_array_aligned_nothrow() {
         // SAFETY: the next aligned nothrow operator new[], same contract.
         Some(f) => forwarding(|| unsafe { f(size, align, nt) }),
@@ -171,12 +284,19 @@ pub unsafe extern "C-unwind" fn _ZnamSt11align_val_tRKSt9nothrow_t(
 }
 
 /// Defines `operator delete` overloads that forward to the next
-/// definition of the same overload (`$next`), or to the next `free`.
+/// definition of the same overload (`$next`), or to the next `free`;
+/// those marked `fast` first try [`unsampled_delete`].
 macro_rules! deletes {
-    ($($name:ident = $next:ident ( $($arg:ident : $ty:ty),* );)*) => {$(
+    ($($name:ident = $next:ident ( $($arg:ident : $ty:ty),* ) $($fast:ident)?;)*) => {$(
         /// A C++ global `operator delete` overload.
         #[no_mangle]
         pub unsafe extern "C-unwind" fn $name(p: *mut c_void $(, $arg: $ty)*) {
+            $(
+                let _ = stringify!($fast);
+                if unsampled_delete(p) {
+                    return;
+                }
+            )?
             delete_with(p, || match next::$next() {
                 // SAFETY: the next definition of this operator delete, on
                 // a block the matching operator new returned.
@@ -188,10 +308,10 @@ macro_rules! deletes {
 }
 
 deletes! {
-    _ZdlPv = delete();
-    _ZdaPv = delete_array();
-    _ZdlPvm = delete_sized(size: usize);
-    _ZdaPvm = delete_array_sized(size: usize);
+    _ZdlPv = delete() fast;
+    _ZdaPv = delete_array() fast;
+    _ZdlPvm = delete_sized(size: usize) fast;
+    _ZdaPvm = delete_array_sized(size: usize) fast;
     _ZdlPvSt11align_val_t = delete_aligned(align: usize);
     _ZdaPvSt11align_val_t = delete_array_aligned(align: usize);
     _ZdlPvmSt11align_val_t = delete_sized_aligned(size: usize, align: usize);

@@ -55,6 +55,7 @@ extern "C" fn preload_init() {
         // statistics (jemalloc's `stats.allocated`, which programs such as
         // redis report) should move when the program frees, so every other
         // allocator gets each free at once.
+        cxx::note_next_operators();
         if next_allocator::next_is_glibc() {
             if let Some(f) = next_allocator::free() {
                 heapdump_agent::recorder::set_release(f);

@@ -1,7 +1,15 @@
 //! The C allocation entry points: `malloc`, `free`, `calloc`, `realloc`,
 //! `reallocarray`, `memalign`, `posix_memalign`, `aligned_alloc`, `valloc`,
-//! `pvalloc`, `malloc_usable_size`, and C23's `free_sized` /
-//! `free_aligned_sized`.
+//! `pvalloc`, and C23's `free_sized` / `free_aligned_sized`.
+//!
+//! `malloc_usable_size` is not among them: it only asks the allocator
+//! about a block, so the program's call reaches the allocator directly,
+//! as `sallocx` does (see `libheapdump_jemalloc.so`). Programs such as
+//! redis call it on every allocation and free; forwarding it cost them a
+//! call, a range check and an indirect jump each time, for the sake of
+//! arena blocks only, which only allocations made inside the binding's own
+//! `dlsym` get (the loader's and libc's internal buffers, which never ask
+//! their usable size).
 //!
 //! Invariants:
 //! - Each forwards to the same entry point of the next allocator
@@ -17,15 +25,30 @@
 //! - While the next allocator is being bound, calls are served by the
 //!   [`bootstrap_arena`]; arena blocks are never recorded and never handed
 //!   to the next allocator.
-//! - Each entry point reads its own frame pointer first: the stack walk
-//!   starts there, so none of this library's frames are reported.
+//! - Each entry point takes its own frame pointer with
+//!   [`caller_frame`] (never by reading `rbp` in place, which an optimised
+//!   build may do before the prologue) before any recording: the stack
+//!   walk starts there, so none of this library's frames are reported.
+//! - Sampled mode: `malloc`, `calloc`, `realloc` and `free` have a fast
+//!   path for a block that is not sampled. It decides before calling the
+//!   allocator (the countdown depends only on the size asked for; the
+//!   filter only on the address) and then tail-calls it: a few
+//!   instructions and a jump, with no frame of ours left under the
+//!   allocator. Everything else (exact mode, a sampled block, binding
+//!   under way, arena blocks) goes to the entry point's slow path, which
+//!   is the complete hook. It is called with an ordinary call (never a
+//!   tail call, see [`not_tail_called`]) and takes the entry point's frame
+//!   pointer from its own frame ([`caller_parent_frame`]), so the walk
+//!   starts at the entry point's frame however the compiler laid the
+//!   entry point out. An allocation is counted down exactly once: the fast path counts it down
+//!   only when it takes it.
 
 use std::ffi::{c_int, c_void};
 
 use heapdump_agent::recorder::{
     not_sampled, on_alloc, on_free, on_free_deferred, sampled_out, Role,
 };
-use heapdump_agent::stack_capture::frame_pointer;
+use heapdump_agent::stack_capture::{caller_frame, caller_parent_frame};
 
 use crate::bootstrap_arena as arena;
 use crate::next_allocator as next;
@@ -43,6 +66,20 @@ fn page_size() -> usize {
     } else {
         p as usize
     }
+}
+
+/// Returns `p`, which a slow path just returned, in a way the compiler
+/// cannot see through, so that the call to the slow path stays an
+/// ordinary call and the entry point's frame (with its return address
+/// into the program) stays under the slow path's: the slow path finds
+/// it with [`caller_parent_frame`]. Costs no instruction.
+#[inline(always)]
+pub(crate) fn not_tail_called(mut p: *mut c_void) -> *mut c_void {
+    // SAFETY: an empty assembly block that claims to read and write the
+    // register holding `p` (and, for all the compiler knows, the memory
+    // `p` points to); it does nothing. It runs on slow paths only.
+    unsafe { std::arch::asm!("/* {0} */", inout(reg) p, options(nostack, preserves_flags)) };
+    p
 }
 
 /// Records `p` (if an allocation of the next allocator) and returns it.
@@ -110,7 +147,21 @@ pub(crate) fn raw_free(p: *mut c_void) {
 /// `malloc(3)`.
 #[no_mangle]
 pub unsafe extern "C" fn malloc(size: usize) -> *mut c_void {
-    let fp = frame_pointer();
+    // Sampled mode, not sampled (see the module doc): the slot first, so
+    // that nothing is counted down when the slow path will count again.
+    if let Some(f) = next::loaded::malloc() {
+        if sampled_out(size) {
+            // SAFETY: the next allocator's malloc, same contract.
+            return unsafe { f(size) };
+        }
+    }
+    not_tail_called(malloc_slow(size))
+}
+
+/// The complete [`malloc`] hook (see [`not_tail_called`]).
+#[inline(never)]
+fn malloc_slow(size: usize) -> *mut c_void {
+    let fp = caller_parent_frame();
     match next::malloc() {
         // SAFETY: the next allocator's malloc, same contract.
         Some(f) => recorded(unsafe { f(size) }, size, fp),
@@ -122,15 +173,20 @@ pub unsafe extern "C" fn malloc(size: usize) -> *mut c_void {
 #[no_mangle]
 pub unsafe extern "C" fn free(p: *mut c_void) {
     // Sampled mode, a block that was not sampled: straight to the next
-    // allocator (free(NULL) included, a no-op there too).
-    if not_sampled(p as usize) && !arena::contains(p as usize) {
-        raw_free(p);
-        return;
+    // allocator (free(NULL) included, a no-op there too). The filter
+    // answers "maybe" for arena blocks (`bootstrap_arena` marks them), so
+    // none takes this path.
+    if not_sampled(p as usize) {
+        if let Some(f) = next::loaded::free() {
+            // SAFETY: the next allocator's free; `p` is a block it made
+            // (not an arena block, see above) that the program releases.
+            return unsafe { f(p) };
+        }
     }
     free_recorded(p);
 }
 
-/// The rest of [`free`], out of line (see [`recorded`]).
+/// The complete [`free`] hook.
 #[inline(never)]
 fn free_recorded(p: *mut c_void) {
     if p.is_null() || arena::contains(p as usize) {
@@ -177,7 +233,21 @@ pub unsafe extern "C" fn free_aligned_sized(p: *mut c_void, align: usize, size: 
 /// `calloc(3)`.
 #[no_mangle]
 pub unsafe extern "C" fn calloc(n: usize, size: usize) -> *mut c_void {
-    let fp = frame_pointer();
+    // Sampled mode, not sampled (see `malloc`); an overflowing product
+    // takes the slow path, where the allocator fails it.
+    if let (Some(f), Some(total)) = (next::loaded::calloc(), n.checked_mul(size)) {
+        if sampled_out(total) {
+            // SAFETY: the next allocator's calloc, same contract.
+            return unsafe { f(n, size) };
+        }
+    }
+    not_tail_called(calloc_slow(n, size))
+}
+
+/// The complete [`calloc`] hook (see [`not_tail_called`]).
+#[inline(never)]
+fn calloc_slow(n: usize, size: usize) -> *mut c_void {
+    let fp = caller_parent_frame();
     match next::calloc() {
         // SAFETY: the next allocator's calloc (it checks n * size).
         Some(f) => recorded(unsafe { f(n, size) }, n.wrapping_mul(size), fp),
@@ -246,7 +316,26 @@ fn resize_impl(
 /// `realloc(3)`.
 #[no_mangle]
 pub unsafe extern "C" fn realloc(p: *mut c_void, size: usize) -> *mut c_void {
-    let fp = frame_pointer();
+    // Sampled mode, an unsampled block resized to an unsampled one (see
+    // `malloc` and `free`): straight to the allocator. A null `p` may
+    // pass too (the filter may say "no" for it): `realloc(NULL, n)` is
+    // then an unsampled `malloc(n)`.
+    if not_sampled(p as usize) {
+        if let Some(f) = next::loaded::realloc() {
+            if sampled_out(size) {
+                // SAFETY: the next allocator's realloc on a block it made
+                // (not an arena block: the filter marks those), or null.
+                return unsafe { f(p, size) };
+            }
+        }
+    }
+    not_tail_called(realloc_slow(p, size))
+}
+
+/// The complete [`realloc`] hook (see [`not_tail_called`]).
+#[inline(never)]
+fn realloc_slow(p: *mut c_void, size: usize) -> *mut c_void {
+    let fp = caller_parent_frame();
     if p.is_null() {
         // realloc(NULL, n) is malloc(n).
         return recorded_or_arena(raw_malloc(size), size, fp);
@@ -265,7 +354,7 @@ pub unsafe extern "C" fn realloc(p: *mut c_void, size: usize) -> *mut c_void {
 /// the agent); `realloc` after the overflow check if there is none.
 #[no_mangle]
 pub unsafe extern "C" fn reallocarray(p: *mut c_void, n: usize, size: usize) -> *mut c_void {
-    let fp = frame_pointer();
+    let fp = caller_frame();
     let Some(total) = n.checked_mul(size) else {
         set_errno(libc::ENOMEM);
         return std::ptr::null_mut();
@@ -297,14 +386,14 @@ pub(crate) fn recorded_or_arena(p: *mut c_void, size: usize, fp: usize) -> *mut 
 /// `memalign(3)`.
 #[no_mangle]
 pub unsafe extern "C" fn memalign(align: usize, size: usize) -> *mut c_void {
-    let fp = frame_pointer();
+    let fp = caller_frame();
     recorded_or_arena(raw_memalign(align, size), size, fp)
 }
 
 /// `aligned_alloc(3)`: the next allocator's, which checks the alignment.
 #[no_mangle]
 pub unsafe extern "C" fn aligned_alloc(align: usize, size: usize) -> *mut c_void {
-    let fp = frame_pointer();
+    let fp = caller_frame();
     let p = match next::aligned_alloc() {
         // SAFETY: the next allocator's aligned_alloc, same contract.
         Some(f) => unsafe { f(align, size) },
@@ -320,7 +409,7 @@ pub unsafe extern "C" fn aligned_alloc(align: usize, size: usize) -> *mut c_void
 /// `posix_memalign(3)`.
 #[no_mangle]
 pub unsafe extern "C" fn posix_memalign(out: *mut *mut c_void, align: usize, size: usize) -> c_int {
-    let fp = frame_pointer();
+    let fp = caller_frame();
     if let Some(f) = next::posix_memalign() {
         // SAFETY: the next allocator's posix_memalign, same contract (the
         // caller passes a valid out-pointer).
@@ -347,7 +436,7 @@ pub unsafe extern "C" fn posix_memalign(out: *mut *mut c_void, align: usize, siz
 /// `valloc(3)`.
 #[no_mangle]
 pub unsafe extern "C" fn valloc(size: usize) -> *mut c_void {
-    let fp = frame_pointer();
+    let fp = caller_frame();
     let p = match next::valloc() {
         // SAFETY: the next allocator's valloc, same contract.
         Some(f) => unsafe { f(size) },
@@ -359,7 +448,7 @@ pub unsafe extern "C" fn valloc(size: usize) -> *mut c_void {
 /// `pvalloc(3)`: page-aligned, size rounded up to whole pages.
 #[no_mangle]
 pub unsafe extern "C" fn pvalloc(size: usize) -> *mut c_void {
-    let fp = frame_pointer();
+    let fp = caller_frame();
     let page = page_size();
     let Some(rounded) = size.max(1).checked_next_multiple_of(page) else {
         set_errno(libc::ENOMEM);
@@ -371,18 +460,4 @@ pub unsafe extern "C" fn pvalloc(size: usize) -> *mut c_void {
         None => raw_memalign(page, rounded),
     };
     recorded_or_arena(p, rounded, fp)
-}
-
-/// `malloc_usable_size(3)`: the next allocator's answer (blocks are not
-/// altered); an arena block's requested size.
-#[no_mangle]
-pub unsafe extern "C" fn malloc_usable_size(p: *mut c_void) -> usize {
-    if arena::contains(p as usize) {
-        return arena::usable_size(p as usize);
-    }
-    match next::malloc_usable_size() {
-        // SAFETY: the next allocator's malloc_usable_size, same contract.
-        Some(f) => unsafe { f(p) },
-        None => 0,
-    }
 }

@@ -81,6 +81,25 @@ macro_rules! next_functions {
                 Some(unsafe { std::mem::transmute::<usize, $ty>(f) })
             }
         )*
+
+        /// The same accessors for a hook's fast path: one load of the slot,
+        /// and `None` while it is 0, without starting the binding (the hook
+        /// then takes its slow path, whose accessor does).
+        pub mod loaded {
+            #[allow(unused_imports)]
+            use super::*;
+            $(
+                $(#[$doc])*
+                #[inline(always)]
+                pub fn $field() -> Option<$ty> {
+                    match SLOTS.$field.load(Ordering::Relaxed) {
+                        0 => None,
+                        // SAFETY: as in the outer accessor of this name.
+                        f => Some(unsafe { std::mem::transmute::<usize, $ty>(f) }),
+                    }
+                }
+            )*
+        }
     };
 }
 
@@ -109,8 +128,6 @@ next_functions! {
     valloc = c"valloc": unsafe extern "C" fn(usize) -> *mut c_void;
     /// `pvalloc`.
     pvalloc = c"pvalloc": unsafe extern "C" fn(usize) -> *mut c_void;
-    /// `malloc_usable_size`.
-    malloc_usable_size = c"malloc_usable_size": unsafe extern "C" fn(*mut c_void) -> usize;
     /// C23 `free_sized`.
     free_sized = c"free_sized": unsafe extern "C" fn(*mut c_void, usize);
     /// C23 `free_aligned_sized`.
