@@ -28,6 +28,7 @@ pub mod stack_capture;
 #[cfg(target_arch = "x86_64")]
 pub mod stack_memo;
 pub mod thread_state;
+pub mod thread_tables;
 
 pub use global_alloc::Agent;
 pub use recorder::{request_snapshot, start, stats, Stats};

@@ -291,13 +291,54 @@ extern "C" fn after_fork_child() {
             std::ptr::drop_in_place((*ALLOCATIONS_REGION.0.get()).as_mut_ptr());
         }
     }
+    // A parent thread may have held the tables pool's lock.
+    crate::thread_tables::after_fork_child();
     // A parent thread was initialising: its half-built state is not ours.
     GENERATION.fetch_add(1, Ordering::Relaxed);
     STATE.store(UNINIT, Ordering::Release);
 }
 
+/// Makes [`thread_exit`] run when this thread exits (again, if it has run
+/// already and the thread took its tables back since).
+fn arm_thread_exit() {
+    let key = EXIT_KEY.load(Ordering::Relaxed);
+    if key != u64::MAX {
+        // SAFETY: a key we created; a non-null value makes its destructor
+        // run at thread exit. Keys below 32 need no allocation here.
+        unsafe {
+            libc::pthread_setspecific(
+                key as libc::pthread_key_t,
+                std::ptr::dangling::<libc::c_void>(),
+            );
+        }
+    }
+}
+
+/// This thread's tables (see `thread_tables`), taken at its first
+/// recorded event; `None` (the event dropped) when there is no memory for
+/// them. Must be called with this thread's `busy` flag set.
+#[inline]
+fn tables<'t>(w: &Writers, t: &'t ThreadState) -> Option<&'t crate::thread_tables::ThreadTables> {
+    // SAFETY: the caller set this thread's busy flag.
+    if let Some(tables) = unsafe { t.existing_tables() } {
+        return Some(tables);
+    }
+    // SAFETY: as above.
+    match unsafe { t.tables() } {
+        Some(tables) => {
+            // Given back at thread exit.
+            arm_thread_exit();
+            Some(tables)
+        }
+        None => {
+            w.counters.on_dropped(DroppedReason::NotReady);
+            None
+        }
+    }
+}
+
 /// pthread key destructor: returns the exiting thread's cached nodes and
-/// pending live bytes to the table.
+/// pending live bytes to the table, and its tables to the pool.
 extern "C" fn thread_exit(_value: *mut libc::c_void) {
     with_thread(|t| {
         // Frees after this point (other TLS destructors) are released at
@@ -313,6 +354,9 @@ extern "C" fn thread_exit(_value: *mut libc::c_void) {
                 }
             }
         }
+        // SAFETY: `with_thread` set this thread's busy flag, and no
+        // reference to the tables is live here.
+        unsafe { t.release_tables() };
     });
 }
 
@@ -380,17 +424,7 @@ fn register_thread(w: &Writers, t: &ThreadState) {
         libc::prctl(libc::PR_GET_NAME, name.as_mut_ptr());
     }
     let len = name.iter().position(|b| *b == 0).unwrap_or(16);
-    let key = EXIT_KEY.load(Ordering::Relaxed);
-    if key != u64::MAX {
-        // SAFETY: a key we created; a non-null value makes its destructor
-        // run at thread exit. Keys below 32 need no allocation here.
-        unsafe {
-            libc::pthread_setspecific(
-                key as libc::pthread_key_t,
-                std::ptr::dangling::<libc::c_void>(),
-            );
-        }
-    }
+    arm_thread_exit();
     if t.counters.get().is_none() {
         t.counters.set(w.resources.claim_counters(tid));
     }
@@ -497,6 +531,7 @@ fn stack_key<'t>(
     // by `walk` (u64 has no invalid bit patterns and no drop); the slice we
     // read back is the prefix `walk` reported as written.
     let frames = unsafe { &mut *frames.as_mut_ptr() };
+    let tables = tables(w, t)?;
     let sp = stack_capture::stack_pointer();
     let hi = t.stack_hi.get();
     let (n, h) = if !stack_capture::walkable(sp, hi) {
@@ -509,9 +544,9 @@ fn stack_key<'t>(
                 sp,
                 hi,
                 &mut frames[..max],
-                &t.rules,
+                &tables.rules,
                 // SAFETY: `with_thread` set this thread's busy flag.
-                unsafe { t.memo() },
+                unsafe { tables.memo() },
                 w.config.unwind == UnwindMode::Auto,
             ),
             _ => stack_capture::walk(fp, sp, hi, &mut frames[..max]),
@@ -520,7 +555,7 @@ fn stack_key<'t>(
     let frames = &frames[..n];
     // 4-way set in most-recently-used order: a hit moves its entry to
     // the front, a miss replaces the last (least recently used) one.
-    let set = &t.cache[(h as usize >> 20) % CACHE_SETS].0;
+    let set = &tables.cache[(h as usize >> 20) % CACHE_SETS].0;
     for (i, way) in set.iter().enumerate() {
         let e = way.get();
         if e.hash == h {
@@ -559,13 +594,13 @@ fn fixed_stack_key<'t>(
     static KEY: AtomicU64 = AtomicU64::new(0);
     let k = KEY.load(Ordering::Relaxed);
     if k != 0 {
-        return Some((ResourceKey(k), &t.cache[0].0[0]));
+        return Some((ResourceKey(k), &tables(w, t)?.cache[0].0[0]));
     }
     let mut buf = [0u8; MAX_ENCODED_LEN];
     let len = encode_into(&[0x1000], &mut buf)?;
     let (key, _) = w.resources.intern_stack_trace(&buf[..len]).ok()?;
     KEY.store(key.0, Ordering::Relaxed);
-    Some((key, &t.cache[0].0[0]))
+    Some((key, &tables(w, t)?.cache[0].0[0]))
 }
 
 /// Records a new block at `addr` of `size` bytes, allocated by the hook

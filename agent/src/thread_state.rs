@@ -1,11 +1,16 @@
 //! Per-thread state of the agent: the re-entrancy flag, the thread's
-//! record key, its stack bounds and a small cache of stacks already
-//! interned.
+//! record key, its stack bounds, and the thread's tables (a cache of stacks
+//! already interned, CFI rules, the stack memo), which live outside
+//! thread-local storage (see `thread_tables`).
 //!
 //! Invariants:
 //! - The state is a `const`-initialised thread-local without a destructor,
 //!   so touching it never allocates and it stays valid until the thread's
 //!   memory is released (also while TLS destructors of other libraries run).
+//! - It stays small (a few hundred bytes): a library loaded at start has
+//!   its thread-locals in the static TLS block that glibc takes out of
+//!   every thread's stack, so every byte here is a byte less for threads
+//!   created with small stacks.
 //! - `busy` is set while the agent works on this thread; any allocation
 //!   that happens meanwhile (from the agent's own set-up, or from a signal
 //!   handler that interrupted it) passes through unrecorded.
@@ -86,8 +91,11 @@ pub struct ThreadState {
     pub stack_hi: Cell<usize>,
     /// The stack top has been looked up.
     pub stack_known: Cell<bool>,
-    /// Interned traces seen by this thread.
-    pub cache: [CacheSet; CACHE_SETS],
+    /// This thread's stack cache, rule cache and memo (see
+    /// `thread_tables`); null until its first recorded event, and again
+    /// once given back at thread exit. Only touched through
+    /// [`ThreadState::tables`] while `busy` is set.
+    tables: Cell<*mut crate::thread_tables::ThreadTables>,
     /// This thread's block of per-stack cumulative counters.
     pub counters: Cell<Option<CounterBlock>>,
     /// Free table nodes and pending live bytes of this thread. Only
@@ -101,23 +109,10 @@ pub struct ThreadState {
     pub no_defer: Cell<bool>,
     /// Sampled mode's countdown and random source (see `sampling`).
     pub sampler: crate::sampling::SamplerState,
-    /// Program counter to CFI rule (see `cfi_unwind`).
-    #[cfg(target_arch = "x86_64")]
-    pub rules: crate::cfi_unwind::RuleCache,
-    /// An earlier CFI walk of the thread (see `stack_memo`). Only touched
-    /// through [`ThreadState::memo`] while `busy` is set.
-    #[cfg(target_arch = "x86_64")]
-    memo: UnsafeCell<crate::stack_memo::StackMemo>,
 }
 
 /// How many freed blocks a thread keeps back from the allocator.
 pub const DEFER_DEPTH: usize = 2;
-
-// A `const` item (not a static) on purpose: it is the array initialiser,
-// copied into each thread's state, never shared.
-#[allow(clippy::declare_interior_mutable_const)]
-const EMPTY_SET: CacheSet =
-    CacheSet([const { Cell::new(CacheEntry { hash: 0, packed: 0 }) }; CACHE_WAYS]);
 
 thread_local! {
     /// This thread's agent state.
@@ -132,16 +127,12 @@ thread_local! {
             name_epoch: Cell::new(0),
             stack_hi: Cell::new(0),
             stack_known: Cell::new(false),
-            cache: [EMPTY_SET; CACHE_SETS],
+            tables: Cell::new(std::ptr::null_mut()),
             counters: Cell::new(None),
             nodes: UnsafeCell::new(NodeCache::new()),
             deferred: Cell::new([0; DEFER_DEPTH]),
             no_defer: Cell::new(false),
             sampler: crate::sampling::SamplerState::new(),
-            #[cfg(target_arch = "x86_64")]
-            rules: crate::cfi_unwind::RuleCache::new(),
-            #[cfg(target_arch = "x86_64")]
-            memo: UnsafeCell::new(crate::stack_memo::StackMemo::new()),
         }
     };
 }
@@ -149,10 +140,9 @@ thread_local! {
 impl ThreadState {
     /// Forgets every key (regions of a new generation).
     pub fn reset(&self, generation: u64) {
-        for set in &self.cache {
-            for c in &set.0 {
-                c.set(CacheEntry::default());
-            }
+        // SAFETY: called with `busy` set (see `tables`).
+        if let Some(t) = unsafe { self.existing_tables() } {
+            t.clear_cache();
         }
         self.thread_key.set(0);
         self.allocs.set(0);
@@ -175,16 +165,42 @@ impl ThreadState {
         unsafe { &mut *self.nodes.get() }
     }
 
-    /// An earlier CFI walk of the thread.
+    /// This thread's tables, taken from the pool (or mapped) at the first
+    /// call; `None` only when there is no memory for them.
     ///
     /// # Safety
     /// As for [`ThreadState::nodes`]: only while this thread's `busy` flag
     /// is set by the caller.
-    #[cfg(target_arch = "x86_64")]
-    #[allow(clippy::mut_from_ref)]
-    pub unsafe fn memo(&self) -> &mut crate::stack_memo::StackMemo {
-        // SAFETY: uniqueness per the contract above (as for `nodes`).
-        unsafe { &mut *self.memo.get() }
+    pub unsafe fn tables(&self) -> Option<&crate::thread_tables::ThreadTables> {
+        let mut b = self.tables.get();
+        if b.is_null() {
+            b = crate::thread_tables::acquire();
+            self.tables.set(b);
+        }
+        // SAFETY: a non-null block is this thread's from `acquire` until
+        // `release_tables`, and lives as long as the process.
+        unsafe { b.as_ref() }
+    }
+
+    /// This thread's tables if it has taken them.
+    ///
+    /// # Safety
+    /// As for [`ThreadState::tables`].
+    pub unsafe fn existing_tables(&self) -> Option<&crate::thread_tables::ThreadTables> {
+        // SAFETY: as in `tables`.
+        unsafe { self.tables.get().as_ref() }
+    }
+
+    /// Gives this thread's tables back to the pool (at thread exit). A
+    /// later event on this thread takes a block again.
+    ///
+    /// # Safety
+    /// As for [`ThreadState::tables`], and no reference from `tables` may
+    /// be live.
+    pub unsafe fn release_tables(&self) {
+        let b = self.tables.replace(std::ptr::null_mut());
+        // SAFETY: `b` is this thread's block (or null), no longer used.
+        unsafe { crate::thread_tables::release(b) };
     }
 }
 

@@ -40,6 +40,30 @@ fn thread_exit_storm_keeps_exact_accounting() {
     assert!(status.success(), "atexit allocation crashed it: {status:?}");
 }
 
+#[test]
+fn a_thread_with_a_small_stack_starts_and_is_recorded() {
+    // The agent's thread-local storage comes out of every thread's stack;
+    // when it was 31 KiB, node's 32 KiB thread failed with EINVAL.
+    let exe = compile_c("small_stack");
+    let mut cmd = preloaded(&exe);
+    cmd.stdin(std::process::Stdio::null());
+    let out = cmd.output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.starts_with("ready"),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let target = Target::spawn(preloaded(&exe));
+    let pid = target.pid();
+    let d = dump(pid);
+    let syms = Symbols::of_process(&exe, pid);
+    let t = by_site(&d, &syms, "site_");
+    let got = t.get("site_small_stack").map(|e| (e.0, e.1));
+    assert_eq!(got, Some((25, 25 * 200)), "{t:#?}");
+    assert!(target.finish().success());
+}
+
 /// Runs a self-checking held-back-frees program (`tests/c/deferred.c`
 /// or its Rust twin): it exits 0 and prints "all held" when every check
 /// against glibc's accounting holds.
