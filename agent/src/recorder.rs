@@ -320,11 +320,11 @@ fn arm_thread_exit() {
 #[inline]
 fn tables<'t>(w: &Writers, t: &'t ThreadState) -> Option<&'t crate::thread_tables::ThreadTables> {
     // SAFETY: the caller set this thread's busy flag.
-    if let Some(tables) = unsafe { t.existing_tables() } {
+    if let Some(tables) = unsafe { t.tables() } {
         return Some(tables);
     }
-    // SAFETY: as above.
-    match unsafe { t.tables() } {
+    // SAFETY: as above, and the thread has no tables.
+    match unsafe { t.acquire_tables() } {
         Some(tables) => {
             // Given back at thread exit.
             arm_thread_exit();

@@ -22,8 +22,10 @@
 //!   on this thread's countdown ([`skips`]: an initial-exec thread-local
 //!   word, see `initial_exec_tls`), before any other thread state is
 //!   touched; its free costs one load of the sampled-address filter
-//!   ([`maybe_sampled`]), which can only answer "maybe" for an address
-//!   that was recorded, never "no".
+//!   ([`maybe_sampled`]), which always answers "maybe" for an address
+//!   that was recorded (and for the preload's bootstrap-arena blocks,
+//!   which it marks so that no fast path hands them to the allocator),
+//!   never "no".
 //! - The countdown is 0 until the thread's first draw, and every
 //!   allocation that reaches it goes to [`SamplerState::reached`]. An
 //!   allocation made while the agent is busy on this thread (its own, or

@@ -141,7 +141,7 @@ impl ThreadState {
     /// Forgets every key (regions of a new generation).
     pub fn reset(&self, generation: u64) {
         // SAFETY: called with `busy` set (see `tables`).
-        if let Some(t) = unsafe { self.existing_tables() } {
+        if let Some(t) = unsafe { self.tables() } {
             t.clear_cache();
         }
         self.thread_key.set(0);
@@ -165,30 +165,28 @@ impl ThreadState {
         unsafe { &mut *self.nodes.get() }
     }
 
-    /// This thread's tables, taken from the pool (or mapped) at the first
-    /// call; `None` only when there is no memory for them.
+    /// This thread's tables, if it has taken them ([`Self::acquire_tables`]).
     ///
     /// # Safety
     /// As for [`ThreadState::nodes`]: only while this thread's `busy` flag
     /// is set by the caller.
     pub unsafe fn tables(&self) -> Option<&crate::thread_tables::ThreadTables> {
-        let mut b = self.tables.get();
-        if b.is_null() {
-            b = crate::thread_tables::acquire();
-            self.tables.set(b);
-        }
         // SAFETY: a non-null block is this thread's from `acquire` until
         // `release_tables`, and lives as long as the process.
-        unsafe { b.as_ref() }
+        unsafe { self.tables.get().as_ref() }
     }
 
-    /// This thread's tables if it has taken them.
+    /// Takes tables for this thread, from the pool or a new mapping;
+    /// `None` only when there is no memory for them.
     ///
     /// # Safety
-    /// As for [`ThreadState::tables`].
-    pub unsafe fn existing_tables(&self) -> Option<&crate::thread_tables::ThreadTables> {
+    /// As for [`ThreadState::tables`], and the thread has none
+    /// ([`ThreadState::tables`] is `None`).
+    pub unsafe fn acquire_tables(&self) -> Option<&crate::thread_tables::ThreadTables> {
+        debug_assert!(self.tables.get().is_null());
+        self.tables.set(crate::thread_tables::acquire());
         // SAFETY: as in `tables`.
-        unsafe { self.tables.get().as_ref() }
+        unsafe { self.tables() }
     }
 
     /// Gives this thread's tables back to the pool (at thread exit). A

@@ -61,13 +61,9 @@ pub fn note_next_operators() {
         next::delete_sized().map(|f| f as usize),
         next::delete_array_sized().map(|f| f as usize),
     ];
-    let libstdcxx = all.iter().all(|f| {
-        let mut buf = [0u8; 512];
-        let n = f.map_or(0, |f| next::object_name_of(f, &mut buf));
-        let path = &buf[..n];
-        let file = path.rsplit(|b| *b == b'/').next().unwrap_or(path);
-        file.starts_with(b"libstdc++.so")
-    });
+    let libstdcxx = all
+        .iter()
+        .all(|f| f.is_some_and(|f| next::defined_in(f, b"libstdc++.so")));
     LIBSTDCXX.store(libstdcxx, Ordering::Relaxed);
 }
 
@@ -155,17 +151,21 @@ pub extern "C-unwind" fn _Znwm(size: usize) -> *mut c_void {
     if let Some(p) = unsampled_new(size) {
         return p;
     }
-    not_tail_called(new_slow(size))
+    not_tail_called(new_slow(size, next::new))
 }
 
-/// The full [`_Znwm`] (see `malloc_family::not_tail_called`).
+/// The next plain `operator new` or `new[]`.
+type NextNew = unsafe extern "C-unwind" fn(usize) -> *mut c_void;
+
+/// The full [`_Znwm`] or [`_Znam`], forwarding to `next`'s operator (see
+/// `malloc_family::not_tail_called`).
 #[inline(never)]
-fn new_slow(size: usize) -> *mut c_void {
+fn new_slow(size: usize, next: fn() -> Option<NextNew>) -> *mut c_void {
     let fp = caller_parent_frame();
     // Decided before the call: the fast path has already looked at the
     // countdown (see `recorder::Decision`).
     let decision = decide(size);
-    let p = match next::new() {
+    let p = match next() {
         // SAFETY: the next operator, same contract (may throw).
         Some(f) => forwarding(|| unsafe { f(size) }),
         None => new_without_runtime(size, 0),
@@ -182,25 +182,7 @@ pub extern "C-unwind" fn _Znam(size: usize) -> *mut c_void {
     if let Some(p) = unsampled_new(size) {
         return p;
     }
-    not_tail_called(new_array_slow(size))
-}
-
-/// The full [`_Znam`] (see `malloc_family::not_tail_called`).
-#[inline(never)]
-fn new_array_slow(size: usize) -> *mut c_void {
-    let fp = caller_parent_frame();
-    // Decided before the call: the fast path has already looked at the
-    // countdown (see `recorder::Decision`).
-    let decision = decide(size);
-    let p = match next::new_array() {
-        // SAFETY: the next operator, same contract (may throw).
-        Some(f) => forwarding(|| unsafe { f(size) }),
-        None => new_without_runtime(size, 0),
-    };
-    if !arena::contains(p as usize) {
-        on_alloc_decided(p as usize, size, fp, Role::Preload, decision);
-    }
-    p
+    not_tail_called(new_slow(size, next::new_array))
 }
 
 /// `operator new(size_t, align_val_t)`.

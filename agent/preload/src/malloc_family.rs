@@ -40,8 +40,8 @@
 //!   tail call, see [`not_tail_called`]) and takes the entry point's frame
 //!   pointer from its own frame ([`caller_parent_frame`]), so the walk
 //!   starts at the entry point's frame however the compiler laid the
-//!   entry point out. An allocation is counted down exactly once: the fast path counts it down
-//!   only when it takes it.
+//!   entry point out. An allocation is counted down exactly once: the
+//!   fast path counts it down only when it takes it.
 
 use std::ffi::{c_int, c_void};
 
@@ -84,8 +84,8 @@ pub(crate) fn not_tail_called(mut p: *mut c_void) -> *mut c_void {
 
 /// Records `p` (if an allocation of the next allocator) and returns it.
 /// In sampled mode, a block that is not sampled costs only the countdown
-/// here: the recording path is out of line, so the hook's own frame stays
-/// small.
+/// here (the hooks without a fast path of their own, such as `memalign`,
+/// rely on that): the recording path is out of line.
 #[inline(always)]
 fn recorded(p: *mut c_void, size: usize, fp: usize) -> *mut c_void {
     // A failed allocation is not counted down either.

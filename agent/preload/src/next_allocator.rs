@@ -278,10 +278,15 @@ pub fn defines_symbol_at(a: usize) -> bool {
 /// True when the next `free` is glibc's (`libc.so.6`): its chunk layout
 /// and cost are what the held-back frees were measured against.
 pub fn next_is_glibc() -> bool {
+    free().is_some_and(|f| defined_in(f as usize, b"libc.so"))
+}
+
+/// True when code address `f` lies in a loaded object whose file name
+/// starts with `prefix` (`libc.so`, `libstdc++.so`). Never allocates.
+pub fn defined_in(f: usize, prefix: &[u8]) -> bool {
     let mut buf = [0u8; 512];
-    let Some(f) = free() else { return false };
-    let n = object_name_of(f as usize, &mut buf);
+    let n = object_name_of(f, &mut buf);
     let path = &buf[..n];
     let file = path.rsplit(|b| *b == b'/').next().unwrap_or(path);
-    file.starts_with(b"libc.so")
+    file.starts_with(prefix)
 }
