@@ -3,7 +3,7 @@
 use std::alloc::{GlobalAlloc, Layout, System};
 
 use crate::recorder::{self, Role};
-use crate::stack_capture::frame_pointer;
+use crate::stack_capture::caller_frame;
 
 /// Wraps an inner allocator (the system allocator, jemalloc, mimalloc...)
 /// and records every live block in heapdump's shared regions.
@@ -139,7 +139,9 @@ unsafe fn set_token(p: *mut u8, token: u64) {
 unsafe impl<A: GlobalAlloc> GlobalAlloc for Agent<A> {
     #[inline(never)]
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        let fp = frame_pointer();
+        // A call (not an inline read of rbp, which the compiler may
+        // schedule above a shrink-wrapped prologue): this method's frame.
+        let fp = caller_frame();
         let Some(inner) = self.inner_layout(layout, layout.size()) else {
             return std::ptr::null_mut();
         };
@@ -152,7 +154,7 @@ unsafe impl<A: GlobalAlloc> GlobalAlloc for Agent<A> {
 
     #[inline(never)]
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        let fp = frame_pointer();
+        let fp = caller_frame(); // see `alloc`
         let Some(inner) = self.inner_layout(layout, layout.size()) else {
             return std::ptr::null_mut();
         };
@@ -190,7 +192,7 @@ unsafe impl<A: GlobalAlloc> GlobalAlloc for Agent<A> {
 
     #[inline(never)]
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        let fp = frame_pointer();
+        let fp = caller_frame(); // see `alloc`
         // Checked before anything changes: a size the header would make
         // invalid fails as the inner allocator would.
         let Some(new_inner) = self.inner_layout(layout, new_size) else {
