@@ -877,9 +877,10 @@ mod tests {
         // (the memo then reaches the limit before its end).
         for depth in [20, 20, 10, 30, 15, 15, 70, 60, 70, 5, 20] {
             // One call site for both walks, so their outer frames are the
-            // same.
+            // same (an opaque slice: a release build would unroll a loop
+            // over a literal array into two call sites).
             let mut walks = Vec::new();
-            for kept in [true, false] {
+            for &kept in std::hint::black_box(&[true, false][..]) {
                 let mut fresh = StackMemo::new();
                 let m = if kept { &mut memo } else { &mut fresh };
                 let mut out = [0u64; MAX_FRAMES];
@@ -911,12 +912,15 @@ mod tests {
         // One call site, so every run walks the same frames: the first
         // fills the cache, the second answers from it, the third comes
         // after a (simulated) dlclose emptied it, with the FP fallback on.
-        for run in 0..3 {
-            if run == 2 {
+        // (Opaque values: a release build would otherwise unroll or peel
+        // the loop into several call sites.)
+        for run in 0..std::hint::black_box(3) {
+            let after_dlclose = std::hint::black_box(run) == 2;
+            if after_dlclose {
                 module_unloaded();
             }
             let mut out = [0u64; 64];
-            let n = recurse(20, &mut out, &cache, run == 2);
+            let n = recurse(20, &mut out, &cache, after_dlclose);
             runs.push(out[..n].to_vec());
         }
         let first = &runs[0];

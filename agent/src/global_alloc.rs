@@ -193,8 +193,8 @@ unsafe impl<A: GlobalAlloc> GlobalAlloc for Agent<A> {
     #[inline(never)]
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
         let fp = caller_frame(); // see `alloc`
-        // Checked before anything changes: a size the header would make
-        // invalid fails as the inner allocator would.
+                                 // Checked before anything changes: a size the header would make
+                                 // invalid fails as the inner allocator would.
         let Some(new_inner) = self.inner_layout(layout, new_size) else {
             return std::ptr::null_mut();
         };

@@ -8,14 +8,18 @@ use std::hint::black_box;
 #[global_allocator]
 static A: heapdump_agent::Agent = heapdump_agent::Agent::system();
 
+// Each site keeps its frame while it allocates: `black_box` after the
+// call stops a release build from making `collect` a tail call, which
+// would leave no frame of the site on the stack (and the blocks would be
+// `main`'s, as any profiler would see them).
 #[inline(never)]
 fn parent_site() -> Vec<Vec<u8>> {
-    (0..40).map(|_| Vec::with_capacity(111)).collect()
+    black_box((0..40).map(|_| Vec::with_capacity(111)).collect())
 }
 
 #[inline(never)]
 fn child_site() -> Vec<Vec<u8>> {
-    (0..25).map(|_| Vec::with_capacity(222)).collect()
+    black_box((0..25).map(|_| Vec::with_capacity(222)).collect())
 }
 
 fn main() {
