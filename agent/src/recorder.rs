@@ -814,12 +814,14 @@ pub fn on_free_direct(addr: usize, token: u64) -> Option<u64> {
     with_thread(|t| remove_block(t, writers()?, addr, token)).flatten()
 }
 
-/// In sampled mode, true when no recorded block can be at `addr` (the
-/// cheap answer for a block that was not sampled: one load). A hook may
+/// True when no recorded block can be at `addr` (in sampled mode, the
+/// cheap answer for a block that was not sampled: one load of the
+/// filter; never in exact mode, whose filter answers "maybe" everywhere,
+/// see [`sampling::configure`](crate::sampling::configure)). A hook may
 /// then release the block without calling [`on_free`].
 #[inline(always)]
 pub fn not_sampled(addr: usize) -> bool {
-    crate::sampling::rate() != 0 && !crate::sampling::maybe_sampled(addr)
+    !crate::sampling::maybe_sampled(addr)
 }
 
 /// In sampled mode, true when an allocation of `size` bytes is not

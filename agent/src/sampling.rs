@@ -49,17 +49,80 @@ static SEED: AtomicU64 = AtomicU64::new(0);
 /// Threads seeded so far (makes per-thread seeds distinct).
 static THREADS: AtomicU64 = AtomicU64::new(0);
 
-/// Slots of the sampled-address filter (a counting filter: a slot counts
-/// the live recorded blocks whose address hashes to it). 32 KiB, so it
-/// stays in the L1 cache of a thread that frees often; a slot that reaches
-/// 255 stays there (answers "maybe" for good), which only costs lookups.
+/// The sampled-address filter: a counting filter, whose slot counts the
+/// live recorded blocks whose address hashes to it. 32 KiB, so it stays
+/// in the L1 cache of a thread that frees often; a slot that reaches 255
+/// stays there (answers "maybe" for good), which only costs lookups.
+struct AddressFilter([AtomicU8; FILTER_SLOTS]);
+
 const FILTER_SLOTS: usize = 1 << 15;
-static FILTER: [AtomicU8; FILTER_SLOTS] = [const { AtomicU8::new(0) }; FILTER_SLOTS];
+
+impl AddressFilter {
+    const fn new() -> Self {
+        Self([const { AtomicU8::new(0) }; FILTER_SLOTS])
+    }
+
+    #[inline(always)]
+    fn slot(&self, addr: usize) -> &AtomicU8 {
+        let h = (addr as u64 >> 4).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 49;
+        &self.0[h as usize % FILTER_SLOTS]
+    }
+
+    #[inline]
+    fn note_recorded(&self, addr: usize) {
+        // Relaxed: a free of this block happens after the allocation
+        // returned (the program's own synchronisation hands the pointer
+        // over), so it reads this increment or a later value.
+        let _ = self
+            .slot(addr)
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| {
+                (v < u8::MAX).then(|| v + 1)
+            });
+    }
+
+    #[inline]
+    fn note_removed(&self, addr: usize) {
+        // A saturated slot no longer knows its count: it stays "maybe".
+        let _ = self
+            .slot(addr)
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| {
+                (v != 0 && v != u8::MAX).then(|| v - 1)
+            });
+    }
+
+    /// Every slot "maybe", for good.
+    fn saturate(&self) {
+        for slot in &self.0 {
+            slot.store(u8::MAX, Ordering::Relaxed);
+        }
+    }
+
+    #[inline(always)]
+    fn maybe(&self, addr: usize) -> bool {
+        self.slot(addr).load(Ordering::Relaxed) != 0
+    }
+}
+
+/// The process's filter (see [`maybe_sampled`]).
+static FILTER: AddressFilter = AddressFilter::new();
 
 /// Turns sampled mode on with mean `rate` bytes between samples (0: off).
+/// Called before the agent records anything.
+///
+/// In exact mode every filter slot is set to "maybe" (saturated, so it
+/// stays so), which sends every free to the table: [`maybe_sampled`]
+/// alone then answers for both modes, and a hook's `free` needs no rate
+/// check. (Before this call nothing is recorded, so the empty filter's
+/// "no" is right then too. The stores are Relaxed: the agent publishes
+/// its writers with a Release store after this call, and a block's free
+/// happens after its recording, which came after an Acquire load of that
+/// state.)
 pub fn configure(rate: u64, seed: u64) {
     SEED.store(seed, Ordering::Relaxed);
     RATE.store(rate, Ordering::Relaxed);
+    if rate == 0 {
+        FILTER.saturate();
+    }
 }
 
 /// The sample rate in force (0: exact mode).
@@ -68,39 +131,24 @@ pub fn rate() -> u64 {
     RATE.load(Ordering::Relaxed)
 }
 
-#[inline]
-fn slot(addr: usize) -> &'static AtomicU8 {
-    let h = (addr as u64 >> 4).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 49;
-    &FILTER[h as usize % FILTER_SLOTS]
-}
-
 /// Marks `addr` as a recorded block (after its insert).
 #[inline]
 pub fn note_recorded(addr: usize) {
-    // Relaxed: a free of this block happens after the allocation returned
-    // (the program's own synchronisation hands the pointer over), so it
-    // reads this increment or a later value.
-    let s = slot(addr);
-    let _ = s.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| {
-        (v < u8::MAX).then_some(v + 1)
-    });
+    FILTER.note_recorded(addr)
 }
 
 /// Unmarks `addr` (after its record was removed).
 #[inline]
 pub fn note_removed(addr: usize) {
-    let s = slot(addr);
-    // A saturated slot no longer knows its count: it stays "maybe".
-    let _ = s.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| {
-        (v != 0 && v != u8::MAX).then(|| v - 1)
-    });
+    FILTER.note_removed(addr)
 }
 
 /// False only when no recorded block can be at `addr`: then a free needs
-/// no table lookup.
+/// no table lookup. Always true in exact mode once the agent is
+/// configured (see [`configure`]).
 #[inline]
 pub fn maybe_sampled(addr: usize) -> bool {
-    slot(addr).load(Ordering::Relaxed) != 0
+    FILTER.maybe(addr)
 }
 
 /// Whether an allocation of `size` bytes is certainly not sampled: then
@@ -284,16 +332,27 @@ mod tests {
 
     #[test]
     fn the_filter_answers_maybe_for_recorded_addresses_until_removed() {
+        // A filter of its own: the process's is saturated as soon as an
+        // agent in this test binary starts in exact mode.
+        let f = Box::new(AddressFilter::new());
         let a = 0x7f00_dead_b000usize;
-        assert!(!maybe_sampled(a));
-        note_recorded(a);
-        note_recorded(a);
-        assert!(maybe_sampled(a));
-        note_removed(a);
-        assert!(maybe_sampled(a));
-        note_removed(a);
-        assert!(!maybe_sampled(a));
-        note_removed(a); // never below zero
-        assert!(!maybe_sampled(a));
+        assert!(!f.maybe(a));
+        f.note_recorded(a);
+        f.note_recorded(a);
+        assert!(f.maybe(a));
+        f.note_removed(a);
+        assert!(f.maybe(a));
+        f.note_removed(a);
+        assert!(!f.maybe(a));
+        f.note_removed(a); // never below zero
+        assert!(!f.maybe(a));
+        // Saturated (exact mode): "maybe" everywhere, for good.
+        f.saturate();
+        for addr in (0..1 << 20).step_by(16).map(|x| a + x) {
+            assert!(f.maybe(addr));
+        }
+        f.note_recorded(a); // no overflow past 255
+        f.note_removed(a);
+        assert!(f.maybe(a));
     }
 }
