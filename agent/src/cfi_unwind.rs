@@ -854,7 +854,7 @@ mod tests {
             let sp = crate::stack_capture::stack_pointer();
             let hi = crate::stack_capture::thread_stack_top(sp).unwrap();
             walk(
-                crate::stack_capture::frame_pointer(),
+                crate::stack_capture::caller_frame(),
                 sp,
                 hi,
                 out,

@@ -16,7 +16,8 @@
 //! - Only with the `initial-exec-tls` feature, which the preload library
 //!   (loaded at start through `LD_PRELOAD`) turns on. The initial-exec
 //!   model marks the whole library `STATIC_TLS`: all its thread-local
-//!   storage (the agent's per-thread state, ~27 KiB) must then sit in the
+//!   storage (the agent's per-thread state, a few hundred bytes; its large
+//!   tables live outside TLS, see `thread_tables`) must then sit in the
 //!   static TLS block, which a library loaded at start does and a
 //!   `dlopen`ed one cannot (glibc refuses it: "cannot allocate memory in
 //!   static TLS block"). Without the feature (the Rust `Agent`, in an

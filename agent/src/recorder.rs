@@ -814,11 +814,13 @@ pub fn on_free_direct(addr: usize, token: u64) -> Option<u64> {
     with_thread(|t| remove_block(t, writers()?, addr, token)).flatten()
 }
 
-/// True when no recorded block can be at `addr` (in sampled mode, the
-/// cheap answer for a block that was not sampled: one load of the
-/// filter; never in exact mode, whose filter answers "maybe" everywhere,
-/// see [`sampling::configure`](crate::sampling::configure)). A hook may
-/// then release the block without calling [`on_free`].
+/// True when no recorded block can be at `addr`: in sampled mode, the
+/// cheap answer for a block that was not sampled (one load of the
+/// filter). In exact mode it is never true once the agent is configured
+/// (the filter then answers "maybe" everywhere, see
+/// [`sampling::configure`](crate::sampling::configure)), and before that
+/// nothing is recorded. A hook may then release the block without
+/// calling [`on_free`].
 #[inline(always)]
 pub fn not_sampled(addr: usize) -> bool {
     !crate::sampling::maybe_sampled(addr)

@@ -25,7 +25,9 @@
 //!   ([`maybe_sampled`]), which always answers "maybe" for an address
 //!   that was recorded (and for the preload's bootstrap-arena blocks,
 //!   which it marks so that no fast path hands them to the allocator),
-//!   never "no".
+//!   never "no". In exact mode the filter is saturated ("maybe"
+//!   everywhere) before anything is recorded ([`configure`]), so the same
+//!   one load sends every free to the table, with no rate check.
 //! - The countdown is 0 until the thread's first draw, and every
 //!   allocation that reaches it goes to [`SamplerState::reached`]. An
 //!   allocation made while the agent is busy on this thread (its own, or
