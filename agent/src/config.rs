@@ -150,6 +150,38 @@ pub fn parse_signal(v: &[u8]) -> Option<libc::c_int> {
     .map(|(_, v)| v)
 }
 
+/// Set by `heapdump run` to its own pid ([`speaks_here`]).
+pub const RUN_PID_VAR: &str = "HEAPDUMP_RUN_PID";
+
+/// Whether the agent may write its messages on this process's stderr.
+///
+/// `heapdump run` sets `HEAPDUMP_RUN_PID` to its own pid. The program it
+/// started is its child; the programs *that* program runs inherit the
+/// variable (and `LD_PRELOAD`) but have another parent, and their output
+/// is not the agent's to write into (varnishd compiles its configuration
+/// with cc, whose stderr varnish reads). So: no variable (a by-hand
+/// `LD_PRELOAD`), or a parent that is `heapdump run`, speaks; everything
+/// else is quiet. Decided once per loaded image, at its first call, and
+/// kept across `fork` (a forked child is the same program).
+pub fn speaks_here() -> bool {
+    use std::sync::atomic::{AtomicU8, Ordering};
+    static DECIDED: AtomicU8 = AtomicU8::new(0);
+    match DECIDED.load(Ordering::Relaxed) {
+        1 => return true,
+        2 => return false,
+        _ => {}
+    }
+    let speak = match env(c"HEAPDUMP_RUN_PID") {
+        None => true,
+        // SAFETY: getppid has no preconditions.
+        Some(v) => parse_u64(v) == Some(unsafe { libc::getppid() } as u64),
+    };
+    // Relaxed: a racing first call decides the same (same environment,
+    // same parent), so either store is right.
+    DECIDED.store(if speak { 1 } else { 2 }, Ordering::Relaxed);
+    speak
+}
+
 impl Config {
     /// Reads `HEAPDUMP_*` variables; invalid values keep the default (and
     /// are reported once on stderr by the caller via `warnings`).
@@ -161,6 +193,9 @@ impl Config {
         }
         if let Some(v) = env(c"HEAPDUMP_QUIET") {
             c.quiet = truthy(v);
+        }
+        if !speaks_here() {
+            c.quiet = true;
         }
         if let Some(v) = env(c"HEAPDUMP_MAX_FRAMES") {
             match parse_u64(v) {

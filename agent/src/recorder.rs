@@ -14,9 +14,13 @@
 //! - A block is removed from the table *before* the memory is returned to
 //!   the allocator (free, and realloc, which may move), so an address
 //!   reused by another thread can never be removed by a late free.
-//! - After `fork`, the child closes and unmaps its parent's regions in the
-//!   atfork child handler and starts a new generation on its next event:
-//!   it never writes into its parent's regions.
+//! - After `fork`, the child unmaps its parent's regions in the atfork
+//!   child handler (closing their descriptors only where `fstat` proves
+//!   they are still the memfds: the program may have closed them and
+//!   reused the numbers, see `heapdump_table::region`), and creates its own
+//!   at once, so a child is visible and dumpable from birth even if it
+//!   never records an event (a sampled child may not for a long time): it
+//!   never writes into its parent's regions.
 
 use std::cell::{Cell, UnsafeCell};
 use std::mem::MaybeUninit;
@@ -43,6 +47,9 @@ static STATE: AtomicU8 = AtomicU8::new(UNINIT);
 static GENERATION: AtomicU64 = AtomicU64::new(1);
 static NOT_READY: AtomicU64 = AtomicU64::new(0);
 static ONCE_HOOKS: AtomicBool = AtomicBool::new(false);
+/// The [`Role`] of the hook that first started the agent (as `u8`), so a
+/// fork child starts its own regions in the same role.
+static ROLE: AtomicU8 = AtomicU8::new(Role::Preload as u8);
 /// Bumped after a thread is renamed ([`thread_renamed`]).
 static NAME_EPOCH: AtomicU64 = AtomicU64::new(0);
 /// pthread key whose destructor settles a thread's node cache at exit.
@@ -155,6 +162,7 @@ fn init(role: Role) -> Option<&'static Writers> {
         STATE.store(DISABLED, Ordering::Release);
         return None;
     }
+    ROLE.store(role as u8, Ordering::Relaxed);
     if role == Role::GlobalAlloc && preload_present() {
         // The program also runs under libheapdump_preload.so, which records
         // the same blocks (the inner allocator's malloc): one agent is
@@ -263,11 +271,12 @@ fn effective_unwind(wanted: UnwindMode) -> UnwindMode {
 
 /// Which hook started the agent.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
 pub enum Role {
     /// The `Agent` global allocator of a Rust program.
-    GlobalAlloc,
+    GlobalAlloc = 0,
     /// The `LD_PRELOAD` library.
-    Preload,
+    Preload = 1,
 }
 
 /// True when `libheapdump_preload.so` is loaded in this process (its C
@@ -278,14 +287,16 @@ fn preload_present() -> bool {
     !unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"heapdump_request_snapshot".as_ptr()) }.is_null()
 }
 
-/// atfork child handler: release the parent's regions (close the memfds,
-/// unmap them) so the child can never write into them; the child builds
-/// its own on its next allocation.
+/// atfork child handler: release the parent's regions (unmap them, and
+/// close their memfds where the descriptors still name them) so the child
+/// can never write into them, then build the child's own at once.
 extern "C" fn after_fork_child() {
-    if STATE.load(Ordering::Acquire) == READY {
+    let was_ready = STATE.load(Ordering::Acquire) == READY;
+    if was_ready {
         // SAFETY: the child has a single thread, which is inside fork() and
         // not inside the agent, so nobody holds references into the slots.
-        // Dropping the writers closes the fds and unmaps (no allocation).
+        // Dropping the writers unmaps, and closes each memfd only if its
+        // descriptor still names it (no allocation).
         unsafe {
             std::ptr::drop_in_place((*RESOURCES_REGION.0.get()).as_mut_ptr());
             std::ptr::drop_in_place((*ALLOCATIONS_REGION.0.get()).as_mut_ptr());
@@ -296,6 +307,21 @@ extern "C" fn after_fork_child() {
     // A parent thread was initialising: its half-built state is not ours.
     GENERATION.fetch_add(1, Ordering::Relaxed);
     STATE.store(UNINIT, Ordering::Release);
+    if was_ready {
+        // The child's own regions now, not at its first recorded event: in
+        // sampled mode that may be never (a postgres checkpointer), and the
+        // child would look uninstrumented and get no final snapshot. A few
+        // system calls; the forking thread is not inside the agent, and
+        // anything `init` allocates passes through (busy flag).
+        let role = if ROLE.load(Ordering::Relaxed) == Role::GlobalAlloc as u8 {
+            Role::GlobalAlloc
+        } else {
+            Role::Preload
+        };
+        with_thread(|_| {
+            ready_writers(role);
+        });
+    }
 }
 
 /// Makes [`thread_exit`] run when this thread exits (again, if it has run

@@ -10,9 +10,18 @@
 //!   seals are present, and maps exactly the file's size, so the writer can
 //!   never make the reader's mapping fault (SIGBUS) by truncating the file.
 //! - The reader's mapping is `PROT_READ`: the dumper cannot write a region.
+//! - The writer owns no file descriptor *number*. Programs close every fd
+//!   (`close_range`, daemonizing) and reuse the numbers, so the memfd's
+//!   number may name the program's socket a moment later. The writer
+//!   remembers the memfd's identity (device and inode: unique while the
+//!   mapping keeps the inode alive) and touches the number (close, dup)
+//!   only after `fstat` proves it still names that memfd. The mapping, not
+//!   the descriptor, is what the writer writes through; the dumper finds a
+//!   region whose descriptor is gone through the mapping
+//!   (`/proc/PID/map_files`).
 
 use std::fs::File;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, IntoRawFd, OwnedFd, RawFd};
 use std::path::Path;
 
 use memmap2::{MmapOptions, MmapRaw};
@@ -46,10 +55,39 @@ pub fn monotonic_ns() -> u64 {
     clock_ns(libc::CLOCK_MONOTONIC)
 }
 
+/// Device and inode of an open file: what tells our memfd from whatever
+/// file a program later opened under the same descriptor number.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct FileIdentity {
+    dev: u64,
+    ino: u64,
+}
+
+impl FileIdentity {
+    /// The identity of the file `fd` names now, if `fd` is open.
+    fn of(fd: RawFd) -> Option<FileIdentity> {
+        let mut st = std::mem::MaybeUninit::<libc::stat>::uninit();
+        // SAFETY: fstat writes a `struct stat` to a valid out-pointer; on
+        // an fd that is not open it fails with EBADF and writes nothing.
+        if unsafe { libc::fstat(fd, st.as_mut_ptr()) } != 0 {
+            return None;
+        }
+        // SAFETY: fstat returned 0, so it initialised the whole struct.
+        let st = unsafe { st.assume_init() };
+        Some(FileIdentity {
+            dev: st.st_dev,
+            ino: st.st_ino,
+        })
+    }
+}
+
 /// The writable side of a region, owned by the instrumented process.
 #[derive(Debug)]
 pub struct RegionWriter {
-    fd: OwnedFd,
+    /// The memfd's number when it was created: the program may have closed
+    /// it since, and reused the number (see the module's invariants).
+    fd: RawFd,
+    identity: FileIdentity,
     map: MmapRaw,
     view: SharedView,
     header: StaticHeader,
@@ -109,8 +147,11 @@ impl RegionWriter {
             ),
         )
         .map_err(|e| TableError::io("seal memfd", e))?;
+        let identity = FileIdentity::of(fd.as_raw_fd())
+            .ok_or_else(|| TableError::io("fstat memfd", std::io::Error::last_os_error()))?;
         Ok(RegionWriter {
-            fd,
+            fd: fd.into_raw_fd(),
+            identity,
             map,
             view,
             header,
@@ -127,18 +168,32 @@ impl RegionWriter {
         &self.header
     }
 
-    /// The memfd (for tests and for passing to a reader in-process).
-    pub fn fd(&self) -> BorrowedFd<'_> {
-        self.fd.as_fd()
+    /// The memfd, if its descriptor number still names it (the program
+    /// may have closed it and reused the number). The answer holds until
+    /// the program's next `close`/`dup2`; use it at once, on one thread.
+    pub fn fd(&self) -> Option<BorrowedFd<'_>> {
+        (FileIdentity::of(self.fd) == Some(self.identity))
+            // SAFETY: `self.fd` is open and names our memfd (checked just
+            // now); the borrow does not outlive `self`.
+            .then(|| unsafe { BorrowedFd::borrow_raw(self.fd) })
+    }
+
+    /// The memfd's device and inode numbers (as `/proc/PID/maps` shows
+    /// them), which identify the region whatever its descriptor became.
+    pub fn inode(&self) -> (u64, u64) {
+        (self.identity.dev, self.identity.ino)
     }
 
     /// Maps this region read-only through a duplicate of its fd, exactly as
     /// a dumper would (seal and header checks included). For tests and for
-    /// in-process readers.
+    /// in-process readers. Fails if the program closed the descriptor.
     pub fn open_reader(&self) -> Result<RegionReader, TableError> {
         let fd = self
-            .fd
-            .try_clone()
+            .fd()
+            .ok_or_else(|| {
+                TableError::io("region fd", std::io::Error::from_raw_os_error(libc::EBADF))
+            })?
+            .try_clone_to_owned()
             .map_err(|e| TableError::io("dup region fd", e))?;
         let kind = if self.header.kind == RegionKind::Resources as u32 {
             RegionKind::Resources
@@ -208,6 +263,21 @@ impl RegionWriter {
                 len as usize,
                 libc::MADV_REMOVE,
             );
+        }
+    }
+}
+
+impl Drop for RegionWriter {
+    /// Unmaps the region (the mapping drops after this) and closes the
+    /// memfd's descriptor only if it still names the memfd: a number the
+    /// program closed and reused is the program's, and is left alone.
+    fn drop(&mut self) {
+        if FileIdentity::of(self.fd) == Some(self.identity) {
+            // SAFETY: the descriptor is open and names our memfd (checked
+            // just now, and the callers drop a writer only where no other
+            // thread runs: a fork child, or a test), so closing it closes
+            // nothing of the program's.
+            drop(unsafe { OwnedFd::from_raw_fd(self.fd) });
         }
     }
 }

@@ -520,7 +520,10 @@ fn sealed_region_with_scribbled_header_is_refused() {
     // A real region, its header overwritten in place through the writer's
     // shared mapping, then opened like a dumper does.
     let region = ResourcesWriter::create_region(64 * 1024, 64).unwrap();
-    let path = format!("/proc/self/fd/{}", region.fd().as_raw_fd());
+    let path = format!(
+        "/proc/self/fd/{}",
+        region.fd().expect("own memfd").as_raw_fd()
+    );
     let view = region.view();
     let major = view.atomic_u64(8).unwrap();
     let orig = major.load(std::sync::atomic::Ordering::Relaxed);

@@ -26,7 +26,13 @@ fn cached_and_plain_paths_agree_with_a_model() {
     .unwrap();
     let w = AllocationsWriter::new(&region).unwrap();
     let reader_region = heapdump_table::RegionReader::from_file(
-        std::fs::File::from(region.fd().try_clone_to_owned().unwrap()),
+        std::fs::File::from(
+            region
+                .fd()
+                .expect("own memfd")
+                .try_clone_to_owned()
+                .unwrap(),
+        ),
         heapdump_table::RegionKind::Allocations,
     )
     .unwrap();

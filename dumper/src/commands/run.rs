@@ -143,6 +143,9 @@ pub fn program_command(
         "LD_PRELOAD",
         preload_list(&preload, companion.as_deref(), &user),
     );
+    // The agent speaks (on stderr) only in the program started here, not in
+    // the programs that program runs (see heapdump_agent's `speaks_here`).
+    cmd.env("HEAPDUMP_RUN_PID", std::process::id().to_string());
     if let Some(s) = &env.signal {
         cmd.env("HEAPDUMP_SIGNAL", s);
     }

@@ -1,12 +1,22 @@
 //! Finding instrumented processes and opening their regions.
 //!
-//! An instrumented process has two memfds whose `/proc/PID/fd` links read
-//! `/memfd:heapdump.resources (deleted)` and
-//! `/memfd:heapdump.allocations (deleted)`. Opening `/proc/PID/fd/N` needs
-//! the same permission as reading the process's memory (ptrace access mode
-//! "read"), so the regions are exactly as private as the process.
+//! An instrumented process is one that maps a heapdump region *writable
+//! and shared*: `/proc/PID/maps` shows `rw-s ... /memfd:heapdump.allocations
+//! (deleted)` (and `heapdump.resources`). A dumper maps regions read-only
+//! (`r--s`), so a running `heapdump watch` or `serve`, which keeps other
+//! processes' regions open, is never taken for an instrumented process.
 //!
-//! After `fork`, a child briefly holds its parent's regions: only regions
+//! Each region is opened through the descriptor that still names it
+//! (`/proc/PID/fd/N`, matched to the mapping by inode): that needs the same
+//! permission as reading the process's memory (ptrace access mode "read"),
+//! so the regions are exactly as private as the process. A daemon may
+//! have closed every descriptor (`close_range`, daemonizing): the mapping
+//! remains, and is opened through `/proc/PID/map_files/START-END`, which
+//! the kernel allows only with `CAP_CHECKPOINT_RESTORE` (or
+//! `CAP_SYS_ADMIN`): root, or a collector given that capability. Without
+//! it the process is still listed, and the error says what is needed.
+//!
+//! After `fork`, a child briefly maps its parent's regions: only regions
 //! whose header names the inspected pid as writer are trusted.
 
 use std::collections::HashMap;
@@ -130,6 +140,22 @@ pub enum DiscoveryError {
         /// Its name.
         name: String,
     },
+    /// The regions are mapped, but no descriptor names them any more and
+    /// `/proc/PID/map_files` may not be opened without a capability.
+    #[error(
+        "process {pid} ({name}) is instrumented, but it closed the descriptors of its heapdump \
+         regions (daemons close every inherited fd); the regions are still mapped, and opening \
+         them through /proc/{pid}/map_files needs CAP_CHECKPOINT_RESTORE or CAP_SYS_ADMIN: run \
+         heapdump as root, or give it the capability (setcap cap_checkpoint_restore+ep \
+         \"$(command -v heapdump)\"). A `heapdump watch` started before the descriptors were \
+         closed keeps its own handle"
+    )]
+    DescriptorsClosed {
+        /// The pid asked for.
+        pid: u32,
+        /// Its name.
+        name: String,
+    },
     /// Only regions inherited over `fork` from another process are present.
     #[error(
         "process {pid} ({name}) holds heapdump regions inherited from parent pid {parent}, and \
@@ -218,38 +244,127 @@ pub fn live_threads(pid: u32) -> Option<usize> {
         .map(|d| d.count())
 }
 
-/// The heapdump memfd links of `pid`: `(path under /proc/PID/fd, kind)`.
-pub fn region_links(pid: u32) -> Result<Vec<(PathBuf, RegionKind)>, DiscoveryError> {
-    let dir = PathBuf::from(format!("/proc/{pid}/fd"));
-    let entries = match fs::read_dir(&dir) {
-        Ok(e) => e,
-        Err(e) => {
-            return Err(match e.kind() {
-                io::ErrorKind::NotFound => DiscoveryError::NoSuchProcess { pid },
-                io::ErrorKind::PermissionDenied => DiscoveryError::PermissionDenied { pid },
-                _ => DiscoveryError::Io { pid, source: e },
-            })
-        }
-    };
-    let mut out = Vec::new();
+/// How a region of a process is reached.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RegionSource {
+    /// Which region.
+    pub kind: RegionKind,
+    /// What to open: `/proc/PID/fd/N`, or `/proc/PID/map_files/S-E` when
+    /// no descriptor names the region any more.
+    pub path: PathBuf,
+    /// True when `path` is under `map_files` (needs a capability).
+    pub through_mapping: bool,
+}
+
+/// One heapdump region mapping of a `/proc/PID/maps` line: kind, range,
+/// writable, inode.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct RegionMapping {
+    kind: RegionKind,
+    start: u64,
+    end: u64,
+    writable: bool,
+    inode: u64,
+}
+
+/// Parses one `/proc/PID/maps` line if it maps a heapdump region shared.
+fn parse_region_mapping(line: &str) -> Option<RegionMapping> {
+    let mut f = line.splitn(6, ' ');
+    let range = f.next()?;
+    let perms = f.next()?;
+    let _offset = f.next()?;
+    let _dev = f.next()?;
+    let inode = f.next()?.parse().ok()?;
+    let path = f.next()?.trim_start();
+    let kind = RegionKind::from_link_target(path)?;
+    let (start, end) = range.split_once('-')?;
+    let perms = perms.as_bytes();
+    if perms.len() != 4 || perms[3] != b's' {
+        return None;
+    }
+    Some(RegionMapping {
+        kind,
+        start: u64::from_str_radix(start, 16).ok()?,
+        end: u64::from_str_radix(end, 16).ok()?,
+        writable: perms[1] == b'w',
+        inode,
+    })
+}
+
+fn proc_error(pid: u32, e: io::Error) -> DiscoveryError {
+    match e.kind() {
+        io::ErrorKind::NotFound => DiscoveryError::NoSuchProcess { pid },
+        io::ErrorKind::PermissionDenied => DiscoveryError::PermissionDenied { pid },
+        _ => DiscoveryError::Io { pid, source: e },
+    }
+}
+
+/// The heapdump regions `pid` maps writable (its own, or a fork child's
+/// inherited ones until it unmaps them), each with the way to open it.
+/// Empty when `pid` is not instrumented (a dumper's read-only mappings do
+/// not count).
+pub fn region_sources(pid: u32) -> Result<Vec<RegionSource>, DiscoveryError> {
+    let maps = fs::read_to_string(format!("/proc/{pid}/maps")).map_err(|e| proc_error(pid, e))?;
+    let mut mappings: Vec<RegionMapping> = maps
+        .lines()
+        .filter_map(parse_region_mapping)
+        .filter(|m| m.writable)
+        .collect();
+    mappings.sort_by_key(|m| m.inode);
+    mappings.dedup_by_key(|m| m.inode);
+    if mappings.is_empty() {
+        return Ok(Vec::new());
+    }
+    // Descriptors that still name a region, by inode.
+    let mut by_inode: HashMap<u64, PathBuf> = HashMap::new();
+    let entries = fs::read_dir(format!("/proc/{pid}/fd")).map_err(|e| proc_error(pid, e))?;
     for entry in entries.flatten() {
         // A descriptor may close between readdir and readlink: skip it.
         let Ok(target) = fs::read_link(entry.path()) else {
             continue;
         };
-        if let Some(kind) = target.to_str().and_then(RegionKind::from_link_target) {
-            out.push((entry.path(), kind));
+        if target
+            .to_str()
+            .and_then(RegionKind::from_link_target)
+            .is_none()
+        {
+            continue;
+        }
+        if let Ok(meta) = fs::metadata(entry.path()) {
+            use std::os::unix::fs::MetadataExt;
+            by_inode.entry(meta.ino()).or_insert(entry.path());
         }
     }
-    Ok(out)
+    Ok(mappings
+        .into_iter()
+        .map(|m| match by_inode.remove(&m.inode) {
+            Some(path) => RegionSource {
+                kind: m.kind,
+                path,
+                through_mapping: false,
+            },
+            None => RegionSource {
+                kind: m.kind,
+                path: PathBuf::from(format!("/proc/{pid}/map_files/{:x}-{:x}", m.start, m.end)),
+                through_mapping: true,
+            },
+        })
+        .collect())
 }
 
-fn region_error(pid: u32, name: &str, kind: RegionKind, e: TableError) -> DiscoveryError {
-    if let TableError::Io { source, .. } = &e {
-        if source.kind() == io::ErrorKind::PermissionDenied {
+fn region_error(pid: u32, name: &str, source: &RegionSource, e: TableError) -> DiscoveryError {
+    let kind = source.kind;
+    if let TableError::Io { source: io, .. } = &e {
+        if source.through_mapping && io.kind() == io::ErrorKind::PermissionDenied {
+            return DiscoveryError::DescriptorsClosed {
+                pid,
+                name: name.to_string(),
+            };
+        }
+        if io.kind() == io::ErrorKind::PermissionDenied {
             return DiscoveryError::PermissionDenied { pid };
         }
-        if source.kind() == io::ErrorKind::NotFound {
+        if io.kind() == io::ErrorKind::NotFound {
             return DiscoveryError::NoSuchProcess { pid };
         }
     }
@@ -280,25 +395,25 @@ fn region_error(pid: u32, name: &str, kind: RegionKind, e: TableError) -> Discov
 
 /// Opens both regions of `pid`, validated, read-only.
 pub fn open_target(pid: u32) -> Result<Target, DiscoveryError> {
-    let links = region_links(pid)?;
+    let sources = region_sources(pid)?;
     let name = process_name(pid);
-    if links.is_empty() {
+    if sources.is_empty() {
         return Err(DiscoveryError::NotInstrumented { pid, name });
     }
     let mut resources = None;
     let mut allocations = None;
     let mut first_err = None;
     let mut inherited = None;
-    for (path, kind) in links {
-        match RegionReader::open(&path, kind) {
-            Ok(r) if r.header().writer_pid == pid => match kind {
+    for source in &sources {
+        match RegionReader::open(&source.path, source.kind) {
+            Ok(r) if r.header().writer_pid == pid => match source.kind {
                 RegionKind::Resources => resources = Some(r),
                 RegionKind::Allocations => allocations = Some(r),
             },
             Ok(r) => inherited = Some(r.header().writer_pid),
             Err(e) => {
                 if first_err.is_none() {
-                    first_err = Some(region_error(pid, &name, kind, e));
+                    first_err = Some(region_error(pid, &name, source, e));
                 }
             }
         }
@@ -344,7 +459,8 @@ pub struct ListEntry {
     pub state: Result<(Counters, Option<usize>), DiscoveryError>,
 }
 
-/// Scans `/proc` for processes holding heapdump regions. Returns the
+/// Scans `/proc` for instrumented processes (those mapping a heapdump
+/// region writable). Returns the
 /// entries (sorted by pid) and how many processes could not be inspected
 /// for lack of permission.
 pub fn scan() -> (Vec<ListEntry>, usize) {
@@ -363,10 +479,10 @@ pub fn scan() -> (Vec<ListEntry>, usize) {
         if pid == me {
             continue;
         }
-        match region_links(pid) {
+        match region_sources(pid) {
             Err(DiscoveryError::PermissionDenied { .. }) => denied += 1,
             Err(_) => {}
-            Ok(links) if links.is_empty() => {}
+            Ok(sources) if sources.is_empty() => {}
             Ok(_) => {
                 let name = process_name(pid);
                 let state = open_target(pid).and_then(|t| {
@@ -445,6 +561,42 @@ fn pick_by_name(spec: &str, candidates: &[(u32, Vec<String>)]) -> Result<u32, St
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_shared_region_mappings_are_read_and_writability_is_kept() {
+        let w = parse_region_mapping(
+            "7f0000000000-7f0010000000 rw-s 00000000 00:01 4242                       \
+             /memfd:heapdump.allocations (deleted)",
+        )
+        .expect("writer mapping");
+        assert_eq!(
+            w,
+            RegionMapping {
+                kind: RegionKind::Allocations,
+                start: 0x7f00_0000_0000,
+                end: 0x7f00_1000_0000,
+                writable: true,
+                inode: 4242,
+            }
+        );
+        let r = parse_region_mapping(
+            "7f0000000000-7f0000001000 r--s 00000000 00:01 77 /memfd:heapdump.resources (deleted)",
+        )
+        .expect("reader mapping");
+        assert!(!r.writable);
+        assert_eq!(r.kind, RegionKind::Resources);
+        assert_eq!(
+            parse_region_mapping("7f0000000000-7f0000001000 rw-p 00000000 00:01 77 /memfd:heapdump.resources (deleted)"),
+            None
+        );
+        assert_eq!(
+            parse_region_mapping(
+                "7f0000000000-7f0000001000 rw-s 00000000 00:01 77 /memfd:other (deleted)"
+            ),
+            None
+        );
+        assert_eq!(parse_region_mapping("garbage"), None);
+    }
 
     #[test]
     fn a_target_is_picked_by_its_name_or_its_program_only_when_unique() {

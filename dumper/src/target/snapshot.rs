@@ -392,6 +392,55 @@ pub fn wall_time(target: &Target, monotonic_ns: u64) -> Option<SystemTime> {
     Clock::now(target.allocations.header().clock_monotonic_ns).wall_of_monotonic(monotonic_ns)
 }
 
+/// The header's sample rate as written, and as used: 0 (exact mode)
+/// instead of a rate beyond any sane setting, which is a damaged header.
+pub fn sample_rate(target: &Target) -> (u64, u64) {
+    let raw = heapdump_table::header::read_sample_rate(&target.allocations.view());
+    let used = if raw > heapdump_table::sampling::MAX_RATE {
+        0
+    } else {
+        raw
+    };
+    (raw, used)
+}
+
+/// What one live block of `size` bytes stands for, as (bytes, blocks): in
+/// sampled mode (`rate` > 0) each sampled block is weighted so that sums
+/// are unbiased estimates; in exact mode it is itself.
+fn weigh(size: u64, rate: u64) -> (f64, f64) {
+    if rate == 0 {
+        (size as f64, 1.0)
+    } else {
+        let w = heapdump_table::sampling::weight(size, rate);
+        (size as f64 * w, w)
+    }
+}
+
+/// The live heap of a sampled process as a snapshot totals it: the
+/// estimated (bytes, blocks), summed and rounded exactly as [`take`] does,
+/// so `heapdump list` and a snapshot of a quiet process agree. `None` in
+/// exact mode (the header's counters are exact there).
+pub fn estimated_live(target: &Target) -> Result<Option<(u64, u64)>, TableError> {
+    let (_, rate) = sample_rate(target);
+    if rate == 0 {
+        return Ok(None);
+    }
+    let allocs = AllocationsReader::new(&target.allocations)?;
+    let mut attempt = 0;
+    loop {
+        let (mut bytes, mut blocks) = (0f64, 0f64);
+        let stats = allocs.walk(|r| {
+            let (b, n) = weigh(r.size, rate);
+            bytes += b;
+            blocks += n;
+        });
+        attempt += 1;
+        if stats.unstable == 0 || attempt >= WALK_ATTEMPTS {
+            return Ok(Some((bytes.round() as u64, blocks.round() as u64)));
+        }
+    }
+}
+
 /// Takes a snapshot of `target`, symbolizing against `mappings` (read from
 /// `/proc/PID/maps` now, or recorded earlier if the target has exited).
 pub fn take(
@@ -407,20 +456,8 @@ pub fn take(
     let t0 = Instant::now();
     // Sampled mode: each live block stands for `weight(size)` blocks. A
     // rate beyond any sane setting is a damaged header: refused.
-    let raw_rate = heapdump_table::header::read_sample_rate(&target.allocations.view());
-    let rate = if raw_rate > heapdump_table::sampling::MAX_RATE {
-        0
-    } else {
-        raw_rate
-    };
-    let weigh = |size: u64| -> (f64, f64) {
-        if rate == 0 {
-            (size as f64, 1.0)
-        } else {
-            let w = heapdump_table::sampling::weight(size, rate);
-            (size as f64 * w, w)
-        }
-    };
+    let (raw_rate, rate) = sample_rate(target);
+    let weigh = |size: u64| weigh(size, rate);
 
     // Aggregate during the walk: per (stack key, thread key). A walk that
     // met records being modified throughout (a writer preempted mid-update
@@ -648,7 +685,11 @@ pub fn take(
             live_bytes: selected.0,
             live_blocks: selected.1,
         }),
-        notes: notes(target.blind_spots(), counters.total_allocs),
+        notes: notes(
+            target.blind_spots(),
+            counters.total_allocs,
+            (rate != 0).then_some(rate),
+        ),
         unwinder: heapdump_table::header::read_unwinder(&target.allocations.view())
             .name()
             .to_string(),
@@ -663,17 +704,24 @@ pub fn take(
 /// What a snapshot cannot show: "no allocation recorded" when the agent
 /// saw none, and `blind_spots`, what the program's files say the agent
 /// cannot see ([`crate::target::visibility`]).
-pub fn notes(blind_spots: &[String], total_allocs: u64) -> Vec<String> {
+pub fn notes(blind_spots: &[String], total_allocs: u64, sample_rate: Option<u64>) -> Vec<String> {
     let mut notes = blind_spots.to_vec();
     if total_allocs == 0 {
-        let why = if notes.is_empty() {
-            "the program has not allocated through malloc or C++ new since the agent started; \
-             if it should have, it may use an allocator linked in statically, or one preloaded \
-             before the agent"
-        } else {
-            "see below"
+        let note = match sample_rate {
+            // In sampled mode the agent counts only what it sampled: no
+            // sample yet says nothing about whether malloc is seen.
+            Some(rate) => format!(
+                "no allocation sampled yet (sampled mode records about one allocation per {} \
+                 allocated): every figure is 0 until the first sample",
+                crate::formats::text::human_bytes(rate)
+            ),
+            None if notes.is_empty() => "no allocation recorded: the program has not allocated \
+                 through malloc or C++ new since the agent started; if it should have, it may \
+                 use an allocator linked in statically, or one preloaded before the agent"
+                .to_string(),
+            None => "no allocation recorded: see below".to_string(),
         };
-        notes.insert(0, format!("no allocation recorded: {why}"));
+        notes.insert(0, note);
     }
     notes
 }

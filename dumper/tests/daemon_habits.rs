@@ -1,0 +1,293 @@
+//! Daemons' habits under the agent (issue 24): closing every inherited
+//! descriptor, forking, running other programs, sampled children that have
+//! not sampled yet; and a dumper that holds other processes' regions.
+//!
+//! Synchronisation is by printed lines only; timeouts are hang guards.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::process::{Command, Stdio};
+
+use common::*;
+use heapdump_tests::{compile_c, preload_lib, real_dependency, Target};
+use serde_json::Value;
+
+/// True when this process may open `/proc/PID/map_files` of another
+/// process (root, or CAP_CHECKPOINT_RESTORE / CAP_SYS_ADMIN).
+fn can_open_map_files() -> bool {
+    // CapEff bits: CAP_SYS_ADMIN = 21, CAP_CHECKPOINT_RESTORE = 40.
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let eff = status
+        .lines()
+        .find_map(|l| l.strip_prefix("CapEff:"))
+        .map(|v| u64::from_str_radix(v.trim(), 16).unwrap())
+        .unwrap_or(0);
+    eff & (1 << 21 | 1 << 40) != 0
+}
+
+/// Live (blocks, bytes) by leaf function of a JSON snapshot.
+fn by_leaf(j: &Value) -> BTreeMap<String, (u64, u64)> {
+    let mut t: BTreeMap<String, (u64, u64)> = BTreeMap::new();
+    for s in j["sites"].as_array().expect("sites") {
+        let leaf = s["frames"][0]["function"]
+            .as_str()
+            .unwrap_or("")
+            .to_string();
+        let e = t.entry(leaf).or_default();
+        e.0 += s["live_blocks"].as_u64().unwrap();
+        e.1 += s["live_bytes"].as_u64().unwrap();
+    }
+    t
+}
+
+fn snapshot_json(pid: u32, dir: &TempDir, name: &str) -> Value {
+    let path = dir.str(name);
+    let out = heapdump(&["snapshot", &pid.to_string(), "-o", &path]);
+    assert!(out.status.success(), "snapshot failed: {}", stderr(&out));
+    read_json(&dir.path(name))
+}
+
+#[test]
+fn a_fork_after_close_range_leaves_the_programs_socket_alone() {
+    // varnishd's manager: close_range(3, ~0), socket() takes fd 3 (the
+    // agent's old memfd number), fork; the child uses the socket. The
+    // agent's fork handling once closed fd 3 in the child.
+    let exe = compile_c("closefds_fork");
+    for preload in [None, Some(preload_lib())] {
+        let mut cmd = Command::new(&exe);
+        if let Some(p) = &preload {
+            cmd.env("LD_PRELOAD", p);
+        }
+        let t = Target::spawn_until(cmd, "child socket");
+        assert_eq!(
+            t.last_line(),
+            "child socket ok",
+            "preload {preload:?}: the child's socket was closed or replaced"
+        );
+        let status = t.finish();
+        assert!(status.success(), "preload {preload:?}: {status:?}");
+    }
+}
+
+#[test]
+fn a_process_that_closed_its_descriptors_stays_listed_and_dumpable() {
+    let exe = compile_c("closefds_fork");
+    let mut cmd = Command::new(&exe);
+    cmd.env("LD_PRELOAD", preload_lib());
+    let t = Target::spawn(cmd);
+    let pid = t.pid();
+    // Its descriptors are gone: nothing under /proc/PID/fd names a region.
+    let fds: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .flatten()
+        .filter_map(|e| std::fs::read_link(e.path()).ok())
+        .map(|p| p.display().to_string())
+        .collect();
+    assert!(
+        fds.iter().all(|l| !l.contains("heapdump.")),
+        "the test program should have closed the agent's descriptors: {fds:?}"
+    );
+    let list = heapdump(&["list"]);
+    let listed = stdout(&list);
+    let row = listed
+        .lines()
+        .find(|l| l.split_whitespace().next() == Some(&pid.to_string()))
+        .unwrap_or_else(|| panic!("pid {pid} not listed:\n{listed}"));
+    let dir = TempDir::new("closed-fds");
+    if can_open_map_files() {
+        assert!(row.contains("exact"), "{row}");
+        let j = snapshot_json(pid, &dir, "s.json");
+        let leaves = by_leaf(&j);
+        assert_eq!(
+            leaves.get("keep_blocks"),
+            Some(&(100, 100 * 10_000)),
+            "{leaves:#?}"
+        );
+        assert_eq!(leaves.get("after_close"), Some(&(1, 777)), "{leaves:#?}");
+    } else {
+        let out = heapdump(&["snapshot", &pid.to_string()]);
+        assert!(!out.status.success());
+        let err = stderr(&out);
+        assert!(err.contains("closed the descriptors"), "{err}");
+        assert!(err.contains("CAP_CHECKPOINT_RESTORE"), "{err}");
+    }
+    assert!(t.finish().success());
+}
+
+#[test]
+fn python_that_closes_every_descriptor_stays_dumpable() {
+    if !real_dependency("python3", std::path::Path::new("/usr/bin/python3").exists()) {
+        return;
+    }
+    if !can_open_map_files() {
+        eprintln!("skipping: opening map_files needs CAP_CHECKPOINT_RESTORE (run as root)");
+        return;
+    }
+    let mut cmd = Command::new("/usr/bin/python3");
+    cmd.env("LD_PRELOAD", preload_lib()).args([
+        "-c",
+        "import os,sys\n\
+         x=[bytearray(100000) for _ in range(100)]\n\
+         os.closerange(3,65536)\n\
+         print('ready', flush=True)\n\
+         sys.stdin.readline()\n",
+    ]);
+    let t = Target::spawn(cmd);
+    let dir = TempDir::new("py-closed");
+    let j = snapshot_json(t.pid(), &dir, "s.json");
+    // The 100 bytearrays (100 000 bytes each) are live; the interpreter's
+    // own heap comes on top.
+    let held: u64 = j["sites"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|s| s["live_bytes"].as_u64().unwrap() >= 100 * 100_000)
+        .map(|s| s["live_blocks"].as_u64().unwrap())
+        .sum();
+    assert!(
+        held >= 100,
+        "the 100 bytearrays should be one site of >= 100 blocks: {}",
+        j["totals"]
+    );
+    assert!(t.finish().success());
+}
+
+#[test]
+fn a_running_watch_is_never_listed_as_instrumented() {
+    let target = FakeTarget::start(&[]);
+    let pid = target.pid();
+    let dir = TempDir::new("watch-not-listed");
+    let mut w = Command::new(bin())
+        .args(["watch", &pid.to_string(), "--dir", &dir.str("snaps")])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let lines = Lines::new(w.stdout.take().unwrap());
+    assert!(lines.next().starts_with("watching "));
+    // The watch now holds the target's regions open (read-only).
+    let list = stdout(&heapdump(&["list"]));
+    let pids: Vec<&str> = list
+        .lines()
+        .filter_map(|l| l.split_whitespace().next())
+        .collect();
+    assert!(pids.contains(&pid.to_string().as_str()), "{list}");
+    assert!(
+        !pids.contains(&w.id().to_string().as_str()),
+        "the watch (pid {}) is listed:\n{list}",
+        w.id()
+    );
+    let out = heapdump(&["snapshot", &w.id().to_string()]);
+    assert!(
+        stderr(&out).contains("is not instrumented"),
+        "{}",
+        stderr(&out)
+    );
+    let _ = w.kill();
+    let _ = w.wait();
+}
+
+#[test]
+fn programs_the_target_runs_get_no_agent_messages() {
+    // A program linked with jemalloc gets the companion library from
+    // `heapdump run`; the programs it runs inherit LD_PRELOAD, but the
+    // agent's messages must not land in their output.
+    if !real_dependency(
+        "libjemalloc-dev",
+        heapdump_tests::has_header("jemalloc/jemalloc.h"),
+    ) {
+        return;
+    }
+    let exe = heapdump_tests::compile_c_variant("runs_true", "jemalloc", &["-ljemalloc"]);
+    let out = Command::new(bin())
+        .args(["run", "--"])
+        .arg(&exe)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let all = format!("{}{}", stdout(&out), stderr(&out));
+    assert!(out.status.success(), "{all}");
+    assert!(
+        stdout(&out).contains("true exited 0"),
+        "the program did not run /bin/true: {all}"
+    );
+    assert!(
+        !all.contains("heapdump:"),
+        "agent messages in the output of programs the target ran:\n{all}"
+    );
+    // The same programs by hand, under both libraries and no `heapdump
+    // run`: the companion still says what is wrong (the user asked).
+    let by_hand = Command::new("/bin/true")
+        .env(
+            "LD_PRELOAD",
+            format!(
+                "{}:{}",
+                preload_lib().display(),
+                heapdump_tests::jemalloc_companion_lib().display()
+            ),
+        )
+        .output()
+        .unwrap();
+    assert!(
+        stderr(&by_hand).contains("no jemalloc follows it"),
+        "{}",
+        stderr(&by_hand)
+    );
+}
+
+/// The row of `pid` in `heapdump list`, split on whitespace.
+fn list_row(pid: u32) -> Vec<String> {
+    let list = stdout(&heapdump(&["list"]));
+    list.lines()
+        .find(|l| l.split_whitespace().next() == Some(&pid.to_string()))
+        .unwrap_or_else(|| panic!("pid {pid} not listed:\n{list}"))
+        .split_whitespace()
+        .map(str::to_string)
+        .collect()
+}
+
+#[test]
+fn a_sampled_fork_child_that_has_not_sampled_yet_is_listed_and_dumpable() {
+    let exe = compile_c("fork_idle");
+    let mut cmd = Command::new(&exe);
+    cmd.env("LD_PRELOAD", preload_lib())
+        .env("HEAPDUMP_SAMPLE_RATE", "1GiB");
+    let t = Target::spawn(cmd);
+    let child: u32 = t.last_line()["ready ".len()..].parse().unwrap();
+    let row = list_row(child);
+    // PID NAME MODE LIVE(2 words) BLOCKS THREADS DROPPED
+    assert_eq!(row[2], "~1/1.0GiB", "{row:?}");
+    assert_eq!(row[3], "~0", "{row:?}");
+    assert_eq!(row[5], "~0", "{row:?}");
+    let dir = TempDir::new("sampled-idle-child");
+    let j = snapshot_json(child, &dir, "s.json");
+    assert_eq!(j["pid"], child);
+    assert_eq!(j["totals"]["live_bytes"], 0);
+    let notes = j["notes"].to_string();
+    assert!(notes.contains("no allocation sampled yet"), "{notes}");
+    assert!(!notes.contains("linked in statically"), "{notes}");
+    assert!(t.finish().success());
+}
+
+#[test]
+fn sampled_list_shows_the_estimates_a_snapshot_shows() {
+    let exe = compile_c("sampled");
+    let mut cmd = Command::new(&exe);
+    cmd.env("LD_PRELOAD", preload_lib())
+        .env("HEAPDUMP_SAMPLE_RATE", "64KiB")
+        .env("HEAPDUMP_SAMPLE_SEED", "3");
+    let t = Target::spawn(cmd);
+    let pid = t.pid();
+    let row = list_row(pid);
+    let dir = TempDir::new("sampled-list");
+    let j = snapshot_json(pid, &dir, "s.json");
+    // The target is quiet: the list's estimate and the snapshot's agree
+    // exactly (raw sampled blocks would be a few hundred, not ~200 000).
+    let blocks = j["totals"]["live_blocks"].as_u64().unwrap();
+    assert_eq!(row[5], format!("~{blocks}"), "{row:?} vs {}", j["totals"]);
+    assert!(blocks > 100_000, "{}", j["totals"]);
+    assert_eq!(row[2], "~1/64.0KiB", "{row:?}");
+    assert!(row[3].starts_with('~'), "{row:?}");
+    assert!(t.finish().success());
+}

@@ -1,0 +1,25 @@
+/* A parent that forks a child which allocates nothing (a postgres
+ * checkpointer waiting for work): the child prints "ready PID" and waits
+ * for a line on stdin; the parent waits for the child and exits with its
+ * status. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+int main(void) {
+    void *volatile p = malloc(64);
+    fflush(stdout);
+    pid_t c = fork();
+    if (c == 0) {
+        printf("ready %d\n", (int)getpid());
+        fflush(stdout);
+        char line[64];
+        if (read(0, line, sizeof line) < 0) {}
+        _exit(0);
+    }
+    int status = 0;
+    waitpid(c, &status, 0);
+    free(p);
+    return WIFEXITED(status) ? WEXITSTATUS(status) : 1;
+}
