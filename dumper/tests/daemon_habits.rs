@@ -291,3 +291,75 @@ fn sampled_list_shows_the_estimates_a_snapshot_shows() {
     assert!(row[3].starts_with('~'), "{row:?}");
     assert!(t.finish().success());
 }
+
+#[test]
+fn a_stripped_binarys_static_function_is_shown_as_module_plus_offset() {
+    use object::{Object, ObjectSegment, ObjectSymbol};
+    let unstripped =
+        heapdump_tests::compile_c_variant("stripped_static", "rdynamic", &["-rdynamic"]);
+    let stripped = unstripped.with_file_name(format!(
+        "{}-stripped",
+        unstripped.file_name().unwrap().to_string_lossy()
+    ));
+    let st = Command::new("strip")
+        .arg("--strip-all")
+        .arg("-o")
+        .arg(&stripped)
+        .arg(&unstripped)
+        .status()
+        .expect("run strip (binutils)");
+    assert!(st.success());
+    // Ground truth from the unstripped twin (same code, same layout):
+    // hidden_site's extent as file offsets.
+    let data = std::fs::read(&unstripped).unwrap();
+    let elf = object::File::parse(&*data).unwrap();
+    let sym = elf
+        .symbols()
+        .find(|s| s.name() == Ok("hidden_site"))
+        .expect("hidden_site in the unstripped binary");
+    let seg = elf
+        .segments()
+        .find(|s| (s.address()..s.address() + s.size()).contains(&sym.address()))
+        .unwrap();
+    let file_off = |vaddr: u64| vaddr - seg.address() + seg.file_range().0;
+    let extent = file_off(sym.address())..file_off(sym.address() + sym.size());
+
+    let mut cmd = Command::new(&stripped);
+    cmd.env("LD_PRELOAD", preload_lib());
+    let t = Target::spawn(cmd);
+    let dir = TempDir::new("stripped");
+    let j = snapshot_json(t.pid(), &dir, "s.json");
+    let site = j["sites"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["live_blocks"] == 10 && s["live_bytes"] == 43_210)
+        .unwrap_or_else(|| panic!("hidden_site's 10 blocks: {:#}", j["sites"]));
+    let leaf = &site["frames"][0];
+    assert!(
+        leaf["function"].is_null(),
+        "a frame no symbol covers was named: {leaf}"
+    );
+    let off = u64::from_str_radix(
+        leaf["module_offset"]
+            .as_str()
+            .expect("module_offset")
+            .trim_start_matches("0x"),
+        16,
+    )
+    .unwrap();
+    // A return address: the byte after the call, inside hidden_site (or
+    // just past its end when the call is its last instruction).
+    assert!(
+        extent.start < off && off <= extent.end,
+        "{off:#x} not in hidden_site {extent:x?}"
+    );
+    let text = stdout(&heapdump(&["snapshot", &t.pid().to_string()]));
+    let name = stripped.file_name().unwrap().to_string_lossy().to_string();
+    assert!(
+        text.contains(&format!("{name}+{off:#x}")),
+        "text report should name the frame {name}+{off:#x}:\n{text}"
+    );
+    assert!(!text.contains("exported_small"), "{text}");
+    assert!(t.finish().success());
+}

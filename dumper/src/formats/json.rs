@@ -202,6 +202,10 @@ pub struct JsonFrame {
     pub line: Option<u32>,
     /// Mapped file holding the address.
     pub module: Option<String>,
+    /// Offset of the address in `module`'s file, hex (`module+0x...` is
+    /// how a frame without a covering symbol is named).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub module_offset: Option<String>,
     /// Inlined into the next frame.
     #[serde(default)]
     pub inlined: bool,
@@ -254,6 +258,7 @@ impl From<&Frame> for JsonFrame {
             file: f.file.clone(),
             line: f.line,
             module: f.module.clone(),
+            module_offset: f.module_offset.map(hex),
             inlined: f.inlined,
         }
     }
@@ -267,6 +272,7 @@ impl From<&JsonFrame> for Frame {
             file: f.file.clone(),
             line: f.line,
             module: f.module.clone(),
+            module_offset: f.module_offset.as_deref().map(parse_hex),
             inlined: f.inlined,
         }
     }
@@ -690,12 +696,17 @@ mod view {
     impl Serialize for FrameView<'_> {
         fn serialize<S: Serializer>(&self, ser: S) -> Result<S::Ok, S::Error> {
             let f = self.0;
-            let mut m = ser.serialize_struct("JsonFrame", 6)?;
+            let mut m = ser.serialize_struct("JsonFrame", 7)?;
             m.serialize_field("address", &Hex(f.address))?;
             m.serialize_field("function", &f.function)?;
             m.serialize_field("file", &f.file)?;
             m.serialize_field("line", &f.line)?;
             m.serialize_field("module", &f.module)?;
+            if let Some(off) = f.module_offset {
+                m.serialize_field("module_offset", &Hex(off))?;
+            } else {
+                m.skip_field("module_offset")?;
+            }
             m.serialize_field("inlined", &f.inlined)?;
             m.end()
         }
@@ -731,6 +742,7 @@ mod tests {
             file: function.map(|_| "/src/a \"quoted\".rs".to_string()),
             line: function.map(|_| 42),
             module: Some("/bin/prog".to_string()),
+            module_offset: function.is_none().then_some(address % 0x1000),
             inlined,
         }
     }

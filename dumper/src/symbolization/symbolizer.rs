@@ -27,7 +27,7 @@ use std::fs::File;
 use std::path::{Path, PathBuf};
 
 use addr2line::Loader;
-use object::{Object, ObjectSegment, ReadCache};
+use object::{Object, ObjectSegment, ObjectSymbol, ReadCache};
 
 use crate::symbolization::maps::{self, Mapping};
 
@@ -45,18 +45,26 @@ pub struct Frame {
     pub line: Option<u32>,
     /// Path of the mapped file that holds the address.
     pub module: Option<String>,
+    /// Offset of the address in that file (`module+0x...`, as perf and
+    /// pprof name a frame no symbol covers).
+    pub module_offset: Option<u64>,
     /// This frame was inlined into the next one (same address).
     pub inlined: bool,
 }
 
 impl Frame {
-    /// A short human name: the function, or `module+0xoffset`, or the
-    /// address.
+    /// A short human name: the function, or `module+0xoffset` (the
+    /// return address's offset in the module's file), or the address.
     pub fn display_name(&self) -> String {
-        match (&self.function, &self.module) {
-            (Some(f), _) => f.clone(),
-            (None, Some(m)) => format!("{}@{:#x}", m.rsplit('/').next().unwrap_or(m), self.address),
-            (None, None) => format!("{:#x}", self.address),
+        match (&self.function, &self.module, self.module_offset) {
+            (Some(f), _, _) => f.clone(),
+            (None, Some(m), Some(off)) => {
+                format!("{}+{off:#x}", m.rsplit('/').next().unwrap_or(m))
+            }
+            (None, Some(m), None) => {
+                format!("{}@{:#x}", m.rsplit('/').next().unwrap_or(m), self.address)
+            }
+            (None, None, _) => format!("{:#x}", self.address),
         }
     }
 
@@ -74,6 +82,67 @@ struct Module {
     /// PT_LOAD segments: (file offset, file size, virtual address).
     segments: Vec<(u64, u64, u64)>,
     loader: Option<Loader>,
+    /// Function symbols with their extents, for addresses DWARF does not
+    /// name (see [`SymbolExtents`]).
+    symbols: SymbolExtents,
+}
+
+/// A module's function symbols as (address, size, name), sorted by
+/// address: from the full symbol table (of the separate debug file where
+/// there is one), else the dynamic one.
+///
+/// Invariant: a name is given only to an address inside its symbol's
+/// extent (`address <= a < address + size`). A stripped binary's static
+/// function lies past the end of the exported symbol before it; naming it
+/// after that symbol (as `object`'s nearest-symbol map does) would be a
+/// silent guess, so such an address stays `module+0xoffset`, as perf and
+/// pprof show it. Symbols of size 0 cover nothing.
+#[derive(Default)]
+struct SymbolExtents(Vec<(u64, u64, String)>);
+
+impl SymbolExtents {
+    fn read(files: &[&Path]) -> SymbolExtents {
+        let mut out: Vec<(u64, u64, String)> = Vec::new();
+        for path in files {
+            let Ok(file) = File::open(path) else { continue };
+            let cache = ReadCache::new(file);
+            let Ok(obj) = object::File::parse(&cache) else {
+                continue;
+            };
+            let full: Vec<_> = obj.symbols().collect();
+            let syms = if full.is_empty() {
+                obj.dynamic_symbols().collect()
+            } else {
+                full
+            };
+            for s in syms {
+                if s.kind() != object::SymbolKind::Text || s.size() == 0 || !s.is_definition() {
+                    continue;
+                }
+                if let Ok(name) = s.name() {
+                    out.push((s.address(), s.size(), name.to_string()));
+                }
+            }
+            if !out.is_empty() {
+                break;
+            }
+        }
+        out.sort_by_key(|s| (s.0, std::cmp::Reverse(s.1)));
+        SymbolExtents(out)
+    }
+
+    /// The name of the symbol whose extent holds `svma`, if one does.
+    fn covering(&self, svma: u64) -> Option<&str> {
+        let i = self.0.partition_point(|s| s.0 <= svma);
+        // Nested or overlapping symbols (aliases of one function share an
+        // address): look back a few entries for one that covers.
+        self.0[..i]
+            .iter()
+            .rev()
+            .take(8)
+            .find(|(a, size, _)| svma < a.saturating_add(*size))
+            .map(|(_, _, n)| n.as_str())
+    }
 }
 
 impl Module {
@@ -100,10 +169,18 @@ impl Module {
         } else {
             None
         };
+        let symbols = match &separate {
+            Some(p) => SymbolExtents::read(&[p.as_path(), path]),
+            None => SymbolExtents::read(&[path]),
+        };
         let loader = separate
             .and_then(|p| Loader::new(&p).ok())
             .or_else(|| Loader::new(path).ok());
-        Some(Module { segments, loader })
+        Some(Module {
+            segments,
+            loader,
+            symbols,
+        })
     }
 
     fn svma(&self, file_offset: u64) -> Option<u64> {
@@ -211,9 +288,11 @@ impl std::fmt::Debug for Symbolizer {
 
 /// The frame for an address without symbol information (module only).
 pub fn unsymbolized(address: u64, maps: &[Mapping]) -> Frame {
+    let m = maps::find(maps, address.wrapping_sub(1));
     Frame {
         address,
-        module: maps::find(maps, address.wrapping_sub(1)).map(|m| m.path.clone()),
+        module: m.map(|m| m.path.clone()),
+        module_offset: m.map(|m| address - m.start + m.offset),
         ..Frame::default()
     }
 }
@@ -309,7 +388,7 @@ impl Symbolizer {
                 .first()
                 .map(|f| (f.file.clone(), f.line))
                 .unwrap_or((None, None));
-            if let Some(sym) = loader.find_symbol(probe) {
+            if let Some(sym) = module.symbols.covering(probe) {
                 out = vec![Frame {
                     function: Some(addr2line::demangle_auto(sym.into(), None).into_owned()),
                     file,

@@ -367,13 +367,20 @@ pub fn run(opts: FakeOptions) -> Result<(), Box<dyn std::error::Error>> {
             nix::sys::memfd::MemFdCreateFlag::MFD_CLOEXEC,
         )?;
         nix::unistd::ftruncate(&fd, 1 << 20)?;
+        // Mapped writable and shared, as a (foreign) writer maps its region:
+        // that is what makes a process an instrumented one to the dumper.
+        let file = std::fs::File::from(fd);
+        // SAFETY: a fresh memfd only this process knows; nothing truncates
+        // it while the mapping lives (it lives until this function returns).
+        let map = unsafe { memmap2::MmapMut::map_mut(&file)? };
         println!("ready");
         std::io::stdout().flush()?;
         let mut s = String::new();
         while std::io::stdin().read_line(&mut s)? > 0 {
             s.clear();
         }
-        drop(fd);
+        drop(map);
+        drop(file);
         return Ok(());
     }
     let res_region = ResourcesWriter::create_region(16 << 20, 1024)?;

@@ -216,8 +216,30 @@ fn unsealed() {
     let mut file = unsafe { <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(fd) };
     std::io::Write::write_all(&mut file, &image).expect("write image");
     drop(alloc); // only the unsealed one remains
+                 // Mapped writable and shared, as a writer maps its region (that is
+                 // what makes a process an instrumented one to the dumper).
+                 // SAFETY: maps `image.len()` bytes of our own fresh memfd, which holds
+                 // that many bytes and is never truncated; unmapped below.
+    let map = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            image.len(),
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            file.as_raw_fd(),
+            0,
+        )
+    };
+    assert_ne!(
+        map,
+        libc::MAP_FAILED,
+        "mmap: {}",
+        std::io::Error::last_os_error()
+    );
     println!("ready {} fd {}", std::process::id(), file.as_raw_fd());
     wait_stop();
+    // SAFETY: the mapping made above, not used after this.
+    unsafe { libc::munmap(map, image.len()) };
     drop((res, file));
 }
 
