@@ -11,13 +11,19 @@
  *
  * Events and ring are split between threads. Prints one line:
  *   churn threads=T events=E ring=R depth=D ns_per_pair=X
- * The time covers only the churn loop (not set-up or exit).
+ * The time covers only the churn loop (not set-up or exit). Before it, one
+ * line says whether heapdump's agent recorded the run, in its own words
+ * (heapdump_stats of libheapdump_preload.so, looked up at run time):
+ *   agent: recording allocs=N     or     agent: absent
+ * so a benchmark can refuse a run that it attributes to the agent but
+ * that ran bare (a preload the loader did not find is only a warning).
  *
  * With CHURN_PAUSE=1 in the environment, after the loop (the ring still
  * live) it prints that line and `ready`, and waits for a line (or EOF) on
  * stdin before freeing the ring and exiting: time for a profiler's snapshot
  * of the live heap (bench/compare). The timed loop is the same either way. */
 #define _GNU_SOURCE
+#include <dlfcn.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -99,6 +105,14 @@ int main(int argc, char **argv) {
     t0 = now_ns();
     pthread_barrier_wait(&start);
     t1 = now_ns();
+    /* The agent's own word on whether it recorded this run. */
+    struct { uint64_t live_bytes, live_blocks, peak, total_allocs, total_bytes, dropped;
+             uint32_t enabled, reserved; } st = {0};
+    int (*stats)(void *, size_t) = (int (*)(void *, size_t))dlsym(RTLD_DEFAULT, "heapdump_stats");
+    if (stats && stats(&st, sizeof st) == 0)
+        printf("agent: recording allocs=%llu\n", (unsigned long long)st.total_allocs);
+    else
+        printf("agent: absent\n");
     /* per pair, in wall time of the whole process (threads run together) */
     printf("churn threads=%d events=%ld ring=%ld depth=%d ns_per_pair=%.1f\n", threads, events,
            ring, fixed_depth, (double)(t1 - t0) / (double)events * threads);

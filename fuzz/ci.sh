@@ -10,7 +10,11 @@ command -v cargo-fuzz >/dev/null || cargo install --locked cargo-fuzz
 scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT
 cargo fuzz build -a
-for t in $(cargo fuzz list); do
+# A failed listing must fail CI, not fuzz nothing: `for t in $(...)` would
+# ignore its exit status.
+targets=$(cargo fuzz list)
+[ -n "$targets" ] || { echo "fuzz/ci.sh: cargo fuzz list found no targets" >&2; exit 1; }
+for t in $targets; do
     echo "== fuzz $t for ${secs}s"
     mkdir -p "$scratch/$t" "corpus/$t"
     cargo fuzz run -a "$t" "$scratch/$t" "corpus/$t" "seeds/$t" -- \

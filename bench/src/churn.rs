@@ -68,9 +68,15 @@ fn event(x: &mut u32, fixed_depth: u32) -> Vec<u8> {
     descend(depth, r >> 16, 16 + ((r >> 4) % 4081) as usize)
 }
 
+/// The agent's own word on a run: `Some((recording, allocations recorded))`
+/// from a binary built with heapdump's `Agent`; `None` elsewhere.
+pub type AgentReport = Option<fn() -> (bool, u64)>;
+
 /// Runs the churn with `args` = [threads, events, ring, depth] (depth 0:
-/// 8..32 levels of recursion); prints the result.
-pub fn main() {
+/// 8..32 levels of recursion); prints whether the agent recorded it
+/// (`agent: recording allocs=N` or `agent: absent`, as `bench/churn.c`
+/// does) and then the result.
+pub fn main_reporting(agent: AgentReport) {
     let args: Vec<u64> = std::env::args()
         .skip(1)
         .filter_map(|a| a.parse().ok())
@@ -106,6 +112,10 @@ pub fn main() {
     let t0 = Instant::now();
     barrier.wait();
     let dt = t0.elapsed();
+    match agent.map(|f| f()) {
+        Some((true, allocs)) => println!("agent: recording allocs={allocs}"),
+        _ => println!("agent: absent"),
+    }
     println!(
         "churn threads={threads} events={events} ring={ring} depth={depth} ns_per_pair={:.1}",
         dt.as_nanos() as f64 / events as f64 * threads as f64
@@ -121,4 +131,10 @@ pub fn main() {
     for h in hs {
         h.join().unwrap();
     }
+}
+
+/// [`main_reporting`] for a binary without heapdump's agent.
+#[allow(dead_code)]
+pub fn main() {
+    main_reporting(None);
 }

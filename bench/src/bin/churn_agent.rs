@@ -6,5 +6,8 @@ mod churn;
 static A: heapdump_agent::Agent = heapdump_agent::Agent::system();
 
 fn main() {
-    churn::main();
+    churn::main_reporting(Some(|| {
+        let s = heapdump_agent::stats();
+        (s.enabled, s.total_allocs)
+    }));
 }
