@@ -11,7 +11,9 @@
 # Prints a table (also written to target/compat.md) and exits non-zero if
 # any program behaved differently. CI runs it; the programs are installed
 # by .ci/run (python3, nodejs, perl, git, sqlite3, g++, default-jre-headless,
-# curl, redis-server).
+# curl, redis-server; and the services of scripts/compat_services.py:
+# varnish, memcached, libmemcached-tools, bind9, bind9-dnsutils, nginx,
+# apache2-utils, postgresql).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 profile=debug
@@ -21,7 +23,9 @@ if [ "${1:-}" = "--release" ]; then
 else
     cargo build -q -p heapdump -p heapdump-preload -p heapdump-preload-jemalloc
 fi
-exec python3 - "${CARGO_TARGET_DIR:-target}/$profile" <<'PY'
+bindir="$(cargo metadata --format-version 1 --no-deps | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')/$profile"
+status=0
+python3 - "$bindir" <<'PY' || status=1
 import json, os, shutil, subprocess, sys, tempfile
 
 bindir = os.path.abspath(sys.argv[1])
@@ -163,3 +167,9 @@ shutil.rmtree(work, ignore_errors=True)
 print(f"{len(rows) - failed} passed, {failed} failed")
 sys.exit(1 if failed else 0)
 PY
+
+# Long-running services (varnish, memcached, named, nginx, postgres, a
+# program that closes every fd and forks), bare and under the agent in
+# both modes, loaded and snapshotted (scripts/compat_services.py).
+scripts/compat_services.py "$bindir" | tee -a target/compat.md || status=1
+exit $status
