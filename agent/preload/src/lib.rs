@@ -28,6 +28,7 @@ pub mod dlclose_hook;
 pub mod internal_api;
 pub mod malloc_family;
 pub mod next_allocator;
+pub mod slot_redirection;
 pub mod thread_names;
 
 fn stderr(msg: &[u8]) {
@@ -44,29 +45,57 @@ fn stderr(msg: &[u8]) {
 /// ours (so nothing would be recorded).
 extern "C" fn preload_init() {
     use heapdump_agent::recorder::forwarding;
+    let preloaded = named_in_ld_preload();
     // `forwarding`: what the loader allocates for these look-ups is the
     // agent's own doing, not the program's, and is not recorded.
     forwarding(|| {
         next_allocator::bind();
-        // Held-back frees (see `recorder::on_free_deferred`) were designed
-        // and measured for glibc: its free reads the chunk header just below
-        // the block, which the recorder prefetches while the release waits.
-        // Other allocators keep their metadata elsewhere, and their own
-        // statistics (jemalloc's `stats.allocated`, which programs such as
-        // redis report) should move when the program frees, so every other
-        // allocator gets each free at once.
-        cxx::note_next_operators();
-        if next_allocator::next_is_glibc() {
-            if let Some(f) = next_allocator::free() {
-                heapdump_agent::recorder::set_release(f);
-            }
+        // Loaded by `dlopen` (heapdump attach): nothing reaches the hooks
+        // until `heapdump_attach` rebinds to the program's own allocator,
+        // which then makes these choices.
+        if preloaded {
+            choose_forwarding();
         }
     });
     heapdump_agent::start();
     let (config, _) = heapdump_agent::config::Config::from_env();
-    if !config.quiet && !config.disabled {
+    if preloaded && !config.quiet && !config.disabled {
         forwarding(warn_if_not_first);
     }
+}
+
+/// Choices that depend on which allocator the hooks forward to: how C++
+/// operators forward, and whether frees may be held back.
+pub(crate) fn choose_forwarding() {
+    // Held-back frees (see `recorder::on_free_deferred`) were designed
+    // and measured for glibc: its free reads the chunk header just below
+    // the block, which the recorder prefetches while the release waits.
+    // Other allocators keep their metadata elsewhere, and their own
+    // statistics (jemalloc's `stats.allocated`, which programs such as
+    // redis report) should move when the program frees, so every other
+    // allocator gets each free at once.
+    cxx::note_next_operators();
+    if next_allocator::next_is_glibc() {
+        if let Some(f) = next_allocator::free() {
+            heapdump_agent::recorder::set_release(f);
+        }
+    }
+}
+
+/// True when `LD_PRELOAD` names this library (it was preloaded, not
+/// `dlopen`ed into a running process by `heapdump attach`). Never
+/// allocates (`getenv`).
+fn named_in_ld_preload() -> bool {
+    // SAFETY: getenv with a NUL-terminated name; the result, if non-null,
+    // is a NUL-terminated string of the environment block.
+    let v = unsafe { libc::getenv(c"LD_PRELOAD".as_ptr()) };
+    if v.is_null() {
+        return false;
+    }
+    // SAFETY: as above.
+    let v = unsafe { CStr::from_ptr(v) }.to_bytes();
+    v.windows(b"libheapdump_preload".len())
+        .any(|w| w == b"libheapdump_preload")
 }
 
 /// Says on stderr when `malloc` resolves, for the program, to a definition

@@ -36,11 +36,45 @@ const BOUND: u8 = 2;
 
 static STATE: AtomicU8 = AtomicU8::new(UNBOUND);
 
-/// Looks `name` up after this library.
+/// Set when this library arrived by `dlopen` into a running process
+/// (`heapdump attach`): it is then not in the lookup order at all, and the
+/// program's own definition is the global one (`RTLD_DEFAULT`), not the
+/// next one after us (`RTLD_NEXT` would give our own dependencies', glibc's
+/// even in a jemalloc program).
+static ATTACHED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Looks `name` up after this library (preloaded), or as the program
+/// resolves it (attached).
 fn lookup(name: &CStr) -> usize {
-    // SAFETY: dlsym with RTLD_NEXT and a NUL-terminated name; it may
+    let handle = if ATTACHED.load(Ordering::Relaxed) {
+        libc::RTLD_DEFAULT
+    } else {
+        libc::RTLD_NEXT
+    };
+    // SAFETY: dlsym with a pseudo-handle and a NUL-terminated name; it may
     // allocate, which the hooks serve from the arena while BINDING.
-    unsafe { libc::dlsym(libc::RTLD_NEXT, name.as_ptr()) as usize }
+    unsafe { libc::dlsym(handle, name.as_ptr()) as usize }
+}
+
+/// Binds every slot again, to the definitions the program itself uses
+/// (`RTLD_DEFAULT`), for an agent loaded into a running process. Must run
+/// before any relocation slot points at a hook (see `slot_redirection`):
+/// until then no call reaches the hooks, so no thread reads the slots
+/// while they change. Returns false if `malloc` or `free` has no
+/// definition to forward to.
+pub fn rebind_for_attach() -> bool {
+    ATTACHED.store(true, Ordering::Relaxed);
+    bind();
+    bind_all();
+    // Release: the new slots are written before the relocation slots that
+    // lead to the hooks are (those writes are ordered after this one).
+    STATE.store(BOUND, Ordering::Release);
+    SLOTS.malloc.load(Ordering::Relaxed) != 0 && SLOTS.free.load(Ordering::Relaxed) != 0
+}
+
+/// True when this library was loaded into a running process.
+pub fn attached() -> bool {
+    ATTACHED.load(Ordering::Relaxed)
 }
 
 macro_rules! next_functions {

@@ -1,0 +1,313 @@
+//! Hooking after the fact: for an agent loaded into a running process
+//! (`heapdump attach` has the process `dlopen` this library, then call
+//! [`heapdump_attach`]), symbol interposition does not apply: every
+//! reference to `malloc` is already bound. So the relocation slots that
+//! hold them are redirected: in every loaded module, each GOT slot
+//! (`R_X86_64_JUMP_SLOT`, `R_X86_64_GLOB_DAT`) whose symbol is an entry
+//! point this library exports is made to point at our hook; the hooks
+//! forward to the program's own definitions, bound first through
+//! `RTLD_DEFAULT` (`next_allocator::rebind_for_attach`).
+//!
+//! Invariants:
+//! - The forwarding slots are bound before any relocation slot points at a
+//!   hook, so a hook never runs unbound.
+//! - A relocation slot is one aligned word, written with one atomic store:
+//!   a thread calling through it concurrently reaches either the old
+//!   definition or the hook, both valid for any block (the hooks forward
+//!   frees of blocks they never recorded unchanged).
+//! - A slot in a module's RELRO range (read-only after start in full-RELRO
+//!   modules such as redis) is written by making its page writable for the
+//!   write and read-only again after; other pages are left as they were.
+//! - This library's own slots and the dynamic loader's are never touched
+//!   (our own calls must reach the allocator, not ourselves).
+//! - Every read of a module's dynamic section, symbol and string tables is
+//!   of memory the loader mapped for that module, found through
+//!   `dl_iterate_phdr` while the loader's lock is held.
+//!
+//! x86_64 only (relocation numbers); elsewhere [`heapdump_attach`] refuses.
+
+use std::ffi::{c_int, c_void, CStr};
+
+/// The entry points redirected: every name this library exports for the
+/// malloc family and C++ `new`/`delete`.
+const HOOKED: &[&CStr] = &[
+    c"malloc",
+    c"free",
+    c"calloc",
+    c"realloc",
+    c"reallocarray",
+    c"memalign",
+    c"posix_memalign",
+    c"aligned_alloc",
+    c"valloc",
+    c"pvalloc",
+    c"free_sized",
+    c"free_aligned_sized",
+    c"_Znwm",
+    c"_Znam",
+    c"_ZnwmRKSt9nothrow_t",
+    c"_ZnamRKSt9nothrow_t",
+    c"_ZnwmSt11align_val_t",
+    c"_ZnamSt11align_val_t",
+    c"_ZnwmSt11align_val_tRKSt9nothrow_t",
+    c"_ZnamSt11align_val_tRKSt9nothrow_t",
+    c"_ZdlPv",
+    c"_ZdaPv",
+    c"_ZdlPvm",
+    c"_ZdaPvm",
+    c"_ZdlPvRKSt9nothrow_t",
+    c"_ZdaPvRKSt9nothrow_t",
+    c"_ZdlPvSt11align_val_t",
+    c"_ZdaPvSt11align_val_t",
+    c"_ZdlPvmSt11align_val_t",
+    c"_ZdaPvmSt11align_val_t",
+    c"_ZdlPvSt11align_val_tRKSt9nothrow_t",
+    c"_ZdaPvSt11align_val_tRKSt9nothrow_t",
+];
+
+/// Our hook for each name of [`HOOKED`] (0: not exported here).
+struct Hooks {
+    addrs: [usize; HOOKED.len()],
+    /// Base address of this library (its slots are never redirected).
+    own_base: usize,
+}
+
+/// An ELF64 dynamic section entry (`Elf64_Dyn`: a tag and a value).
+#[repr(C)]
+struct Elf64Dyn {
+    d_tag: i64,
+    d_un: u64,
+}
+
+const PT_DYNAMIC: u32 = 2;
+const PT_GNU_RELRO: u32 = 0x6474_e552;
+const DT_NULL: i64 = 0;
+const DT_PLTRELSZ: i64 = 2;
+const DT_STRTAB: i64 = 5;
+const DT_SYMTAB: i64 = 6;
+const DT_RELA: i64 = 7;
+const DT_RELASZ: i64 = 8;
+const DT_STRSZ: i64 = 10;
+const DT_JMPREL: i64 = 23;
+const R_X86_64_GLOB_DAT: u64 = 6;
+const R_X86_64_JUMP_SLOT: u64 = 7;
+
+/// What one pass over the modules did.
+#[derive(Default)]
+struct Outcome {
+    redirected: usize,
+    hooks: Option<Hooks>,
+}
+
+/// The address the dynamic section gives for a table: absolute after the
+/// loader relocated it (glibc does on x86_64), else relative to `base`.
+fn table_addr(d_ptr: u64, base: usize) -> usize {
+    if (d_ptr as usize) < base {
+        base + d_ptr as usize
+    } else {
+        d_ptr as usize
+    }
+}
+
+unsafe extern "C" fn each_module(
+    info: *mut libc::dl_phdr_info,
+    _size: usize,
+    data: *mut c_void,
+) -> c_int {
+    // SAFETY: `data` is the `Outcome` passed by `redirect_all`, and the
+    // loader hands a valid `info` for the duration of the call.
+    let (out, info) = unsafe { (&mut *(data as *mut Outcome), &*info) };
+    let Some(hooks) = out.hooks.as_ref() else {
+        return 1;
+    };
+    let base = info.dlpi_addr as usize;
+    if !info.dlpi_name.is_null() {
+        // SAFETY: the loader's NUL-terminated module name.
+        let name = unsafe { CStr::from_ptr(info.dlpi_name) }.to_bytes();
+        if name.windows(6).any(|w| w == b"ld-lin") || name.starts_with(b"linux-vdso") {
+            return 0;
+        }
+    }
+    if base == hooks.own_base {
+        return 0;
+    }
+    // SAFETY: `dlpi_phdr` points at `dlpi_phnum` program headers of a
+    // loaded module.
+    let phdrs = unsafe { std::slice::from_raw_parts(info.dlpi_phdr, info.dlpi_phnum as usize) };
+    let Some(dynamic) = phdrs.iter().find(|p| p.p_type == PT_DYNAMIC) else {
+        return 0;
+    };
+    let relro = phdrs.iter().find(|p| p.p_type == PT_GNU_RELRO).map(|p| {
+        (
+            base + p.p_vaddr as usize,
+            base + (p.p_vaddr + p.p_memsz) as usize,
+        )
+    });
+    let (mut symtab, mut strtab, mut strsz) = (0usize, 0usize, 0usize);
+    let (mut jmprel, mut pltrelsz, mut rela, mut relasz) = (0usize, 0usize, 0usize, 0usize);
+    let mut d = (base + dynamic.p_vaddr as usize) as *const Elf64Dyn;
+    // A dynamic section has a few dozen entries; 4096 bounds a damaged one.
+    for _ in 0..4096 {
+        // SAFETY: inside the module's PT_DYNAMIC, which ends with DT_NULL.
+        let e = unsafe { &*d };
+        let v = e.d_un;
+        match e.d_tag {
+            DT_NULL => break,
+            DT_SYMTAB => symtab = table_addr(v, base),
+            DT_STRTAB => strtab = table_addr(v, base),
+            DT_STRSZ => strsz = v as usize,
+            DT_JMPREL => jmprel = table_addr(v, base),
+            DT_PLTRELSZ => pltrelsz = v as usize,
+            DT_RELA => rela = table_addr(v, base),
+            DT_RELASZ => relasz = v as usize,
+            _ => {}
+        }
+        // SAFETY: the next entry of the same array (bounded above).
+        d = unsafe { d.add(1) };
+    }
+    if symtab == 0 || strtab == 0 {
+        return 0;
+    }
+    for (table, size) in [(jmprel, pltrelsz), (rela, relasz)] {
+        if table == 0 {
+            continue;
+        }
+        let n = size / std::mem::size_of::<libc::Elf64_Rela>();
+        // SAFETY: the module's relocation table, `size` bytes, as its
+        // dynamic section describes it.
+        let relas = unsafe { std::slice::from_raw_parts(table as *const libc::Elf64_Rela, n) };
+        for r in relas {
+            let kind = r.r_info & 0xffff_ffff;
+            if kind != R_X86_64_JUMP_SLOT && kind != R_X86_64_GLOB_DAT {
+                continue;
+            }
+            let sym_index = (r.r_info >> 32) as usize;
+            // SAFETY: the symbol table entry the relocation names.
+            let sym = unsafe { &*(symtab as *const libc::Elf64_Sym).add(sym_index) };
+            let name_off = sym.st_name as usize;
+            if name_off == 0 || (strsz != 0 && name_off >= strsz) {
+                continue;
+            }
+            // SAFETY: a NUL-terminated name inside the string table.
+            let name = unsafe { CStr::from_ptr((strtab + name_off) as *const libc::c_char) };
+            let Some(i) = HOOKED.iter().position(|h| *h == name) else {
+                continue;
+            };
+            let hook = hooks.addrs[i];
+            if hook == 0 {
+                continue;
+            }
+            let slot = base + r.r_offset as usize;
+            if write_slot(slot, hook, relro) {
+                out.redirected += 1;
+            }
+        }
+    }
+    0
+}
+
+/// Stores `value` into the word at `slot`, making its page writable for
+/// the store when it lies in the module's RELRO range (and read-only
+/// again after). False if the page could not be made writable.
+fn write_slot(slot: usize, value: usize, relro: Option<(usize, usize)>) -> bool {
+    let in_relro = relro.is_some_and(|(s, e)| (s..e).contains(&slot));
+    let page = slot & !4095;
+    if in_relro {
+        // SAFETY: mprotect of one page of the module's own mapping.
+        if unsafe {
+            libc::mprotect(
+                page as *mut c_void,
+                4096,
+                libc::PROT_READ | libc::PROT_WRITE,
+            )
+        } != 0
+        {
+            return false;
+        }
+    }
+    // SAFETY: an aligned, writable word of a relocation table (the GOT);
+    // the store is atomic, so a concurrent call through the slot reads the
+    // old or the new target, never a torn one.
+    unsafe {
+        (*(slot as *const std::sync::atomic::AtomicUsize))
+            .store(value, std::sync::atomic::Ordering::Release);
+    }
+    if in_relro {
+        // SAFETY: as above; back to what RELRO made it.
+        unsafe { libc::mprotect(page as *mut c_void, 4096, libc::PROT_READ) };
+    }
+    true
+}
+
+/// Our hooks' addresses, looked up in this library itself.
+fn our_hooks() -> Option<Hooks> {
+    let mut info: libc::Dl_info = unsafe {
+        // SAFETY: an all-zero Dl_info is a valid out-value.
+        std::mem::zeroed()
+    };
+    let here = our_hooks as *const () as *const c_void;
+    // SAFETY: dladdr fills `info` for an address of this library.
+    if unsafe { libc::dladdr(here, &mut info) } == 0 || info.dli_fname.is_null() {
+        return None;
+    }
+    // SAFETY: our own file name; RTLD_NOLOAD only returns a handle to the
+    // already loaded library (it never loads anything).
+    let handle = unsafe { libc::dlopen(info.dli_fname, libc::RTLD_LAZY | libc::RTLD_NOLOAD) };
+    if handle.is_null() {
+        return None;
+    }
+    let mut addrs = [0usize; HOOKED.len()];
+    for (a, name) in addrs.iter_mut().zip(HOOKED) {
+        // SAFETY: dlsym on our own handle finds our own definition first.
+        *a = unsafe { libc::dlsym(handle, name.as_ptr()) } as usize;
+    }
+    // SAFETY: the handle from dlopen above (only drops the reference count
+    // it added).
+    unsafe { libc::dlclose(handle) };
+    Some(Hooks {
+        addrs,
+        own_base: info.dli_fbase as usize,
+    })
+}
+
+/// Redirects every loaded module's slots of [`HOOKED`] to our hooks.
+/// Returns how many slots were redirected.
+fn redirect_all() -> usize {
+    let mut out = Outcome {
+        redirected: 0,
+        hooks: our_hooks(),
+    };
+    if out.hooks.is_none() {
+        return 0;
+    }
+    // SAFETY: the callback only reads the modules' loaded tables and writes
+    // their GOT slots (see `each_module`); `out` outlives the call.
+    unsafe { libc::dl_iterate_phdr(Some(each_module), (&mut out as *mut Outcome).cast()) };
+    out.redirected
+}
+
+/// `heapdump_attach()`: called (by `heapdump attach`, through the
+/// injected thread) after this library was `dlopen`ed into a running
+/// process. Binds the forwarding to the program's own allocator, then
+/// redirects every module's already-bound slots to the hooks. Returns the
+/// number of slots redirected, or -1 if the allocator could not be found
+/// (then nothing was changed). Blocks allocated before stay the
+/// allocator's: their frees, unknown to the agent, are forwarded as they
+/// are.
+#[no_mangle]
+pub extern "C" fn heapdump_attach() -> c_int {
+    if !cfg!(target_arch = "x86_64") {
+        return -1;
+    }
+    let ok = heapdump_agent::recorder::forwarding(|| {
+        let ok = crate::next_allocator::rebind_for_attach();
+        if ok {
+            crate::choose_forwarding();
+        }
+        ok
+    });
+    if !ok {
+        return -1;
+    }
+    heapdump_agent::recorder::forwarding(redirect_all) as c_int
+}
