@@ -102,3 +102,52 @@ fn an_agent_loaded_late_forwards_to_jemalloc_and_its_older_blocks_stay_its_own()
         &["-ljemalloc"],
     ));
 }
+
+#[test]
+fn debian_python3_attached_late_records_its_objects_with_whole_stacks() {
+    // Debian's python3 is a non-PIE executable that takes malloc's address:
+    // dlsym(RTLD_DEFAULT, "malloc") answers with its PLT stub, which leads
+    // back through a redirected slot; forwarding there recursed until the
+    // stack overflowed.
+    if !real_dependency("python3", std::path::Path::new("/usr/bin/python3").exists()) {
+        return;
+    }
+    let script = format!(
+        "import ctypes, sys\n\
+         lib = ctypes.CDLL({:?})\n\
+         print('attached', lib.heapdump_attach(), flush=True)\n\
+         keep = [bytearray(100000) for _ in range(200)]\n\
+         d = {{i: str(i) * 5 for i in range(20000)}}\n\
+         print('ready', flush=True)\n\
+         sys.stdin.readline()\n",
+        preload_lib().display().to_string()
+    );
+    let mut cmd = Command::new("/usr/bin/python3");
+    cmd.args(["-c", &script]).env_remove("LD_PRELOAD");
+    let mut t = Target::spawn_until(cmd, "attached");
+    let slots: i64 = t.last_line()["attached ".len()..].parse().unwrap();
+    assert!(slots > 0, "{}", t.last_line());
+    t.wait_line("ready");
+    let dir = TempDir::new("attach-python3");
+    let out = heapdump(&["snapshot", &t.pid().to_string(), "-o", &dir.str("s.json")]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let j = read_json(&dir.path("s.json"));
+    let arrays = j["sites"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|s| {
+            s["frames"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|f| f["function"].as_str() == Some("PyByteArray_Resize"))
+        })
+        .map(|s| s["live_blocks"].as_u64().unwrap())
+        .sum::<u64>();
+    assert!(
+        arrays >= 200,
+        "the 200 bytearrays, allocated after the attach, through PyByteArray_Resize: {arrays}"
+    );
+    assert!(t.finish().success(), "python3 did not exit cleanly");
+}

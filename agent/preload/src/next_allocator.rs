@@ -43,26 +43,46 @@ static STATE: AtomicU8 = AtomicU8::new(UNBOUND);
 /// even in a jemalloc program).
 static ATTACHED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
-/// Looks `name` up after this library (preloaded), or as the program
-/// resolves it (attached).
+/// In attach mode, the definitions read from the program's bound slots
+/// (`slot_redirection::bound_definition`), as a `fn(&CStr) ->
+/// Option<usize>`; 0 before an attach.
+static RESOLVER: AtomicUsize = AtomicUsize::new(0);
+
+/// Looks `name` up after this library (preloaded), or as the program calls
+/// it (attached: the definition its bound slots hold; else the global one
+/// if that is a real definition, never a canonical PLT stub, which would
+/// lead back through a redirected slot to the hook itself).
 fn lookup(name: &CStr) -> usize {
-    let handle = if ATTACHED.load(Ordering::Relaxed) {
-        libc::RTLD_DEFAULT
+    if !ATTACHED.load(Ordering::Relaxed) {
+        // SAFETY: dlsym with RTLD_NEXT and a NUL-terminated name; it may
+        // allocate, which the hooks serve from the arena while BINDING.
+        return unsafe { libc::dlsym(libc::RTLD_NEXT, name.as_ptr()) as usize };
+    }
+    let resolver = RESOLVER.load(Ordering::Relaxed);
+    if resolver != 0 {
+        // SAFETY: stored by `rebind_for_attach` from a value of this type.
+        let resolve: fn(&CStr) -> Option<usize> = unsafe { std::mem::transmute(resolver) };
+        if let Some(f) = resolve(name) {
+            return f;
+        }
+    }
+    // SAFETY: as above, with RTLD_DEFAULT.
+    let f = unsafe { libc::dlsym(libc::RTLD_DEFAULT, name.as_ptr()) as usize };
+    if f != 0 && defines_symbol_at(f) {
+        f
     } else {
-        libc::RTLD_NEXT
-    };
-    // SAFETY: dlsym with a pseudo-handle and a NUL-terminated name; it may
-    // allocate, which the hooks serve from the arena while BINDING.
-    unsafe { libc::dlsym(handle, name.as_ptr()) as usize }
+        0
+    }
 }
 
-/// Binds every slot again, to the definitions the program itself uses
-/// (`RTLD_DEFAULT`), for an agent loaded into a running process. Must run
-/// before any relocation slot points at a hook (see `slot_redirection`):
-/// until then no call reaches the hooks, so no thread reads the slots
-/// while they change. Returns false if `malloc` or `free` has no
-/// definition to forward to.
-pub fn rebind_for_attach() -> bool {
+/// Binds every slot again, to the definitions the program itself calls
+/// (`resolve`, then `RTLD_DEFAULT`; see [`lookup`]), for an agent loaded
+/// into a running process. Must run before any relocation slot points at
+/// a hook (see `slot_redirection`): until then no call reaches the hooks,
+/// so no thread reads the slots while they change. Returns false if
+/// `malloc` or `free` has no definition to forward to.
+pub fn rebind_for_attach(resolve: fn(&CStr) -> Option<usize>) -> bool {
+    RESOLVER.store(resolve as usize, Ordering::Relaxed);
     ATTACHED.store(true, Ordering::Relaxed);
     bind();
     bind_all();
@@ -306,6 +326,27 @@ pub fn defines_symbol_at(a: usize) -> bool {
             return true;
         }
         (*sym.cast::<libc::Elf64_Sym>()).st_shndx != 0
+    }
+}
+
+/// True when code address `a` is the first byte of a symbol some loaded
+/// object defines: a function's entry, not a PLT stub or a lazy-binding
+/// trampoline (`PLT + 6`, whose nearest symbol may well be defined), which
+/// would run the loader's resolver and rewrite the slot it came from.
+pub fn is_definition_entry(a: usize) -> bool {
+    /// `RTLD_DL_SYMENT` of `<dlfcn.h>`.
+    const RTLD_DL_SYMENT: libc::c_int = 1;
+    // SAFETY: as in `defines_symbol_at`.
+    unsafe {
+        let mut info: libc::Dl_info = std::mem::zeroed();
+        let mut sym: *mut c_void = std::ptr::null_mut();
+        if a == 0
+            || libc::dladdr1(a as *const c_void, &mut info, &mut sym, RTLD_DL_SYMENT) == 0
+            || sym.is_null()
+        {
+            return false;
+        }
+        info.dli_saddr as usize == a && (*sym.cast::<libc::Elf64_Sym>()).st_shndx != 0
     }
 }
 

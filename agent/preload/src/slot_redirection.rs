@@ -5,8 +5,17 @@
 //! hold them are redirected: in every loaded module, each GOT slot
 //! (`R_X86_64_JUMP_SLOT`, `R_X86_64_GLOB_DAT`) whose symbol is an entry
 //! point this library exports is made to point at our hook; the hooks
-//! forward to the program's own definitions, bound first through
-//! `RTLD_DEFAULT` (`next_allocator::rebind_for_attach`).
+//! forward to the program's own definitions (`next_allocator::rebind_for_attach`).
+//!
+//! Those definitions are read from the slots themselves before any is
+//! redirected: a slot the loader bound holds the definition the program
+//! calls. `dlsym(RTLD_DEFAULT)` is not enough: in a non-PIE executable
+//! that takes `malloc`'s address (Debian's python3) it answers with the
+//! executable's canonical PLT stub, which jumps through a slot we redirect,
+//! so the hook would forward to itself. Only values that are the entry of
+//! a defined symbol (`next_allocator::is_definition_entry`) are taken: a
+//! lazily bound slot still holds a PLT trampoline, and forwarding to it
+//! would run the loader's resolver, which rewrites the (redirected) slot.
 //!
 //! Invariants:
 //! - The forwarding slots are bound before any relocation slot points at a
@@ -27,6 +36,7 @@
 //! x86_64 only (relocation numbers); elsewhere [`heapdump_attach`] refuses.
 
 use std::ffi::{c_int, c_void, CStr};
+use std::sync::atomic::Ordering;
 
 /// The entry points redirected: every name this library exports for the
 /// malloc family and C++ `new`/`delete`.
@@ -92,11 +102,12 @@ const DT_JMPREL: i64 = 23;
 const R_X86_64_GLOB_DAT: u64 = 6;
 const R_X86_64_JUMP_SLOT: u64 = 7;
 
-/// What one pass over the modules did.
-#[derive(Default)]
-struct Outcome {
-    redirected: usize,
-    hooks: Option<Hooks>,
+/// One pass over the modules: `visit(hook index, slot address, RELRO
+/// range)` for every relocation slot of a [`HOOKED`] name, in every module
+/// but ours and the dynamic loader's, in load order (the executable first).
+struct Pass<'a> {
+    own_base: usize,
+    visit: &'a mut dyn FnMut(usize, usize, Option<(usize, usize)>),
 }
 
 /// The address the dynamic section gives for a table: absolute after the
@@ -114,12 +125,9 @@ unsafe extern "C" fn each_module(
     _size: usize,
     data: *mut c_void,
 ) -> c_int {
-    // SAFETY: `data` is the `Outcome` passed by `redirect_all`, and the
+    // SAFETY: `data` is the `Pass` passed by `for_each_slot`, and the
     // loader hands a valid `info` for the duration of the call.
-    let (out, info) = unsafe { (&mut *(data as *mut Outcome), &*info) };
-    let Some(hooks) = out.hooks.as_ref() else {
-        return 1;
-    };
+    let (pass, info) = unsafe { (&mut *(data as *mut Pass), &*info) };
     let base = info.dlpi_addr as usize;
     if !info.dlpi_name.is_null() {
         // SAFETY: the loader's NUL-terminated module name.
@@ -128,7 +136,7 @@ unsafe extern "C" fn each_module(
             return 0;
         }
     }
-    if base == hooks.own_base {
+    if base == pass.own_base {
         return 0;
     }
     // SAFETY: `dlpi_phdr` points at `dlpi_phnum` program headers of a
@@ -190,20 +198,39 @@ unsafe extern "C" fn each_module(
             }
             // SAFETY: a NUL-terminated name inside the string table.
             let name = unsafe { CStr::from_ptr((strtab + name_off) as *const libc::c_char) };
-            let Some(i) = HOOKED.iter().position(|h| *h == name) else {
-                continue;
-            };
-            let hook = hooks.addrs[i];
-            if hook == 0 {
-                continue;
-            }
-            let slot = base + r.r_offset as usize;
-            if write_slot(slot, hook, relro) {
-                out.redirected += 1;
+            if let Some(i) = HOOKED.iter().position(|h| *h == name) {
+                (pass.visit)(i, base + r.r_offset as usize, relro);
             }
         }
     }
     0
+}
+
+/// Runs `visit` on every relocation slot of a [`HOOKED`] name (see
+/// [`Pass`]).
+fn for_each_slot(own_base: usize, visit: &mut dyn FnMut(usize, usize, Option<(usize, usize)>)) {
+    let mut pass = Pass { own_base, visit };
+    // SAFETY: the callback only reads the modules' loaded tables and calls
+    // `visit`; `pass` outlives the call.
+    unsafe { libc::dl_iterate_phdr(Some(each_module), (&mut pass as *mut Pass).cast()) };
+}
+
+/// For each [`HOOKED`] name, the definition the program calls: the first
+/// slot value (in load order) that is the entry of a defined symbol outside
+/// this library; 0 where no slot is bound to one. Filled before any slot is
+/// redirected, read while binding (see [`bound_definition`]).
+static BOUND: [std::sync::atomic::AtomicUsize; HOOKED.len()] =
+    [const { std::sync::atomic::AtomicUsize::new(0) }; HOOKED.len()];
+
+/// The definition of `name` read from the program's bound slots, if it is
+/// a [`HOOKED`] name and one was found (the binding's resolver in attach
+/// mode, see `next_allocator::rebind_for_attach`).
+pub fn bound_definition(name: &CStr) -> Option<usize> {
+    let i = HOOKED.iter().position(|h| *h == name)?;
+    match BOUND[i].load(std::sync::atomic::Ordering::Relaxed) {
+        0 => None,
+        f => Some(f),
+    }
 }
 
 /// Stores `value` into the word at `slot`, making its page writable for
@@ -270,20 +297,35 @@ fn our_hooks() -> Option<Hooks> {
     })
 }
 
+/// Reads the definitions the program's bound slots hold into [`BOUND`].
+fn collect_bound(hooks: &Hooks) {
+    let own = hooks.own_base;
+    for_each_slot(own, &mut |i, slot, _| {
+        // SAFETY: an aligned word of a loaded module's relocation table.
+        let v =
+            unsafe { (*(slot as *const std::sync::atomic::AtomicUsize)).load(Ordering::Acquire) };
+        let ours = crate::next_allocator::object_base_of(v) == own;
+        if v != 0
+            && !ours
+            && BOUND[i].load(Ordering::Relaxed) == 0
+            && crate::next_allocator::is_definition_entry(v)
+        {
+            BOUND[i].store(v, Ordering::Relaxed);
+        }
+    });
+}
+
 /// Redirects every loaded module's slots of [`HOOKED`] to our hooks.
 /// Returns how many slots were redirected.
-fn redirect_all() -> usize {
-    let mut out = Outcome {
-        redirected: 0,
-        hooks: our_hooks(),
-    };
-    if out.hooks.is_none() {
-        return 0;
-    }
-    // SAFETY: the callback only reads the modules' loaded tables and writes
-    // their GOT slots (see `each_module`); `out` outlives the call.
-    unsafe { libc::dl_iterate_phdr(Some(each_module), (&mut out as *mut Outcome).cast()) };
-    out.redirected
+fn redirect_all(hooks: &Hooks) -> usize {
+    let mut redirected = 0;
+    for_each_slot(hooks.own_base, &mut |i, slot, relro| {
+        let hook = hooks.addrs[i];
+        if hook != 0 && write_slot(slot, hook, relro) {
+            redirected += 1;
+        }
+    });
+    redirected
 }
 
 /// `heapdump_attach()`: called (by `heapdump attach`, through the
@@ -299,15 +341,15 @@ pub extern "C" fn heapdump_attach() -> c_int {
     if !cfg!(target_arch = "x86_64") {
         return -1;
     }
-    let ok = heapdump_agent::recorder::forwarding(|| {
-        let ok = crate::next_allocator::rebind_for_attach();
-        if ok {
-            crate::choose_forwarding();
+    heapdump_agent::recorder::forwarding(|| {
+        let Some(hooks) = our_hooks() else {
+            return -1;
+        };
+        collect_bound(&hooks);
+        if !crate::next_allocator::rebind_for_attach(bound_definition) {
+            return -1;
         }
-        ok
-    });
-    if !ok {
-        return -1;
-    }
-    heapdump_agent::recorder::forwarding(redirect_all) as c_int
+        crate::choose_forwarding();
+        redirect_all(&hooks) as c_int
+    })
 }
