@@ -150,9 +150,6 @@ pub fn parse_signal(v: &[u8]) -> Option<libc::c_int> {
     .map(|(_, v)| v)
 }
 
-/// Set by `heapdump run` to its own pid ([`speaks_here`]).
-pub const RUN_PID_VAR: &str = "HEAPDUMP_RUN_PID";
-
 /// Whether the agent may write its messages on this process's stderr.
 ///
 /// `heapdump run` sets `HEAPDUMP_RUN_PID` to its own pid. The program it

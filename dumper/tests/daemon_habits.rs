@@ -6,7 +6,6 @@
 
 mod common;
 
-use std::collections::BTreeMap;
 use std::process::{Command, Stdio};
 
 use common::*;
@@ -24,21 +23,6 @@ fn can_open_map_files() -> bool {
         .map(|v| u64::from_str_radix(v.trim(), 16).unwrap())
         .unwrap_or(0);
     eff & (1 << 21 | 1 << 40) != 0
-}
-
-/// Live (blocks, bytes) by leaf function of a JSON snapshot.
-fn by_leaf(j: &Value) -> BTreeMap<String, (u64, u64)> {
-    let mut t: BTreeMap<String, (u64, u64)> = BTreeMap::new();
-    for s in j["sites"].as_array().expect("sites") {
-        let leaf = s["frames"][0]["function"]
-            .as_str()
-            .unwrap_or("")
-            .to_string();
-        let e = t.entry(leaf).or_default();
-        e.0 += s["live_blocks"].as_u64().unwrap();
-        e.1 += s["live_bytes"].as_u64().unwrap();
-    }
-    t
 }
 
 fn snapshot_json(pid: u32, dir: &TempDir, name: &str) -> Value {
@@ -98,7 +82,7 @@ fn a_process_that_closed_its_descriptors_stays_listed_and_dumpable() {
     if can_open_map_files() {
         assert!(row.contains("exact"), "{row}");
         let j = snapshot_json(pid, &dir, "s.json");
-        let leaves = by_leaf(&j);
+        let leaves = live_by_leaf(&j);
         assert_eq!(
             leaves.get("keep_blocks"),
             Some(&(100, 100 * 10_000)),

@@ -178,12 +178,6 @@ impl RegionWriter {
             .then(|| unsafe { BorrowedFd::borrow_raw(self.fd) })
     }
 
-    /// The memfd's device and inode numbers (as `/proc/PID/maps` shows
-    /// them), which identify the region whatever its descriptor became.
-    pub fn inode(&self) -> (u64, u64) {
-        (self.identity.dev, self.identity.ino)
-    }
-
     /// Maps this region read-only through a duplicate of its fd, exactly as
     /// a dumper would (seal and header checks included). For tests and for
     /// in-process readers. Fails if the program closed the descriptor.

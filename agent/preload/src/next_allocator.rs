@@ -28,7 +28,7 @@
 //!   is published through it.
 
 use std::ffi::{c_char, c_int, c_ulong, c_void, CStr};
-use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 
 const UNBOUND: u8 = 0;
 const BINDING: u8 = 1;
@@ -41,12 +41,7 @@ static STATE: AtomicU8 = AtomicU8::new(UNBOUND);
 /// program's own definition is the global one (`RTLD_DEFAULT`), not the
 /// next one after us (`RTLD_NEXT` would give our own dependencies', glibc's
 /// even in a jemalloc program).
-static ATTACHED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-
-/// In attach mode, the definitions read from the program's bound slots
-/// (`slot_redirection::bound_definition`), as a `fn(&CStr) ->
-/// Option<usize>`; 0 before an attach.
-static RESOLVER: AtomicUsize = AtomicUsize::new(0);
+static ATTACHED: AtomicBool = AtomicBool::new(false);
 
 /// Looks `name` up after this library (preloaded), or as the program calls
 /// it (attached: the definition its bound slots hold; else the global one
@@ -58,13 +53,8 @@ fn lookup(name: &CStr) -> usize {
         // allocate, which the hooks serve from the arena while BINDING.
         return unsafe { libc::dlsym(libc::RTLD_NEXT, name.as_ptr()) as usize };
     }
-    let resolver = RESOLVER.load(Ordering::Relaxed);
-    if resolver != 0 {
-        // SAFETY: stored by `rebind_for_attach` from a value of this type.
-        let resolve: fn(&CStr) -> Option<usize> = unsafe { std::mem::transmute(resolver) };
-        if let Some(f) = resolve(name) {
-            return f;
-        }
+    if let Some(f) = crate::slot_redirection::bound_definition(name) {
+        return f;
     }
     // SAFETY: as above, with RTLD_DEFAULT.
     let f = unsafe { libc::dlsym(libc::RTLD_DEFAULT, name.as_ptr()) as usize };
@@ -76,25 +66,19 @@ fn lookup(name: &CStr) -> usize {
 }
 
 /// Binds every slot again, to the definitions the program itself calls
-/// (`resolve`, then `RTLD_DEFAULT`; see [`lookup`]), for an agent loaded
-/// into a running process. Must run before any relocation slot points at
-/// a hook (see `slot_redirection`): until then no call reaches the hooks,
-/// so no thread reads the slots while they change. Returns false if
-/// `malloc` or `free` has no definition to forward to.
-pub fn rebind_for_attach(resolve: fn(&CStr) -> Option<usize>) -> bool {
-    RESOLVER.store(resolve as usize, Ordering::Relaxed);
+/// (see [`lookup`]), for an agent loaded into a running process, after
+/// `slot_redirection` read them from the bound slots. Must run before any
+/// relocation slot points at a hook: until then no call reaches the hooks
+/// (the load-time binding has finished, in the library's initialiser), so
+/// no thread reads the slots while they change. Returns false if `malloc`
+/// or `free` has no definition to forward to.
+pub fn rebind_for_attach() -> bool {
     ATTACHED.store(true, Ordering::Relaxed);
-    bind();
     bind_all();
     // Release: the new slots are written before the relocation slots that
     // lead to the hooks are (those writes are ordered after this one).
     STATE.store(BOUND, Ordering::Release);
     SLOTS.malloc.load(Ordering::Relaxed) != 0 && SLOTS.free.load(Ordering::Relaxed) != 0
-}
-
-/// True when this library was loaded into a running process.
-pub fn attached() -> bool {
-    ATTACHED.load(Ordering::Relaxed)
 }
 
 macro_rules! next_functions {

@@ -223,8 +223,8 @@ static BOUND: [std::sync::atomic::AtomicUsize; HOOKED.len()] =
     [const { std::sync::atomic::AtomicUsize::new(0) }; HOOKED.len()];
 
 /// The definition of `name` read from the program's bound slots, if it is
-/// a [`HOOKED`] name and one was found (the binding's resolver in attach
-/// mode, see `next_allocator::rebind_for_attach`).
+/// a [`HOOKED`] name and one was found (what `next_allocator` binds to in
+/// attach mode).
 pub fn bound_definition(name: &CStr) -> Option<usize> {
     let i = HOOKED.iter().position(|h| *h == name)?;
     match BOUND[i].load(std::sync::atomic::Ordering::Relaxed) {
@@ -346,7 +346,7 @@ pub extern "C" fn heapdump_attach() -> c_int {
             return -1;
         };
         collect_bound(&hooks);
-        if !crate::next_allocator::rebind_for_attach(bound_definition) {
+        if !crate::next_allocator::rebind_for_attach() {
             return -1;
         }
         crate::choose_forwarding();

@@ -23,8 +23,8 @@ struct Row {
     rate: Option<u64>,
 }
 
-fn row(pid: u32) -> Result<Row, discovery::DiscoveryError> {
-    let t = discovery::open_target(pid)?;
+fn row(t: &discovery::Target) -> Result<Row, discovery::DiscoveryError> {
+    let pid = t.pid;
     let region_error = |e| discovery::DiscoveryError::Region {
         pid,
         name: t.name.clone(),
@@ -33,28 +33,31 @@ fn row(pid: u32) -> Result<Row, discovery::DiscoveryError> {
         hint: "",
     };
     let c = t.counters().map_err(region_error)?;
-    let estimate = snapshot::estimated_live(&t).map_err(region_error)?;
-    let (_, rate) = snapshot::sample_rate(&t);
+    let estimate = snapshot::estimated_live(t).map_err(region_error)?;
+    let (_, rate) = snapshot::sample_rate(t);
     let threads = discovery::live_threads(pid).map_or("?".to_string(), |t| t.to_string());
-    Ok(match estimate {
-        None => Row {
-            mode: "exact".to_string(),
-            live: human_bytes(c.live_bytes),
-            blocks: c.live_blocks.to_string(),
-            threads,
-            dropped: c.dropped_total(),
-            total_allocs: c.total_allocs,
-            rate: None,
-        },
-        Some((bytes, blocks)) => Row {
-            mode: format!("~1/{}", human_bytes(rate).replace(' ', "")),
-            live: format!("~{}", human_bytes(bytes)),
-            blocks: format!("~{blocks}"),
-            threads,
-            dropped: c.dropped_total(),
-            total_allocs: c.total_allocs,
-            rate: Some(rate),
-        },
+    let (mode, live, blocks, rate) = match estimate {
+        None => (
+            "exact".to_string(),
+            human_bytes(c.live_bytes),
+            c.live_blocks.to_string(),
+            None,
+        ),
+        Some((bytes, blocks)) => (
+            format!("~1/{}", human_bytes(rate).replace(' ', "")),
+            format!("~{}", human_bytes(bytes)),
+            format!("~{blocks}"),
+            Some(rate),
+        ),
+    };
+    Ok(Row {
+        mode,
+        live,
+        blocks,
+        threads,
+        dropped: c.dropped_total(),
+        total_allocs: c.total_allocs,
+        rate,
     })
 }
 
@@ -70,7 +73,17 @@ pub fn command() -> Result<i32> {
             "{:>8}  {:<16} {:>10} {:>12} {:>10} {:>8} {:>8}",
             "PID", "NAME", "MODE", "LIVE", "BLOCKS", "THREADS", "DROPPED"
         )?;
-        let rows: Vec<_> = entries.iter().map(|e| (e, row(e.pid))).collect();
+        // Each process's regions were opened once, by the scan.
+        let rows: Vec<_> = entries
+            .iter()
+            .map(|e| {
+                let r = match &e.state {
+                    Ok(t) => row(t).map_err(|err| err.to_string()),
+                    Err(err) => Err(err.to_string()),
+                };
+                (e, r)
+            })
+            .collect();
         let mut sampled = false;
         for (e, r) in &rows {
             match r {

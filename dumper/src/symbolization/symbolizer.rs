@@ -101,34 +101,34 @@ struct Module {
 struct SymbolExtents(Vec<(u64, u64, String)>);
 
 impl SymbolExtents {
-    fn read(files: &[&Path]) -> SymbolExtents {
-        let mut out: Vec<(u64, u64, String)> = Vec::new();
-        for path in files {
-            let Ok(file) = File::open(path) else { continue };
-            let cache = ReadCache::new(file);
-            let Ok(obj) = object::File::parse(&cache) else {
-                continue;
-            };
-            let full: Vec<_> = obj.symbols().collect();
-            let syms = if full.is_empty() {
-                obj.dynamic_symbols().collect()
-            } else {
-                full
-            };
-            for s in syms {
-                if s.kind() != object::SymbolKind::Text || s.size() == 0 || !s.is_definition() {
-                    continue;
-                }
-                if let Ok(name) = s.name() {
-                    out.push((s.address(), s.size(), name.to_string()));
-                }
-            }
-            if !out.is_empty() {
-                break;
-            }
-        }
+    /// The function symbols of a parsed file: its full symbol table, else
+    /// its dynamic one.
+    fn of<'d, R: object::ReadRef<'d>>(obj: &object::File<'d, R>) -> SymbolExtents {
+        let full: Vec<_> = obj.symbols().collect();
+        let syms = if full.is_empty() {
+            obj.dynamic_symbols().collect()
+        } else {
+            full
+        };
+        let mut out: Vec<(u64, u64, String)> = syms
+            .into_iter()
+            .filter(|s| s.kind() == object::SymbolKind::Text && s.size() != 0 && s.is_definition())
+            .filter_map(|s| Some((s.address(), s.size(), s.name().ok()?.to_string())))
+            .collect();
         out.sort_by_key(|s| (s.0, std::cmp::Reverse(s.1)));
         SymbolExtents(out)
+    }
+
+    /// The function symbols of the file at `path` (empty if unreadable).
+    fn read(path: &Path) -> SymbolExtents {
+        let Ok(file) = File::open(path) else {
+            return SymbolExtents::default();
+        };
+        let cache = ReadCache::new(file);
+        match object::File::parse(&cache) {
+            Ok(obj) => SymbolExtents::of(&obj),
+            Err(_) => SymbolExtents::default(),
+        }
     }
 
     /// The name of the symbol whose extent holds `svma`, if one does.
@@ -169,10 +169,13 @@ impl Module {
         } else {
             None
         };
-        let symbols = match &separate {
-            Some(p) => SymbolExtents::read(&[p.as_path(), path]),
-            None => SymbolExtents::read(&[path]),
-        };
+        // The separate debug file's full symbol table where it has one,
+        // else this file's (parsed above).
+        let symbols = separate
+            .as_deref()
+            .map(SymbolExtents::read)
+            .filter(|s| !s.0.is_empty())
+            .unwrap_or_else(|| SymbolExtents::of(&obj));
         let loader = separate
             .and_then(|p| Loader::new(&p).ok())
             .or_else(|| Loader::new(path).ok());

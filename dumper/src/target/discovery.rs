@@ -455,8 +455,8 @@ pub struct ListEntry {
     pub pid: u32,
     /// Process name.
     pub name: String,
-    /// Counters and live thread count, or why the process cannot be read.
-    pub state: Result<(Counters, Option<usize>), DiscoveryError>,
+    /// Its regions, opened, or why they cannot be.
+    pub state: Result<Target, DiscoveryError>,
 }
 
 /// Scans `/proc` for instrumented processes (those mapping a heapdump
@@ -484,18 +484,11 @@ pub fn scan() -> (Vec<ListEntry>, usize) {
             Err(_) => {}
             Ok(sources) if sources.is_empty() => {}
             Ok(_) => {
-                let name = process_name(pid);
-                let state = open_target(pid).and_then(|t| {
-                    let c = t.counters().map_err(|e| DiscoveryError::Region {
-                        pid,
-                        name: name.clone(),
-                        kind: "allocations",
-                        source: e,
-                        hint: "",
-                    })?;
-                    Ok((c, live_threads(pid)))
+                out.push(ListEntry {
+                    pid,
+                    name: process_name(pid),
+                    state: open_target(pid),
                 });
-                out.push(ListEntry { pid, name, state });
             }
         }
     }

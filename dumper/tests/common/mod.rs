@@ -190,3 +190,19 @@ pub fn go_pprof(args: &[&str]) -> String {
     );
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
+
+/// Live (blocks, bytes) by leaf function (the first frame's function) of a
+/// JSON snapshot, summed over its sites.
+pub fn live_by_leaf(j: &serde_json::Value) -> std::collections::BTreeMap<String, (u64, u64)> {
+    let mut t = std::collections::BTreeMap::<String, (u64, u64)>::new();
+    for s in j["sites"].as_array().expect("sites") {
+        let leaf = s["frames"][0]["function"]
+            .as_str()
+            .unwrap_or("")
+            .to_string();
+        let e = t.entry(leaf).or_default();
+        e.0 += s["live_blocks"].as_u64().unwrap();
+        e.1 += s["live_bytes"].as_u64().unwrap();
+    }
+    t
+}
