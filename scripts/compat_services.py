@@ -75,6 +75,16 @@ def descendants(root):
     return out
 
 
+def alive(pid):
+    """True while `pid` runs (not gone, not a zombie); a process may exit
+    while it is read."""
+    try:
+        stat = open(f"/proc/{pid}/stat").read()
+    except OSError:
+        return False
+    return stat[stat.rfind(")") + 2:].split()[0] != "Z"
+
+
 def instrumented(pid):
     try:
         return any(" rw-s " in l and "/memfd:heapdump.allocations" in l
@@ -131,9 +141,7 @@ def stop(proc):
         pass
     # Whatever is left of the tree (a postmaster waits for its children).
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and any(os.path.exists(f"/proc/{p}") and
-                                              open(f"/proc/{p}/stat").read().split()[2] != "Z"
-                                              for p in tree if os.path.exists(f"/proc/{p}")):
+    while time.monotonic() < deadline and any(alive(p) for p in tree):
         time.sleep(0.05)
     for pid in tree:
         try:
