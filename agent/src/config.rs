@@ -87,7 +87,66 @@ impl Default for Config {
     }
 }
 
+/// Longest settings text [`set_overrides`] keeps.
+pub const OVERRIDES_MAX: usize = 1024;
+
+/// Settings given by `heapdump attach` (`NAME=value` lines), which take
+/// precedence over the environment of a process that was started long
+/// before anyone chose them. Written once, before the agent starts
+/// (`OVERRIDES_LEN` published with Release after the bytes), read with
+/// Acquire; never changed after (a later attach must ask for the same
+/// settings, see the preload's `heapdump_attach`).
+struct Overrides(std::cell::UnsafeCell<[u8; OVERRIDES_MAX]>);
+// SAFETY: written only before OVERRIDES_LEN is published, never after.
+unsafe impl Sync for Overrides {}
+static OVERRIDES: Overrides = Overrides(std::cell::UnsafeCell::new([0; OVERRIDES_MAX]));
+static OVERRIDES_LEN: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Sets the settings that override `HEAPDUMP_*` environment variables
+/// (`NAME=value` lines). Only the first call takes effect; returns false
+/// (and changes nothing) after that or if `lines` is longer than
+/// [`OVERRIDES_MAX`]. Call before the agent starts.
+pub fn set_overrides(lines: &[u8]) -> bool {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    static TAKEN: AtomicBool = AtomicBool::new(false);
+    if lines.len() > OVERRIDES_MAX || TAKEN.swap(true, Ordering::AcqRel) {
+        return false;
+    }
+    // SAFETY: the one winner of TAKEN writes the buffer before publishing
+    // its length; readers read only `..OVERRIDES_LEN` after an Acquire
+    // load of it.
+    unsafe { (&mut *OVERRIDES.0.get())[..lines.len()].copy_from_slice(lines) };
+    OVERRIDES_LEN.store(lines.len(), Ordering::Release);
+    true
+}
+
+/// The value an override line gives `name`, if any.
+fn overridden(name: &CStr) -> Option<&'static [u8]> {
+    let n = OVERRIDES_LEN.load(std::sync::atomic::Ordering::Acquire);
+    if n == 0 {
+        return None;
+    }
+    // SAFETY: the first `n` bytes were written before the length was
+    // published and never change again.
+    let text: &'static [u8] = unsafe { &(&*OVERRIDES.0.get())[..n] };
+    let name = name.to_bytes();
+    text.split(|&b| b == b'\n').find_map(|line| {
+        let rest = line.strip_prefix(name)?;
+        rest.strip_prefix(b"=")
+    })
+}
+
+/// The settings text given to [`set_overrides`] (empty if none).
+pub fn overrides() -> &'static [u8] {
+    let n = OVERRIDES_LEN.load(std::sync::atomic::Ordering::Acquire);
+    // SAFETY: as in `overridden`.
+    unsafe { &(&*OVERRIDES.0.get())[..n] }
+}
+
 fn env(name: &CStr) -> Option<&'static [u8]> {
+    if let Some(v) = overridden(name) {
+        return Some(v);
+    }
     // SAFETY: getenv is given a NUL-terminated name; the returned pointer,
     // if non-null, points at a NUL-terminated string in the environment
     // block, which lives for the process (we never call setenv).

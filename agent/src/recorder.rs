@@ -251,6 +251,16 @@ fn init(role: Role) -> Option<&'static Writers> {
             }
         }
     }
+    if ATTACHED_MODE.load(Ordering::Relaxed) {
+        // Loaded by `heapdump attach`: this process (or this fork child of
+        // an attached process) is recorded from now on.
+        // SAFETY: written above, in this same initialisation.
+        let alloc = unsafe { (*ALLOCATIONS_REGION.0.get()).assume_init_ref() };
+        alloc.set_header_word(
+            heapdump_table::header::offsets::ATTACHED_AT,
+            heapdump_table::monotonic_ns(),
+        );
+    }
     GENERATION.fetch_add(1, Ordering::Relaxed);
     // Release: the slots above are written before any thread sees READY.
     STATE.store(READY, Ordering::Release);
@@ -1074,6 +1084,88 @@ pub(crate) fn request_snapshot_from_signal() {
         w.counters
             .request_snapshot_signal_safe(heapdump_table::monotonic_ns());
     }
+}
+
+/// Set once the agent was loaded into a running process by `heapdump
+/// attach`: every pair of regions made from then on (the first, and a
+/// forked child's) says recording started when it was made.
+static ATTACHED_MODE: AtomicBool = AtomicBool::new(false);
+
+/// The allocations region, if the agent is READY.
+fn allocations_region() -> Option<&'static RegionWriter> {
+    writers()?;
+    // SAFETY: READY (checked with Acquire by `writers`) is published only
+    // after the slot was written, and it is not rewritten while READY.
+    Some(unsafe { (*ALLOCATIONS_REGION.0.get()).assume_init_ref() })
+}
+
+/// Starts the agent for `heapdump attach` (settings already given with
+/// [`crate::config::set_overrides`]) and stamps the header: recording
+/// started now, not when the process did. Returns false if the agent could
+/// not start (disabled, or no regions).
+pub fn start_attached() -> bool {
+    ATTACHED_MODE.store(true, Ordering::Relaxed);
+    start();
+    let Some(r) = allocations_region() else {
+        return false;
+    };
+    use heapdump_table::header::offsets;
+    r.set_header_word(offsets::ATTACHED_AT, heapdump_table::monotonic_ns());
+    r.set_header_word(offsets::DETACHED_AT, 0);
+    true
+}
+
+/// Stamps a detach: recording stopped now (the regions stay readable).
+pub fn mark_detached() {
+    if let Some(r) = allocations_region() {
+        use heapdump_table::header::offsets;
+        r.set_header_word(offsets::DETACHED_AT, heapdump_table::monotonic_ns());
+    }
+}
+
+/// Records the allocator's own whole-heap figure in the header (an
+/// attached agent's housekeeping thread refreshes it).
+pub fn set_allocator_heap(source: heapdump_table::header::HeapSource, bytes: u64) {
+    if let Some(r) = allocations_region() {
+        use heapdump_table::header::offsets;
+        r.set_header_word(offsets::ALLOCATOR_HEAP, bytes);
+        r.set_header_word(offsets::ALLOCATOR_HEAP_SOURCE, source.code());
+    }
+}
+
+/// The mode the running agent records in: its sample rate (0: exact), or
+/// `None` if it does not record.
+pub fn running_sample_rate() -> Option<u64> {
+    writers().map(|w| w.config.sample_rate)
+}
+
+/// Forgets every recorded block, as if each had been freed: for a second
+/// `heapdump attach` after a `detach`, when the frees made while detached
+/// were not seen, so every record is stale. Call before any hook can run
+/// again (the slots still point at the allocator). Returns how many
+/// records were dropped.
+pub fn forget_all_records() -> u64 {
+    let Some(region) = allocations_region() else {
+        return 0;
+    };
+    // Read our own table as a dumper would (the reader validates and
+    // bounds everything), then remove each block through the free path so
+    // that every counter moves as for a free.
+    let records = forwarding(|| {
+        let reader = region.open_reader().ok()?;
+        let table = heapdump_table::AllocationsReader::new(&reader).ok()?;
+        Some(table.snapshot().0)
+    });
+    let Some(records) = records else {
+        return 0;
+    };
+    let mut n = 0;
+    for r in &records {
+        if on_free(r.address as usize).is_some() {
+            n += 1;
+        }
+    }
+    n
 }
 
 /// Starts the agent now instead of at the first allocation (the preload

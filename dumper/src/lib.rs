@@ -15,6 +15,9 @@
 //!   allocator frames trimmed from each stack ([`symbolization::plumbing`]);
 //! - [`formats`]: text, pprof in Go's heap layout, the stable JSON schema,
 //!   DHAT, folded stacks and SVG flamegraphs;
+//! - [`attach`]: loading the agent into a process that is already running
+//!   (`heapdump attach`), through heapdump's own `ptrace` injection at a
+//!   thread chosen by unwinding its stack from outside;
 //! - [`commands`]: one module per `heapdump` command (`list`, `snapshot`,
 //!   `watch`, `top`, `serve`, `diff`, `symbolize`, `run`, `demo`), each with
 //!   its flags and its work; `main.rs` only parses and dispatches.
@@ -24,6 +27,7 @@
 
 #![deny(missing_docs)]
 
+pub mod attach;
 pub mod commands;
 pub mod formats;
 pub mod symbolization;

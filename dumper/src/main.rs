@@ -9,6 +9,7 @@ use std::io::Write;
 use anyhow::Result;
 use clap::{Parser, Subcommand};
 
+use heapdump::commands::attach::{AttachArgs, DetachArgs};
 use heapdump::commands::demo::DemoArgs;
 use heapdump::commands::diff::DiffArgs;
 use heapdump::commands::run::RunArgs;
@@ -17,7 +18,7 @@ use heapdump::commands::snapshot::SnapshotArgs;
 use heapdump::commands::symbolize::SymbolizeArgs;
 use heapdump::commands::top::TopArgs;
 use heapdump::commands::watch::WatchArgs;
-use heapdump::commands::{demo, diff, list, run, serve, snapshot, symbolize, top, watch};
+use heapdump::commands::{attach, demo, diff, list, run, serve, snapshot, symbolize, top, watch};
 use heapdump::testing::fake_target::{self, Corruption, FakeOptions};
 
 /// heapdump: heap snapshots of running Linux processes.
@@ -74,6 +75,20 @@ enum Cmd {
     Symbolize(SymbolizeArgs),
     /// Run a program under the preload agent; exits with its status.
     Run(RunArgs),
+    /// Start recording in a process that is already running, without
+    /// restarting it: loads the agent into it (heapdump's own ptrace
+    /// injection, no debugger) at a moment when the thread chosen holds no
+    /// allocator or loader lock. Blocks allocated before are never counted.
+    ///
+    /// Needs the same permission as a debugger (same user with
+    /// kernel.yama.ptrace_scope 0, or root / CAP_SYS_PTRACE). The target's
+    /// threads are stopped for milliseconds; one is borrowed while the
+    /// library loads.
+    Attach(AttachArgs),
+    /// Stop recording in a process `heapdump attach` started recording in:
+    /// every redirected call goes to the allocator directly again; what was
+    /// recorded stays readable.
+    Detach(DetachArgs),
     /// Start a bundled example workload under the agent, snapshot it
     /// live, print the top allocation sites and write the snapshot files.
     Demo(DemoArgs),
@@ -151,6 +166,8 @@ fn dispatch(cli: Cli) -> Result<i32> {
         Cmd::Diff(a) => diff::command(a),
         Cmd::Symbolize(a) => symbolize::command(a),
         Cmd::Run(a) => run::command(a),
+        Cmd::Attach(a) => attach::attach(a),
+        Cmd::Detach(a) => attach::detach(a),
         Cmd::Demo(a) => demo::command(a),
         Cmd::FakeTarget {
             corrupt,

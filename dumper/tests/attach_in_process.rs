@@ -115,7 +115,7 @@ fn debian_python3_attached_late_records_its_objects_with_whole_stacks() {
     let script = format!(
         "import ctypes, sys\n\
          lib = ctypes.CDLL({:?})\n\
-         print('attached', lib.heapdump_attach(), flush=True)\n\
+         print('attached', lib.heapdump_attach(None), flush=True)\n\
          keep = [bytearray(100000) for _ in range(200)]\n\
          d = {{i: str(i) * 5 for i in range(20000)}}\n\
          print('ready', flush=True)\n\

@@ -25,8 +25,10 @@ pub const FORMAT_MAJOR: u16 = 1;
 /// Format minor version: additions that older readers may ignore.
 /// 1.1 added the resources region's per-thread counter blocks; 1.2 the
 /// unwinder and sample-rate words (`offsets::UNWINDER`,
-/// `offsets::SAMPLE_RATE`).
-pub const FORMAT_MINOR: u16 = 2;
+/// `offsets::SAMPLE_RATE`); 1.3 the attach words (`offsets::ATTACHED_AT`,
+/// `offsets::DETACHED_AT`, `offsets::ALLOCATOR_HEAP`,
+/// `offsets::ALLOCATOR_HEAP_SOURCE`).
+pub const FORMAT_MINOR: u16 = 3;
 /// Bytes reserved for the header at the start of every region.
 pub const HEADER_SIZE: u64 = 4096;
 
@@ -125,6 +127,19 @@ pub mod offsets {
     /// Sampling: the mean bytes between sampled allocations (0: every
     /// allocation is recorded). Written once at start.
     pub const SAMPLE_RATE: u64 = 536;
+    /// `heapdump attach`: monotonic ns at which recording started in a
+    /// process that was already running (0: recording since the process
+    /// started). Format 1.3.
+    pub const ATTACHED_AT: u64 = 544;
+    /// `heapdump detach`: monotonic ns of the last detach (0: recording).
+    /// Format 1.3.
+    pub const DETACHED_AT: u64 = 552;
+    /// An attached agent's reading of the allocator's own whole-heap
+    /// figure, bytes (see [`super::AllocatorHeap`]). Format 1.3.
+    pub const ALLOCATOR_HEAP: u64 = 560;
+    /// Where [`ALLOCATOR_HEAP`] comes from ([`super::HeapSource`] as a
+    /// number; 0: none). Format 1.3.
+    pub const ALLOCATOR_HEAP_SOURCE: u64 = 568;
     /// First kind-specific dynamic word.
     pub const KIND_WORDS: u64 = 1024;
 }
@@ -187,6 +202,79 @@ pub fn read_unwinder(view: &SharedView) -> Unwinder {
 /// read; an absurd one is the dumper's to refuse).
 pub fn read_sample_rate(view: &SharedView) -> u64 {
     view.load_u64(offsets::SAMPLE_RATE).unwrap_or(0)
+}
+
+/// Where an attached agent read the allocator's whole-heap figure.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HeapSource {
+    /// glibc's `mallinfo2()`: `uordblks + hblkhd` (bytes in use, arenas
+    /// and mmapped chunks).
+    GlibcMallinfo2,
+    /// jemalloc's `stats.allocated` (through `mallctl`).
+    JemallocStatsAllocated,
+    /// tcmalloc's `generic.current_allocated_bytes`.
+    TcmallocCurrentAllocated,
+}
+
+impl HeapSource {
+    /// The number stored in the header (`offsets::ALLOCATOR_HEAP_SOURCE`).
+    pub fn code(self) -> u64 {
+        match self {
+            HeapSource::GlibcMallinfo2 => 1,
+            HeapSource::JemallocStatsAllocated => 2,
+            HeapSource::TcmallocCurrentAllocated => 3,
+        }
+    }
+
+    /// The source a header number stands for (`None` for 0 or unknown).
+    pub fn from_code(code: u64) -> Option<HeapSource> {
+        match code {
+            1 => Some(HeapSource::GlibcMallinfo2),
+            2 => Some(HeapSource::JemallocStatsAllocated),
+            3 => Some(HeapSource::TcmallocCurrentAllocated),
+            _ => None,
+        }
+    }
+
+    /// How reports name it ("glibc's mallinfo2").
+    pub fn describe(self) -> &'static str {
+        match self {
+            HeapSource::GlibcMallinfo2 => "glibc's mallinfo2",
+            HeapSource::JemallocStatsAllocated => "jemalloc's stats.allocated",
+            HeapSource::TcmallocCurrentAllocated => "tcmalloc's current_allocated_bytes",
+        }
+    }
+}
+
+/// What a region says of `heapdump attach` (all zero / `None` for a
+/// process started under the agent, and in regions older than 1.3).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct AttachWords {
+    /// Monotonic ns recording started at (0: at process start).
+    pub attached_at: u64,
+    /// Monotonic ns of the last detach (0: recording now).
+    pub detached_at: u64,
+    /// The allocator's whole-heap figure, bytes, and its source.
+    pub allocator_heap: Option<(HeapSource, u64)>,
+}
+
+/// The attach words of a region's header (any values are safe to read;
+/// the dumper converts times through the header's clock base).
+pub fn read_attach(view: &SharedView) -> AttachWords {
+    let w = |o| view.load_u64(o).unwrap_or(0);
+    let detached_at = w(offsets::DETACHED_AT);
+    let attached_at = w(offsets::ATTACHED_AT);
+    AttachWords {
+        attached_at,
+        // A detach older than the (re-)attach is over.
+        detached_at: if detached_at > attached_at {
+            detached_at
+        } else {
+            0
+        },
+        allocator_heap: HeapSource::from_code(w(offsets::ALLOCATOR_HEAP_SOURCE))
+            .map(|s| (s, w(offsets::ALLOCATOR_HEAP))),
+    }
 }
 
 /// Longest snapshot-request name kept in the header.

@@ -211,6 +211,16 @@ impl RegionWriter {
         }
     }
 
+    /// Stores `value` in a dynamic header word (`offset` one of
+    /// [`crate::header::offsets`]; a word outside the header is ignored).
+    pub fn set_header_word(&self, offset: u64, value: u64) {
+        if offset < crate::header::HEADER_SIZE {
+            if let Some(w) = self.view.atomic_u64(offset) {
+                w.store(value, std::sync::atomic::Ordering::Relaxed);
+            }
+        }
+    }
+
     /// Writer access to the process-wide counters in the header.
     pub fn counters(&self) -> HeaderCounters {
         HeaderCounters::new(self.view)

@@ -1,6 +1,6 @@
 /* The agent's half of `heapdump attach`, without ptrace: a program started
  * WITHOUT the agent allocates blocks, then loads libheapdump_preload.so
- * itself (argv[1]) with dlopen and calls heapdump_attach(), as the
+ * itself (argv[1]) with dlopen and calls heapdump_attach(NULL), as the
  * injector has the process do. Its later allocations must be recorded,
  * per site and thread; the blocks from before must not be, and their
  * frees and a realloc of one must work as without the agent.
@@ -50,8 +50,8 @@ int main(int argc, char **argv) {
         printf("dlopen failed: %s\n", dlerror());
         return 3;
     }
-    int (*attach)(void) = (int (*)(void))dlsym(h, "heapdump_attach");
-    int n = attach ? attach() : -2;
+    int (*attach)(const char *) = (int (*)(const char *))dlsym(h, "heapdump_attach");
+    int n = attach ? attach(NULL) : -2;
     printf("attached %d\n", n);
     fflush(stdout);
     site_after_malloc();

@@ -22,6 +22,7 @@
 
 use std::ffi::{c_char, c_int, c_void, CStr};
 
+pub mod attach;
 pub mod bootstrap_arena;
 pub mod cxx;
 pub mod dlclose_hook;
@@ -57,9 +58,14 @@ extern "C" fn preload_init() {
             choose_forwarding();
         }
     });
+    if !preloaded {
+        // Loaded by `dlopen`: the agent starts at `heapdump_attach`, with
+        // the settings the attach gives.
+        return;
+    }
     heapdump_agent::start();
     let (config, _) = heapdump_agent::config::Config::from_env();
-    if preloaded && !config.quiet && !config.disabled {
+    if !config.quiet && !config.disabled {
         forwarding(warn_if_not_first);
     }
 }
@@ -85,7 +91,7 @@ pub(crate) fn choose_forwarding() {
 /// True when `LD_PRELOAD` names this library (it was preloaded, not
 /// `dlopen`ed into a running process by `heapdump attach`). Never
 /// allocates (`getenv`).
-fn named_in_ld_preload() -> bool {
+pub(crate) fn named_in_ld_preload() -> bool {
     // SAFETY: getenv with a NUL-terminated name; the result, if non-null,
     // is a NUL-terminated string of the environment block.
     let v = unsafe { libc::getenv(c"LD_PRELOAD".as_ptr()) };

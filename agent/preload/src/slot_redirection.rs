@@ -1,6 +1,6 @@
 //! Hooking after the fact: for an agent loaded into a running process
 //! (`heapdump attach` has the process `dlopen` this library, then call
-//! [`heapdump_attach`]), symbol interposition does not apply: every
+//! [`crate::attach::heapdump_attach`]), symbol interposition does not apply: every
 //! reference to `malloc` is already bound. So the relocation slots that
 //! hold them are redirected: in every loaded module, each GOT slot
 //! (`R_X86_64_JUMP_SLOT`, `R_X86_64_GLOB_DAT`) whose symbol is an entry
@@ -33,7 +33,7 @@
 //!   of memory the loader mapped for that module, found through
 //!   `dl_iterate_phdr` while the loader's lock is held.
 //!
-//! x86_64 only (relocation numbers); elsewhere [`heapdump_attach`] refuses.
+//! x86_64 only (relocation numbers); elsewhere `heapdump_attach` refuses.
 
 use std::ffi::{c_int, c_void, CStr};
 use std::sync::atomic::Ordering;
@@ -73,10 +73,15 @@ const HOOKED: &[&CStr] = &[
     c"_ZdaPvmSt11align_val_t",
     c"_ZdlPvSt11align_val_tRKSt9nothrow_t",
     c"_ZdaPvSt11align_val_tRKSt9nothrow_t",
+    // Observed only (forwarded unchanged): a module's unloading, so the
+    // CFI unwinder drops its cached rules, and thread renames.
+    c"dlclose",
+    c"pthread_setname_np",
+    c"prctl",
 ];
 
 /// Our hook for each name of [`HOOKED`] (0: not exported here).
-struct Hooks {
+pub struct Hooks {
     addrs: [usize; HOOKED.len()],
     /// Base address of this library (its slots are never redirected).
     own_base: usize,
@@ -142,6 +147,12 @@ unsafe extern "C" fn each_module(
     // SAFETY: `dlpi_phdr` points at `dlpi_phnum` program headers of a
     // loaded module.
     let phdrs = unsafe { std::slice::from_raw_parts(info.dlpi_phdr, info.dlpi_phnum as usize) };
+    if !fully_loaded(base, phdrs) {
+        // Being loaded by a `dlopen` on another thread: its relocations
+        // may not be applied yet, nor its RELRO protection; the loader
+        // writes both, so it is left alone until a later pass.
+        return 0;
+    }
     let Some(dynamic) = phdrs.iter().find(|p| p.p_type == PT_DYNAMIC) else {
         return 0;
     };
@@ -204,6 +215,40 @@ unsafe extern "C" fn each_module(
         }
     }
     0
+}
+
+/// True when the loader has finished loading the module (relocated it and
+/// applied its RELRO protection). glibc's `_dl_find_object` (2.35+) knows
+/// a module only from the end of its `dlopen`, after relocation; the
+/// modules loaded at start-up it knows from the start. Without it (older
+/// glibc) only the modules present at start-up are trusted: those are the
+/// ones `dl_iterate_phdr` lists before any `dlopen` could add more, which
+/// we cannot tell apart afterwards, so every module is taken, as before.
+fn fully_loaded(base: usize, phdrs: &[libc::Elf64_Phdr]) -> bool {
+    const PT_LOAD: u32 = 1;
+    type FindObject = unsafe extern "C" fn(*mut c_void, *mut [u64; 32]) -> c_int;
+    static FIND: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(1);
+    let mut f = FIND.load(Ordering::Relaxed);
+    if f == 1 {
+        // SAFETY: dlsym with a NUL-terminated name (off the hot path).
+        f = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"_dl_find_object".as_ptr()) } as usize;
+        FIND.store(f, Ordering::Relaxed);
+    }
+    if f == 0 {
+        return true;
+    }
+    let Some(load) = phdrs.iter().find(|p| p.p_type == PT_LOAD) else {
+        return false;
+    };
+    // SAFETY: `f` is glibc's `_dl_find_object(void *pc, struct
+    // dl_find_object *result)`; the result struct is 32 bytes of fields
+    // plus reserved words, well inside 256 bytes; it only reads the
+    // loader's tables.
+    let mut out = [0u64; 32];
+    unsafe {
+        let f: FindObject = std::mem::transmute(f);
+        f((base + load.p_vaddr as usize) as *mut c_void, &mut out) == 0
+    }
 }
 
 /// Runs `visit` on every relocation slot of a [`HOOKED`] name (see
@@ -315,41 +360,69 @@ fn collect_bound(hooks: &Hooks) {
     });
 }
 
-/// Redirects every loaded module's slots of [`HOOKED`] to our hooks.
-/// Returns how many slots were redirected.
-fn redirect_all(hooks: &Hooks) -> usize {
+/// The value each redirected slot held before (slot address -> value),
+/// for [`restore_all`]. Touched only by attach, detach and the
+/// housekeeping pass, which the caller serialises (`attach::STATE`).
+static SAVED: std::sync::Mutex<Vec<(usize, usize)>> = std::sync::Mutex::new(Vec::new());
+
+/// Redirects every loaded module's slots of [`HOOKED`] that do not point
+/// at our hooks yet (all of them at attach; those of libraries loaded
+/// since, later), saving what each held. Returns how many were redirected.
+pub fn redirect_all(hooks: &Hooks) -> usize {
     let mut redirected = 0;
+    let mut saved = SAVED.lock().unwrap_or_else(|e| e.into_inner());
     for_each_slot(hooks.own_base, &mut |i, slot, relro| {
         let hook = hooks.addrs[i];
-        if hook != 0 && write_slot(slot, hook, relro) {
+        // SAFETY: an aligned word of a loaded module's relocation table.
+        let cur =
+            unsafe { (*(slot as *const std::sync::atomic::AtomicUsize)).load(Ordering::Acquire) };
+        if hook == 0 || cur == hook {
+            return;
+        }
+        if write_slot(slot, hook, relro) {
+            match saved.iter_mut().find(|(s, _)| *s == slot) {
+                // A module loaded again at the same address since.
+                Some(e) => e.1 = cur,
+                None => saved.push((slot, cur)),
+            }
             redirected += 1;
         }
     });
     redirected
 }
 
-/// `heapdump_attach()`: called (by `heapdump attach`, through the
-/// injected thread) after this library was `dlopen`ed into a running
-/// process. Binds the forwarding to the program's own allocator, then
-/// redirects every module's already-bound slots to the hooks. Returns the
-/// number of slots redirected, or -1 if the allocator could not be found
-/// (then nothing was changed). Blocks allocated before stay the
-/// allocator's: their frees, unknown to the agent, are forwarded as they
-/// are.
-#[no_mangle]
-pub extern "C" fn heapdump_attach() -> c_int {
-    if !cfg!(target_arch = "x86_64") {
-        return -1;
-    }
-    heapdump_agent::recorder::forwarding(|| {
-        let Some(hooks) = our_hooks() else {
-            return -1;
-        };
-        collect_bound(&hooks);
-        if !crate::next_allocator::rebind_for_attach() {
-            return -1;
+/// Puts back every slot that still points at one of our hooks, in the
+/// modules still loaded, to the value it held before [`redirect_all`].
+/// Returns how many were restored. A thread already inside a hook finishes
+/// its call there (the library stays loaded).
+pub fn restore_all(hooks: &Hooks) -> usize {
+    let mut restored = 0;
+    let saved = SAVED.lock().unwrap_or_else(|e| e.into_inner());
+    for_each_slot(hooks.own_base, &mut |i, slot, relro| {
+        // SAFETY: an aligned word of a loaded module's relocation table.
+        let cur =
+            unsafe { (*(slot as *const std::sync::atomic::AtomicUsize)).load(Ordering::Acquire) };
+        if cur != hooks.addrs[i] || cur == 0 {
+            return;
         }
-        crate::choose_forwarding();
-        redirect_all(&hooks) as c_int
-    })
+        if let Some((_, old)) = saved.iter().find(|(s, _)| *s == slot) {
+            if write_slot(slot, *old, relro) {
+                restored += 1;
+            }
+        }
+    });
+    restored
+}
+
+/// Everything `heapdump_attach` needs before the first slot is
+/// redirected: our hooks, and the program's own definitions read from its
+/// bound slots and bound for forwarding. `None` if our library or the
+/// program's `malloc`/`free` cannot be found (then nothing was changed).
+pub fn prepare() -> Option<Hooks> {
+    if !cfg!(target_arch = "x86_64") {
+        return None;
+    }
+    let hooks = our_hooks()?;
+    collect_bound(&hooks);
+    crate::next_allocator::rebind_for_attach().then_some(hooks)
 }

@@ -2,6 +2,7 @@
 //! commands whose flags `main.rs` parses, the options they take).
 
 pub mod args;
+pub mod attach;
 pub mod demo;
 pub mod diff;
 pub mod list;

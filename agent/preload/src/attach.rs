@@ -1,0 +1,244 @@
+//! `heapdump attach` / `detach`, the agent's half: the entry points the
+//! injector calls in a running process after it `dlopen`ed this library,
+//! and the housekeeping thread an attached agent keeps.
+//!
+//! Invariants:
+//! - Attach, detach and the housekeeping pass hold [`STATE`]'s lock, so
+//!   slots are redirected and restored by one thread at a time.
+//! - The agent's settings are fixed by the first attach (the recording
+//!   mode cannot change under records already made): a later attach that
+//!   asks for other settings is refused and changes nothing.
+//! - A re-attach after a detach forgets every record first (the frees made
+//!   while detached were not seen), before any slot leads to a hook again.
+//! - Nothing here runs in a hook: every function is called by the
+//!   injector's thread or the housekeeping thread, where allocating and
+//!   locking are fine.
+
+use std::ffi::{c_char, c_int, CStr};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use heapdump_table::header::HeapSource;
+
+use crate::slot_redirection::{self, Hooks};
+
+/// `heapdump_attach`'s refusals (its positive results count slots).
+pub mod codes {
+    /// Not x86_64, or the program's `malloc`/`free` could not be found.
+    pub const UNSUPPORTED: i32 = -1;
+    /// Attached already.
+    pub const ALREADY_ATTACHED: i32 = -2;
+    /// Attached before with other settings (the mode is fixed once started).
+    pub const OTHER_SETTINGS: i32 = -3;
+    /// The agent could not start (disabled, or no shared memory).
+    pub const NOT_STARTED: i32 = -4;
+    /// The library was preloaded: the process is recorded from its start.
+    pub const PRELOADED: i32 = -5;
+}
+
+enum Phase {
+    /// Never attached.
+    Loaded,
+    /// Recording; the hooks found at the first attach.
+    Attached(Hooks),
+    /// Detached: slots restored, regions kept for snapshots.
+    Detached(Hooks),
+}
+
+static STATE: Mutex<Phase> = Mutex::new(Phase::Loaded);
+
+fn lock() -> std::sync::MutexGuard<'static, Phase> {
+    STATE.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// `heapdump_attach(settings)`: starts recording in a process that was
+/// running without the agent. `settings` (may be NULL) holds
+/// `HEAPDUMP_*=value` lines that take the place of the environment
+/// variables. Returns the number of relocation slots redirected (> 0), or
+/// one of [`codes`].
+///
+/// # Safety
+/// `settings` is NULL or a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn heapdump_attach(settings: *const c_char) -> c_int {
+    let settings: &[u8] = if settings.is_null() {
+        b""
+    } else {
+        // SAFETY: the caller passes a NUL-terminated string.
+        unsafe { CStr::from_ptr(settings) }.to_bytes()
+    };
+    if crate::named_in_ld_preload() {
+        return codes::PRELOADED;
+    }
+    let mut phase = lock();
+    match &*phase {
+        Phase::Attached(_) => codes::ALREADY_ATTACHED,
+        Phase::Detached(hooks) => {
+            if settings != heapdump_agent::config::overrides() {
+                return codes::OTHER_SETTINGS;
+            }
+            heapdump_agent::recorder::forget_all_records();
+            if !heapdump_agent::recorder::start_attached() {
+                return codes::NOT_STARTED;
+            }
+            let n = slot_redirection::redirect_all(hooks);
+            let Phase::Detached(hooks) = std::mem::replace(&mut *phase, Phase::Loaded) else {
+                unreachable!()
+            };
+            *phase = Phase::Attached(hooks);
+            n as c_int
+        }
+        Phase::Loaded => {
+            if !heapdump_agent::config::set_overrides(settings) {
+                return codes::OTHER_SETTINGS;
+            }
+            let Some(hooks) = heapdump_agent::recorder::forwarding(slot_redirection::prepare)
+            else {
+                return codes::UNSUPPORTED;
+            };
+            // Held-back frees are not used when attached: after a detach
+            // no hook would run to release what a thread still holds.
+            crate::cxx::note_next_operators();
+            if !heapdump_agent::recorder::start_attached() {
+                return codes::NOT_STARTED;
+            }
+            let n = heapdump_agent::recorder::forwarding(|| slot_redirection::redirect_all(&hooks));
+            *phase = Phase::Attached(hooks);
+            drop(phase);
+            start_housekeeping();
+            n as c_int
+        }
+    }
+}
+
+/// `heapdump_detach()`: puts every redirected slot back, so the process
+/// calls its allocator directly again; the regions stay readable. Returns
+/// the number of slots restored, or -1 when not attached.
+#[no_mangle]
+pub extern "C" fn heapdump_detach() -> c_int {
+    let mut phase = lock();
+    let Phase::Attached(_) = &*phase else {
+        return -1;
+    };
+    let Phase::Attached(hooks) = std::mem::replace(&mut *phase, Phase::Loaded) else {
+        unreachable!()
+    };
+    let n = heapdump_agent::recorder::forwarding(|| slot_redirection::restore_all(&hooks));
+    heapdump_agent::recorder::mark_detached();
+    *phase = Phase::Detached(hooks);
+    n as c_int
+}
+
+/// Starts the thread that, once a second while attached, redirects the
+/// slots of libraries `dlopen`ed since and stores the allocator's own
+/// whole-heap figure in the header.
+fn start_housekeeping() {
+    let spawned = std::thread::Builder::new()
+        .name("heapdump-attach".into())
+        .stack_size(256 << 10)
+        .spawn(|| loop {
+            {
+                let phase = lock();
+                if let Phase::Attached(hooks) = &*phase {
+                    heapdump_agent::recorder::forwarding(|| {
+                        slot_redirection::redirect_all(hooks);
+                        if let Some((source, bytes)) = allocator_heap() {
+                            heapdump_agent::recorder::set_allocator_heap(source, bytes);
+                        }
+                    });
+                }
+            }
+            std::thread::sleep(Duration::from_secs(1));
+        });
+    // Without the thread, later libraries are not redirected and no heap
+    // figure is shown; recording goes on.
+    drop(spawned);
+}
+
+/// The allocator's own figure for the bytes its program holds, from the
+/// allocator that defines the `malloc` the program calls.
+fn allocator_heap() -> Option<(HeapSource, u64)> {
+    let malloc = crate::next_allocator::malloc()? as usize;
+    let base = crate::next_allocator::object_base_of(malloc);
+    let sym = |name: &CStr| {
+        // SAFETY: dlsym with a NUL-terminated name.
+        let f = unsafe { libc::dlsym(libc::RTLD_DEFAULT, name.as_ptr()) } as usize;
+        (f != 0 && crate::next_allocator::object_base_of(f) == base).then_some(f)
+    };
+    if let Some(mallctl) = sym(c"mallctl") {
+        type Mallctl = unsafe extern "C" fn(
+            *const c_char,
+            *mut libc::c_void,
+            *mut usize,
+            *mut libc::c_void,
+            usize,
+        ) -> c_int;
+        // SAFETY: jemalloc's mallctl, with the types its documentation
+        // gives: "epoch" takes a uint64_t to refresh the statistics,
+        // "stats.allocated" yields a size_t.
+        unsafe {
+            let f: Mallctl = std::mem::transmute(mallctl);
+            let mut epoch: u64 = 1;
+            let mut len = std::mem::size_of::<u64>();
+            f(
+                c"epoch".as_ptr(),
+                (&mut epoch as *mut u64).cast(),
+                &mut len,
+                (&mut epoch as *mut u64).cast(),
+                len,
+            );
+            let mut v: usize = 0;
+            let mut len = std::mem::size_of::<usize>();
+            if f(
+                c"stats.allocated".as_ptr(),
+                (&mut v as *mut usize).cast(),
+                &mut len,
+                std::ptr::null_mut(),
+                0,
+            ) == 0
+            {
+                return Some((HeapSource::JemallocStatsAllocated, v as u64));
+            }
+        }
+        return None;
+    }
+    if let Some(get) = sym(c"MallocExtension_GetNumericProperty") {
+        type Get = unsafe extern "C" fn(*const c_char, *mut usize) -> c_int;
+        // SAFETY: gperftools' C API: (property name, size_t *out) -> int.
+        unsafe {
+            let f: Get = std::mem::transmute(get);
+            let mut v: usize = 0;
+            if f(c"generic.current_allocated_bytes".as_ptr(), &mut v) != 0 {
+                return Some((HeapSource::TcmallocCurrentAllocated, v as u64));
+            }
+        }
+        return None;
+    }
+    if crate::next_allocator::defined_in(malloc, b"libc.so") {
+        /// glibc's `struct mallinfo2` (2.33+): ten `size_t`s.
+        #[repr(C)]
+        #[allow(dead_code)] // the layout needs every field; two are read
+        struct MallInfo2 {
+            arena: usize,
+            ordblks: usize,
+            smblks: usize,
+            hblks: usize,
+            hblkhd: usize,
+            usmblks: usize,
+            fsmblks: usize,
+            uordblks: usize,
+            fordblks: usize,
+            keepcost: usize,
+        }
+        let f = sym(c"mallinfo2")?;
+        // SAFETY: glibc's `struct mallinfo2 mallinfo2(void)`, returned in
+        // memory (the struct is larger than two words) as the C ABI says;
+        // the Rust declaration has the same layout and ABI.
+        let m = unsafe {
+            let f: unsafe extern "C" fn() -> MallInfo2 = std::mem::transmute(f);
+            f()
+        };
+        return Some((HeapSource::GlibcMallinfo2, (m.uordblks + m.hblkhd) as u64));
+    }
+    None
+}

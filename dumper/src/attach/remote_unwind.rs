@@ -1,0 +1,408 @@
+//! Unwinding a stopped thread of another process from outside: its call
+//! chain, from the registers `ptrace` gives and the stack words
+//! `/proc/PID/mem` gives, with the call-frame information (`.eh_frame`) of
+//! the files it has mapped, read from disk.
+//!
+//! Used to choose the thread `heapdump attach` runs `dlopen` in: every
+//! frame of its chain must be outside the allocator and the loader
+//! ([`crate::attach::safe_point`]).
+//!
+//! Invariants:
+//! - Every read of the target's memory goes through [`Memory`], which
+//!   answers `None` for an address it cannot read; nothing here trusts a
+//!   value read from the target beyond using it as the next address to
+//!   read or look up.
+//! - Every walk is bounded: at most [`MAX_FRAMES`] frames, each step must
+//!   move the stack pointer up (except across a signal frame, whose saved
+//!   registers are taken as they are, at most [`MAX_SIGNAL_FRAMES`] times).
+//! - A walk that cannot go on with certainty (no CFI for a counter, a rule
+//!   this code does not evaluate, an unreadable word) says so
+//!   ([`Walk::complete`] false) and where the unknown part of the stack
+//!   starts, so the caller can treat every word above as a possible return
+//!   address.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::sync::Arc;
+
+use gimli::{
+    BaseAddresses, CfaRule, EhFrame, EhFrameHdr, LittleEndian, Pointer, RegisterRule,
+    UnwindContext, UnwindSection, X86_64,
+};
+use object::{Object, ObjectSection, ObjectSegment, ObjectSymbol, SymbolKind};
+
+use crate::symbolization::maps::Mapping;
+
+/// Most frames followed in one walk.
+pub const MAX_FRAMES: usize = 512;
+/// Most signal frames crossed in one walk.
+pub const MAX_SIGNAL_FRAMES: usize = 8;
+
+/// The target's memory, through `/proc/PID/mem` (readable by its tracer).
+pub struct Memory {
+    file: File,
+}
+
+impl Memory {
+    /// Opens `/proc/PID/mem` for reading and writing (writing only works
+    /// while the process is traced by us).
+    pub fn open(pid: u32) -> std::io::Result<Memory> {
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(format!("/proc/{pid}/mem"))?;
+        Ok(Memory { file })
+    }
+
+    /// Reads `buf.len()` bytes at `addr`; false if any could not be read.
+    pub fn read(&self, addr: u64, buf: &mut [u8]) -> bool {
+        matches!(self.file.read_at(buf, addr), Ok(n) if n == buf.len())
+    }
+
+    /// The 8-byte word at `addr`.
+    pub fn read_u64(&self, addr: u64) -> Option<u64> {
+        let mut b = [0u8; 8];
+        self.read(addr, &mut b).then(|| u64::from_le_bytes(b))
+    }
+
+    /// Writes `bytes` at `addr` (the target must be stopped by us).
+    pub fn write(&self, addr: u64, bytes: &[u8]) -> std::io::Result<()> {
+        let n = self.file.write_at(bytes, addr)?;
+        if n != bytes.len() {
+            return Err(std::io::Error::other("short write to the target's memory"));
+        }
+        Ok(())
+    }
+}
+
+/// A function symbol of a module: file virtual addresses `[start, end)`.
+#[derive(Clone, Debug)]
+pub struct Func {
+    /// First address (file virtual address).
+    pub start: u64,
+    /// One past the last.
+    pub end: u64,
+    /// The symbol's name.
+    pub name: String,
+}
+
+/// What is read once from a mapped file: its CFI sections and function
+/// symbols.
+pub struct ModuleFile {
+    data: Vec<u8>,
+    /// `.eh_frame_hdr`: file virtual address and byte range in `data`.
+    eh_frame_hdr: Option<(u64, std::ops::Range<usize>)>,
+    /// `.eh_frame`: file virtual address and byte range in `data`.
+    eh_frame: Option<(u64, std::ops::Range<usize>)>,
+    /// `PT_LOAD` segments: (virtual address, file offset, file size).
+    loads: Vec<(u64, u64, u64)>,
+    /// Function symbols (`.symtab` and `.dynsym`), by start address.
+    pub funcs: Vec<Func>,
+}
+
+impl ModuleFile {
+    /// Reads and parses the ELF file at `path`; `None` if it is not one.
+    pub fn read(path: &std::path::Path) -> Option<ModuleFile> {
+        let data = std::fs::read(path).ok()?;
+        let (eh_frame_hdr, eh_frame, loads, mut funcs) = {
+            let obj = object::File::parse(&*data).ok()?;
+            let section = |name: &str| {
+                let s = obj.section_by_name(name)?;
+                let (off, size) = s.file_range()?;
+                let (off, size) = (off as usize, size as usize);
+                (off.checked_add(size)? <= data.len()).then_some((s.address(), off..off + size))
+            };
+            let loads = obj
+                .segments()
+                .map(|s| {
+                    let (off, size) = s.file_range();
+                    (s.address(), off, size)
+                })
+                .collect::<Vec<_>>();
+            let mut funcs = Vec::new();
+            for sym in obj.symbols().chain(obj.dynamic_symbols()) {
+                if sym.kind() == SymbolKind::Text && sym.is_definition() && sym.address() != 0 {
+                    if let Ok(name) = sym.name() {
+                        funcs.push(Func {
+                            start: sym.address(),
+                            end: sym.address() + sym.size().max(1),
+                            name: name.to_string(),
+                        });
+                    }
+                }
+            }
+            (section(".eh_frame_hdr"), section(".eh_frame"), loads, funcs)
+        };
+        funcs.sort_by_key(|f| f.start);
+        funcs.dedup_by(|a, b| a.start == b.start && a.name == b.name);
+        Some(ModuleFile {
+            data,
+            eh_frame_hdr,
+            eh_frame,
+            loads,
+            funcs,
+        })
+    }
+
+    /// The load bias of a mapping of this file: runtime address minus file
+    /// virtual address.
+    pub fn bias(&self, m: &Mapping) -> Option<u64> {
+        let (vaddr, off, _) = self
+            .loads
+            .iter()
+            .find(|(_, off, size)| (*off..off + size.max(&1)).contains(&m.offset))?;
+        Some(m.start.wrapping_sub(vaddr + (m.offset - off)))
+    }
+}
+
+/// One step's rule for a counter, as far as this unwinder evaluates it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Rule {
+    /// CFA = register (rsp or rbp) + offset; return address at CFA +
+    /// `ra`; the caller's rbp at CFA + offset, or unchanged.
+    Frame {
+        cfa_rbp: bool,
+        cfa_off: i64,
+        ra: i64,
+        rbp: Option<i64>,
+    },
+    /// The outermost frame: the return address is undefined.
+    Outermost,
+    /// A signal trampoline (`__restore_rt`): the interrupted registers are
+    /// in the `ucontext_t` at the stack pointer.
+    Signal,
+}
+
+impl ModuleFile {
+    /// The rule for file virtual address `addr`, if the CFI gives one this
+    /// unwinder evaluates.
+    fn rule(&self, addr: u64) -> Option<Rule> {
+        let (hdr_addr, hdr_range) = self.eh_frame_hdr.clone()?;
+        let (eh_addr, eh_range) = self.eh_frame.clone()?;
+        let bases = BaseAddresses::default()
+            .set_eh_frame_hdr(hdr_addr)
+            .set_eh_frame(eh_addr);
+        let hdr = EhFrameHdr::new(&self.data[hdr_range], LittleEndian)
+            .parse(&bases, 8)
+            .ok()?;
+        if !matches!(hdr.eh_frame_ptr(), Pointer::Direct(a) if a == eh_addr) {
+            return None;
+        }
+        let eh_frame = EhFrame::new(&self.data[eh_range], LittleEndian);
+        let table = hdr.table()?;
+        let fde = table
+            .fde_for_address(&eh_frame, &bases, addr, EhFrame::cie_from_offset)
+            .ok()?;
+        if fde.is_signal_trampoline() {
+            return Some(Rule::Signal);
+        }
+        let mut ctx: Box<UnwindContext<usize>> = Box::new(UnwindContext::new());
+        let row = fde
+            .unwind_info_for_address(&eh_frame, &bases, &mut ctx, addr)
+            .ok()?;
+        let ra = match row.register(X86_64::RA) {
+            RegisterRule::Offset(o) => o,
+            RegisterRule::Undefined => return Some(Rule::Outermost),
+            _ => return None,
+        };
+        let rbp = match row.register(X86_64::RBP) {
+            RegisterRule::Offset(o) => Some(o),
+            RegisterRule::Undefined | RegisterRule::SameValue => None,
+            _ => return None,
+        };
+        match row.cfa() {
+            CfaRule::RegisterAndOffset { register, offset }
+                if *register == X86_64::RSP || *register == X86_64::RBP =>
+            {
+                Some(Rule::Frame {
+                    cfa_rbp: *register == X86_64::RBP,
+                    cfa_off: *offset,
+                    ra,
+                    rbp,
+                })
+            }
+            _ => None,
+        }
+    }
+}
+
+/// The target's executable mappings and the files behind them, read once
+/// per attach.
+pub struct Modules {
+    /// Executable, file-backed mappings.
+    pub maps: Vec<Mapping>,
+    files: HashMap<String, Option<Arc<ModuleFile>>>,
+}
+
+impl Modules {
+    /// The executable mappings of `pid`.
+    pub fn of(pid: u32) -> std::io::Result<Modules> {
+        let mut ids = crate::symbolization::maps::BuildIds::default();
+        Ok(Modules {
+            maps: crate::symbolization::maps::read_maps(pid, &mut ids)?,
+            files: HashMap::new(),
+        })
+    }
+
+    /// The mapping holding `pc`, its file (if readable) and the file
+    /// virtual address of `pc`.
+    pub fn locate(&mut self, pc: u64) -> Option<(Mapping, Option<(Arc<ModuleFile>, u64)>)> {
+        let m = crate::symbolization::maps::find(&self.maps, pc)?.clone();
+        let file = self.file(&m);
+        let located = file.and_then(|f| {
+            let bias = f.bias(&m)?;
+            Some((f, pc.wrapping_sub(bias)))
+        });
+        Some((m, located))
+    }
+
+    /// The parsed file behind a mapping, cached by path.
+    pub fn file(&mut self, m: &Mapping) -> Option<Arc<ModuleFile>> {
+        self.files
+            .entry(m.path.clone())
+            .or_insert_with(|| {
+                m.local_path
+                    .as_deref()
+                    .and_then(ModuleFile::read)
+                    .map(Arc::new)
+            })
+            .clone()
+    }
+}
+
+/// A thread's registers as the walk needs them.
+#[derive(Clone, Copy, Debug)]
+pub struct Regs {
+    /// Program counter.
+    pub rip: u64,
+    /// Stack pointer.
+    pub rsp: u64,
+    /// Frame pointer register.
+    pub rbp: u64,
+}
+
+/// The chain found by a walk.
+#[derive(Clone, Debug, Default)]
+pub struct Walk {
+    /// Program counters, innermost first (return addresses after the
+    /// first, and the interrupted counter after each signal frame).
+    pub pcs: Vec<u64>,
+    /// Signal frames crossed.
+    pub signal_frames: usize,
+    /// True when the walk reached the outermost frame; false when it had
+    /// to stop (see `unknown_from`).
+    pub complete: bool,
+    /// Where the part of the stack the walk could not explain starts (its
+    /// stack pointer there), when it is not complete.
+    pub unknown_from: Option<u64>,
+    /// Why the walk stopped short.
+    pub stopped: Option<&'static str>,
+}
+
+/// `__restore_rt` on x86_64: `mov $15, %rax; syscall`.
+const RESTORE_RT: [u8; 9] = [0x48, 0xc7, 0xc0, 0x0f, 0x00, 0x00, 0x00, 0x0f, 0x05];
+/// Offsets in the `ucontext_t` a signal frame's stack pointer points at:
+/// `uc_mcontext.gregs` starts at byte 40; `REG_RBP` is 10, `REG_RSP` 15,
+/// `REG_RIP` 16.
+const UC_GREGS: u64 = 40;
+
+/// Walks the chain of a thread stopped with `regs`.
+pub fn walk(mem: &Memory, modules: &mut Modules, regs: Regs) -> Walk {
+    let mut w = Walk::default();
+    let (mut pc, mut sp, mut bp) = (regs.rip, regs.rsp, regs.rbp);
+    // The first counter, and one restored from a signal frame, is where
+    // the thread is, not a return address: look it up as it is.
+    let mut exact = true;
+    let stop = |w: &mut Walk, sp: u64, why: &'static str| {
+        w.unknown_from = Some(sp);
+        w.stopped = Some(why);
+    };
+    while w.pcs.len() < MAX_FRAMES {
+        w.pcs.push(pc);
+        let mut code = [0u8; 9];
+        let at_restorer = mem.read(pc, &mut code) && code == RESTORE_RT;
+        let rule = if at_restorer {
+            Some(Rule::Signal)
+        } else {
+            match modules.locate(pc) {
+                None => {
+                    stop(
+                        &mut w,
+                        sp,
+                        "a counter outside every mapped file (JIT code?)",
+                    );
+                    return w;
+                }
+                Some((_, None)) => {
+                    stop(&mut w, sp, "a mapped file that cannot be read");
+                    return w;
+                }
+                Some((_, Some((file, addr)))) => {
+                    file.rule(if exact { addr } else { addr.wrapping_sub(1) })
+                }
+            }
+        };
+        let Some(rule) = rule else {
+            stop(
+                &mut w,
+                sp,
+                "no call-frame information this unwinder evaluates",
+            );
+            return w;
+        };
+        match rule {
+            Rule::Outermost => {
+                w.complete = true;
+                return w;
+            }
+            Rule::Signal => {
+                if w.signal_frames >= MAX_SIGNAL_FRAMES {
+                    stop(&mut w, sp, "too many nested signal frames");
+                    return w;
+                }
+                let greg = |i: u64| mem.read_u64(sp + UC_GREGS + i * 8);
+                let (Some(rbp), Some(rsp), Some(rip)) = (greg(10), greg(15), greg(16)) else {
+                    stop(&mut w, sp, "an unreadable signal frame");
+                    return w;
+                };
+                w.signal_frames += 1;
+                (pc, sp, bp) = (rip, rsp, rbp);
+                exact = true;
+            }
+            Rule::Frame {
+                cfa_rbp,
+                cfa_off,
+                ra,
+                rbp,
+            } => {
+                let cfa = (if cfa_rbp { bp } else { sp }).wrapping_add(cfa_off as u64);
+                let Some(ret) = mem.read_u64(cfa.wrapping_add(ra as u64)) else {
+                    stop(&mut w, sp, "an unreadable return address");
+                    return w;
+                };
+                if let Some(off) = rbp {
+                    match mem.read_u64(cfa.wrapping_add(off as u64)) {
+                        Some(v) => bp = v,
+                        None => {
+                            stop(&mut w, sp, "an unreadable saved rbp");
+                            return w;
+                        }
+                    }
+                }
+                if ret == 0 {
+                    w.complete = true;
+                    return w;
+                }
+                if cfa <= sp {
+                    stop(&mut w, sp, "a frame that does not move up the stack");
+                    return w;
+                }
+                (pc, sp) = (ret, cfa);
+                exact = false;
+            }
+        }
+    }
+    stop(&mut w, sp, "too many frames");
+    w
+}

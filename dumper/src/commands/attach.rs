@@ -1,0 +1,345 @@
+//! `heapdump attach PID` / `heapdump detach PID`: start and stop recording
+//! in a process that is already running, without restarting it.
+//!
+//! Everything that can be refused is refused before any `ptrace` call
+//! (the process is gone, stopped, traced, already recorded, static, or
+//! links an allocator under its own names); then [`crate::attach::inject`]
+//! runs the agent library's entry point in one of its threads.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+
+use crate::attach::inject::{self, Action, InjectError};
+use crate::commands::run::find_preload;
+
+/// Options of `heapdump attach`.
+#[derive(Args, Debug)]
+pub struct AttachArgs {
+    /// The process to record.
+    pub pid: u32,
+    /// Sampled mode: record one allocation per SIZE allocated on average
+    /// (`512KiB`), each an unbiased estimate; default: every allocation.
+    #[arg(long, value_name = "SIZE", value_parser = parse_size)]
+    pub sample_rate: Option<u64>,
+    /// How the agent walks stacks: auto (CFI, frame pointers where there is
+    /// none), cfi or fp.
+    #[arg(long, value_parser = ["auto", "cfi", "fp"])]
+    pub unwind: Option<String>,
+    /// Deepest stack recorded (1-64).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub max_frames: Option<u32>,
+    /// Record for this long (`30s`, `10m`), then detach; Ctrl-C detaches
+    /// sooner. Without it, recording goes on until `heapdump detach`.
+    #[arg(long = "for", value_name = "DURATION", value_parser = humantime::parse_duration)]
+    pub duration: Option<Duration>,
+    /// The agent library (default: as `heapdump run` finds it).
+    #[arg(long, value_name = "PATH")]
+    pub library: Option<PathBuf>,
+}
+
+/// Options of `heapdump detach`.
+#[derive(Args, Debug)]
+pub struct DetachArgs {
+    /// The process to stop recording in.
+    pub pid: u32,
+}
+
+fn parse_size(s: &str) -> Result<u64, String> {
+    heapdump_table::byte_size::parse_byte_size(s).map_err(|e| e.to_string())
+}
+
+/// What a process says of the agent.
+#[derive(Debug, PartialEq, Eq)]
+enum AgentState {
+    /// No agent.
+    None,
+    /// Started under the preload agent.
+    Preloaded,
+    /// Instrumented by the Rust `Agent` global allocator.
+    RustAgent,
+    /// Attached and recording.
+    Attached,
+    /// Attached once, detached now.
+    Detached,
+}
+
+fn agent_state(pid: u32) -> AgentState {
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap_or_default();
+    let has_lib = maps.contains("libheapdump_preload");
+    match crate::target::discovery::open_target(pid) {
+        Ok(t) => {
+            let w = heapdump_table::header::read_attach(&t.allocations.view());
+            match (has_lib, w.attached_at != 0, w.detached_at != 0) {
+                (false, _, _) => AgentState::RustAgent,
+                (true, false, _) => AgentState::Preloaded,
+                (true, true, false) => AgentState::Attached,
+                (true, true, true) => AgentState::Detached,
+            }
+        }
+        // The library loaded but no regions: an attach that did not start.
+        Err(_) => AgentState::None,
+    }
+}
+
+/// Refusals that need no ptrace: (process state, tracer).
+fn check_process(pid: u32) -> Result<()> {
+    // SAFETY: getpid has no preconditions.
+    if pid == unsafe { libc::getpid() } as u32 {
+        bail!("pid {pid} is heapdump itself");
+    }
+    let name = crate::target::discovery::process_name(pid);
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .with_context(|| format!("no process {pid}"))?;
+    let state = stat
+        .rsplit_once(')')
+        .and_then(|(_, r)| r.trim().chars().next())
+        .unwrap_or('?');
+    match state {
+        'Z' | 'X' => bail!("process {pid} ({name}) has exited"),
+        'T' | 't' => bail!(
+            "process {pid} ({name}) is stopped (state {state}); continue it first \
+             (kill -CONT {pid}) or detach its debugger"
+        ),
+        _ => {}
+    }
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .with_context(|| format!("reading /proc/{pid}/status"))?;
+    let tracer = status
+        .lines()
+        .find_map(|l| l.strip_prefix("TracerPid:"))
+        .and_then(|v| v.trim().parse::<u32>().ok())
+        .unwrap_or(0);
+    if tracer != 0 {
+        bail!(
+            "process {pid} ({name}) is being traced by pid {tracer} ({}); a process has one \
+             tracer at a time: detach that debugger or tool first",
+            crate::target::discovery::process_name(tracer)
+        );
+    }
+    Ok(())
+}
+
+/// What the preload agent cannot see in this program: refused before
+/// anything is injected.
+fn check_visibility(pid: u32) -> Result<()> {
+    use crate::target::visibility::{inspect_process, BlindSpot};
+    let info = inspect_process(pid);
+    let fatal: Vec<String> = info
+        .blind_spots
+        .iter()
+        .filter(|b| !matches!(b, BlindSpot::PreloadedBefore(_)))
+        .map(ToString::to_string)
+        .collect();
+    if !fatal.is_empty() {
+        bail!(
+            "not attaching to {pid}: {}; the agent would see nothing (or only a part) of its heap",
+            fatal.join("; ")
+        );
+    }
+    Ok(())
+}
+
+/// The library's path as the target sees it: ours when the target shares
+/// our file system view of it, else a copy placed inside the target's
+/// root (a container), whose path is returned with `Some(where)`.
+fn library_for(pid: u32, lib: &Path) -> Result<(String, Option<PathBuf>)> {
+    use std::os::unix::fs::MetadataExt;
+    let lib = lib.canonicalize().unwrap_or_else(|_| lib.to_path_buf());
+    let ours = std::fs::metadata(&lib).with_context(|| format!("{}", lib.display()))?;
+    let seen = std::fs::metadata(format!("/proc/{pid}/root{}", lib.display()));
+    if seen.is_ok_and(|m| m.dev() == ours.dev() && m.ino() == ours.ino()) {
+        return Ok((lib.display().to_string(), None));
+    }
+    // Another mount namespace: copy it in, under a name that tells its
+    // version apart (size and modification time), readable by anyone.
+    let dir = format!("/tmp/heapdump-agent-{}-{}", ours.size(), ours.mtime());
+    let inside = format!("{dir}/libheapdump_preload.so");
+    let host_dir = PathBuf::from(format!("/proc/{pid}/root{dir}"));
+    let host_file = host_dir.join("libheapdump_preload.so");
+    let present = std::fs::metadata(&host_file).is_ok_and(|m| m.size() == ours.size());
+    if !present {
+        std::fs::create_dir_all(&host_dir)
+            .with_context(|| format!("creating {} inside the target's root", dir))?;
+        let tmp = host_dir.join(format!(".libheapdump_preload.so.{}", std::process::id()));
+        std::fs::copy(&lib, &tmp).with_context(|| {
+            format!(
+                "copying {} into the target's root ({})",
+                lib.display(),
+                host_dir.display()
+            )
+        })?;
+        std::fs::rename(&tmp, &host_file)?;
+        use std::os::unix::fs::PermissionsExt;
+        let _ = std::fs::set_permissions(&host_dir, std::fs::Permissions::from_mode(0o755));
+        let _ = std::fs::set_permissions(&host_file, std::fs::Permissions::from_mode(0o755));
+    }
+    Ok((inside, Some(PathBuf::from(dir))))
+}
+
+/// The library path the target has loaded (for detach).
+fn loaded_library(pid: u32) -> Option<String> {
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).ok()?;
+    maps.lines().find_map(|l| {
+        let path = l.split_whitespace().nth(5)?;
+        path.contains("libheapdump_preload")
+            .then(|| path.to_string())
+    })
+}
+
+fn explain(e: InjectError, pid: u32) -> anyhow::Error {
+    let name = crate::target::discovery::process_name(pid);
+    anyhow::anyhow!("{e}").context(format!(
+        "attaching to {pid} ({name}) failed; the process was left as it was"
+    ))
+}
+
+fn settings_of(a: &AttachArgs) -> String {
+    let mut s = String::new();
+    if let Some(r) = a.sample_rate {
+        s += &format!("HEAPDUMP_SAMPLE_RATE={r}\n");
+    }
+    if let Some(u) = &a.unwind {
+        s += &format!("HEAPDUMP_UNWIND={u}\n");
+    }
+    if let Some(n) = a.max_frames {
+        s += &format!("HEAPDUMP_MAX_FRAMES={n}\n");
+    }
+    s
+}
+
+/// `heapdump attach`.
+pub fn attach(a: AttachArgs) -> Result<i32> {
+    let pid = a.pid;
+    check_process(pid)?;
+    let name = crate::target::discovery::process_name(pid);
+    match agent_state(pid) {
+        AgentState::Preloaded => bail!(
+            "process {pid} ({name}) was started under the agent (heapdump run or LD_PRELOAD): \
+             it is recorded since it started; nothing to attach (heapdump snapshot {pid})"
+        ),
+        AgentState::RustAgent => bail!(
+            "process {pid} ({name}) is instrumented by heapdump_agent::Agent, its global \
+             allocator: it is recorded already (heapdump snapshot {pid})"
+        ),
+        AgentState::Attached => bail!(
+            "heapdump is attached to process {pid} ({name}) already; nothing was changed \
+             (heapdump detach {pid} stops recording)"
+        ),
+        AgentState::None | AgentState::Detached => {}
+    }
+    check_visibility(pid)?;
+    if !inject::has_dlopen(pid) {
+        bail!(
+            "process {pid} ({name}) maps no dlopen (neither glibc 2.34+'s libc.so.6 nor \
+             libdl.so.2), so the agent cannot be loaded into it"
+        );
+    }
+    let lib = find_preload(a.library.as_deref()).context("finding libheapdump_preload.so")?;
+    let (path, copied) = library_for(pid, &lib)?;
+    let settings = settings_of(&a);
+    let done =
+        inject::inject(pid, &path, &Action::Attach { settings }).map_err(|e| explain(e, pid))?;
+    match done.result as i32 {
+        n if n > 0 => {}
+        -2 => bail!("heapdump is attached to process {pid} already; nothing was changed"),
+        -3 => bail!(
+            "process {pid} was attached before with other settings, and the recording mode \
+             cannot change under the records it made: attach with the same settings"
+        ),
+        -4 => bail!("the agent could not start in {pid} (no shared memory?); it records nothing"),
+        -5 => bail!("process {pid} runs the agent from its start (LD_PRELOAD)"),
+        0 => bail!(
+            "the agent was loaded into {pid}, but no module calls the allocator through a \
+             relocation slot it could redirect: nothing would be recorded"
+        ),
+        n => bail!("the agent refused to attach to {pid} (code {n})"),
+    }
+    if let Some(dir) = &copied {
+        eprintln!(
+            "heapdump: the process is in another mount namespace; the agent library was copied \
+             to {} inside it",
+            dir.display()
+        );
+    }
+    let mode = match a.sample_rate {
+        Some(r) if r > 0 => format!(
+            "sampled mode, one allocation per {}",
+            crate::formats::text::human_bytes(r)
+        ),
+        _ => "exact mode".to_string(),
+    };
+    println!(
+        "attached to {pid} ({name}): recording in {mode} from now on ({} relocation slots \
+         redirected; thread {} ran the load, stopped {:.1} ms)",
+        done.result,
+        done.thread,
+        done.stopped.as_secs_f64() * 1e3
+    );
+    let Some(d) = a.duration else {
+        println!("heapdump snapshot {pid} shows what it allocates; heapdump detach {pid} stops recording");
+        return Ok(0);
+    };
+    println!(
+        "recording for {}; Ctrl-C detaches sooner",
+        humantime::format_duration(d)
+    );
+    wait_or_interrupted(d);
+    detach(DetachArgs { pid })
+}
+
+/// Sleeps for `d`, or until SIGINT/SIGTERM (then returns early).
+fn wait_or_interrupted(d: Duration) {
+    use nix::sys::signal::{SigSet, Signal};
+    let mut set = SigSet::empty();
+    set.add(Signal::SIGINT);
+    set.add(Signal::SIGTERM);
+    let _ = set.thread_block();
+    let ts = libc::timespec {
+        tv_sec: d.as_secs() as libc::time_t,
+        tv_nsec: d.subsec_nanos() as libc::c_long,
+    };
+    // SAFETY: sigtimedwait with a valid set and timeout; siginfo may be
+    // NULL. The signals are blocked above, so they are taken here.
+    unsafe { libc::sigtimedwait(set.as_ref(), std::ptr::null_mut(), &ts) };
+}
+
+/// `heapdump detach`.
+pub fn detach(a: DetachArgs) -> Result<i32> {
+    let pid = a.pid;
+    check_process(pid)?;
+    let name = crate::target::discovery::process_name(pid);
+    match agent_state(pid) {
+        AgentState::Attached => {}
+        AgentState::Detached => bail!("process {pid} ({name}) is detached already"),
+        AgentState::Preloaded => bail!(
+            "process {pid} ({name}) was started under the agent (LD_PRELOAD), not attached: \
+             it cannot be detached"
+        ),
+        AgentState::RustAgent => {
+            bail!("process {pid} ({name}) is instrumented by heapdump_agent::Agent, not attached")
+        }
+        AgentState::None => bail!("heapdump is not attached to process {pid} ({name})"),
+    }
+    let path = loaded_library(pid)
+        .with_context(|| format!("process {pid} has no libheapdump_preload.so mapped"))?;
+    let done = inject::inject(pid, &path, &Action::Detach).map_err(|e| {
+        anyhow::anyhow!("{e}").context(format!(
+            "detaching from {pid} ({name}) failed; the process was left as it was (still \
+             recording)"
+        ))
+    })?;
+    if done.result < 0 {
+        bail!("heapdump is not attached to process {pid} ({name})");
+    }
+    println!(
+        "detached from {pid} ({name}): {} relocation slots put back; what was recorded stays \
+         readable (heapdump snapshot {pid}); thread {} stopped {:.1} ms",
+        done.result,
+        done.thread,
+        done.stopped.as_secs_f64() * 1e3
+    );
+    Ok(0)
+}
