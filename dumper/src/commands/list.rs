@@ -21,6 +21,8 @@ struct Row {
     dropped: u64,
     total_allocs: u64,
     rate: Option<u64>,
+    /// `+` attached and recording, `-` detached, empty: since start.
+    attached: &'static str,
 }
 
 fn row(t: &discovery::Target) -> Result<Row, discovery::DiscoveryError> {
@@ -36,6 +38,12 @@ fn row(t: &discovery::Target) -> Result<Row, discovery::DiscoveryError> {
     let estimate = snapshot::estimated_live(t).map_err(region_error)?;
     let (_, rate) = snapshot::sample_rate(t);
     let threads = discovery::live_threads(pid).map_or("?".to_string(), |t| t.to_string());
+    let words = heapdump_table::header::read_attach(&t.allocations.view());
+    let attached = match (words.attached_at != 0, words.detached_at != 0) {
+        (false, _) => "",
+        (true, false) => "+",
+        (true, true) => "-",
+    };
     let (mode, live, blocks, rate) = match estimate {
         None => (
             "exact".to_string(),
@@ -51,7 +59,8 @@ fn row(t: &discovery::Target) -> Result<Row, discovery::DiscoveryError> {
         ),
     };
     Ok(Row {
-        mode,
+        mode: format!("{mode}{attached}"),
+        attached,
         live,
         blocks,
         threads,
@@ -85,10 +94,12 @@ pub fn command() -> Result<i32> {
             })
             .collect();
         let mut sampled = false;
+        let mut attached = false;
         for (e, r) in &rows {
             match r {
                 Ok(r) => {
                     sampled |= r.rate.is_some();
+                    attached |= !r.attached.is_empty();
                     writeln!(
                         out,
                         "{:>8}  {:<16} {:>10} {:>12} {:>10} {:>8} {:>8}",
@@ -103,6 +114,13 @@ pub fn command() -> Result<i32> {
                 out,
                 "~: sampled mode (MODE ~1/RATE: about one allocation recorded per RATE \
                  allocated): live bytes and blocks are unbiased estimates, as in a snapshot"
+            )?;
+        }
+        if attached {
+            writeln!(
+                out,
+                "+: recording since heapdump attach; -: detached (what was recorded stays \
+                 readable); figures count only what was allocated since the attach"
             )?;
         }
         for (e, r) in &rows {

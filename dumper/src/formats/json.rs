@@ -24,7 +24,9 @@
 //!                        "live_bytes", "live_blocks"},
 //!   "notes": ["what the snapshot cannot show, e.g. no allocation recorded and why"],
 //!   "unwinder": "cfi+fp" | "cfi" | "fp" | "unknown",
-//!   "sampling": null | {"rate_bytes": 524288, "estimated": true}
+//!   "sampling": null | {"rate_bytes": 524288, "estimated": true},
+//!   "recording": null | {"attached_at": "RFC 3339", "detached_at": null | "RFC 3339",
+//!                        "allocator_heap": null | {"source", "bytes"}}
 //! }
 //! ```
 //!
@@ -96,6 +98,53 @@ pub struct JsonSnapshot {
     /// Sampled mode, or null when every allocation was recorded.
     #[serde(default)]
     pub sampling: Option<JsonSampling>,
+    /// For a process `heapdump attach` attached to: since when it is
+    /// recorded; null for a process recorded since it started.
+    #[serde(default)]
+    pub recording: Option<JsonRecording>,
+}
+
+/// `recording`: an attached process's recording.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct JsonRecording {
+    /// RFC 3339: when `heapdump attach` started recording.
+    pub attached_at: Option<String>,
+    /// RFC 3339: when `heapdump detach` stopped it, or null.
+    pub detached_at: Option<String>,
+    /// The allocator's own whole-heap figure, or null.
+    pub allocator_heap: Option<JsonAllocatorHeap>,
+}
+
+/// The allocator's own figure for the whole heap.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct JsonAllocatorHeap {
+    /// Where it was read (`glibc's mallinfo2`, `jemalloc's stats.allocated`).
+    pub source: String,
+    /// Bytes in use, blocks from before the attach included.
+    pub bytes: u64,
+}
+
+impl From<&crate::target::snapshot::Recording> for JsonRecording {
+    fn from(r: &crate::target::snapshot::Recording) -> Self {
+        JsonRecording {
+            attached_at: r.attached_at.map(rfc3339),
+            detached_at: r.detached_at.map(rfc3339),
+            allocator_heap: r.allocator_heap.as_ref().map(|(source, bytes)| JsonAllocatorHeap {
+                source: source.clone(),
+                bytes: *bytes,
+            }),
+        }
+    }
+}
+
+impl From<&JsonRecording> for crate::target::snapshot::Recording {
+    fn from(j: &JsonRecording) -> Self {
+        crate::target::snapshot::Recording {
+            attached_at: parse_time(j.attached_at.as_deref()),
+            detached_at: parse_time(j.detached_at.as_deref()),
+            allocator_heap: j.allocator_heap.as_ref().map(|h| (h.source.clone(), h.bytes)),
+        }
+    }
 }
 
 /// How a sampled snapshot was recorded.
@@ -361,6 +410,7 @@ pub fn to_json(s: &Snapshot) -> JsonSnapshot {
             rate_bytes,
             estimated: true,
         }),
+        recording: s.recording.as_ref().map(JsonRecording::from),
     }
 }
 
@@ -469,6 +519,7 @@ pub fn from_json(j: &JsonSnapshot) -> Snapshot {
         notes: j.notes.clone(),
         unwinder: j.unwinder.clone(),
         sampling: j.sampling.as_ref().map(|s| s.rate_bytes),
+        recording: j.recording.as_ref().map(Into::into),
         timing: Default::default(),
     }
 }
@@ -569,7 +620,7 @@ mod view {
     impl Serialize for SnapshotView<'_> {
         fn serialize<S: Serializer>(&self, ser: S) -> Result<S::Ok, S::Error> {
             let s = self.0;
-            let mut m = ser.serialize_struct("JsonSnapshot", 18)?;
+            let mut m = ser.serialize_struct("JsonSnapshot", 19)?;
             m.serialize_field("format", "heapdump-snapshot")?;
             m.serialize_field("schema_version", &1u32)?;
             m.serialize_field("pid", &s.pid)?;
@@ -627,6 +678,10 @@ mod view {
                     rate_bytes,
                     estimated: true,
                 }),
+            )?;
+            m.serialize_field(
+                "recording",
+                &s.recording.as_ref().map(super::JsonRecording::from),
             )?;
             m.end()
         }
@@ -823,6 +878,7 @@ mod tests {
             notes: vec!["the program has mimalloc linked in statically".into()],
             unwinder: "cfi+fp".into(),
             sampling: Some(512 << 10),
+            recording: None,
             timing: Default::default(),
         }
     }

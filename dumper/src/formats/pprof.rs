@@ -450,6 +450,9 @@ pub fn from_snapshot(s: &Snapshot, per_thread: bool) -> Profile {
     }
     comments.extend(s.notes.iter().map(|n| format!("note: {n}")));
     comments.push(format!("unwinder: {}", s.unwinder));
+    if let Some(r) = &s.recording {
+        comments.push(r.describe(s.totals.live_bytes));
+    }
     let time_nanos = s
         .taken_at
         .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())

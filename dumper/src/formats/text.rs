@@ -65,11 +65,15 @@ pub fn render(s: &Snapshot, opts: TextOptions) -> String {
         }
     );
     let t = &s.totals;
+    if let Some(r) = &s.recording {
+        let _ = writeln!(o, "{}", r.describe(t.live_bytes));
+    }
     let _ = writeln!(
         o,
-        "live: {} in {} blocks | allocated since start: {} in {} blocks | peak live: {}",
+        "live: {} in {} blocks | allocated since {}: {} in {} blocks | peak live: {}",
         human_bytes(t.live_bytes),
         t.live_blocks,
+        if s.recording.is_some() { "the first attach" } else { "start" },
         human_bytes(t.alloc_bytes),
         t.alloc_blocks,
         human_bytes(t.peak_bytes)

@@ -164,8 +164,70 @@ pub struct Snapshot {
     /// count and byte figure is then an unbiased estimate. `None`: every
     /// allocation was recorded.
     pub sampling: Option<u64>,
+    /// For a process `heapdump attach` attached to: since when it is
+    /// recorded, and what its allocator says of the whole heap. `None`
+    /// for a process recorded since it started.
+    pub recording: Option<Recording>,
     /// Timing.
     pub timing: Timing,
+}
+
+/// What a snapshot of an attached process says of its recording.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Recording {
+    /// When `heapdump attach` started recording (the last attach).
+    pub attached_at: Option<SystemTime>,
+    /// When `heapdump detach` stopped it, if it is stopped.
+    pub detached_at: Option<SystemTime>,
+    /// The allocator's own figure for the bytes the whole heap holds,
+    /// blocks from before the attach included: (where it was read, bytes).
+    pub allocator_heap: Option<(String, u64)>,
+}
+
+impl Recording {
+    /// One line for reports: "recording since heapdump attach at T: N
+    /// recorded since the attach, of M in use according to glibc's
+    /// mallinfo2".
+    pub fn describe(&self, recorded_live_bytes: u64) -> String {
+        use crate::formats::text::human_bytes;
+        let at = self
+            .attached_at
+            .map(crate::formats::json::rfc3339)
+            .unwrap_or_else(|| "an unknown time".into());
+        let mut line = format!("recording since heapdump attach at {at}");
+        if let Some(d) = self.detached_at {
+            line += &format!(", detached at {} (nothing recorded since)", crate::formats::json::rfc3339(d));
+        }
+        line += &format!(
+            ": {} live recorded since the attach",
+            human_bytes(recorded_live_bytes)
+        );
+        match &self.allocator_heap {
+            Some((source, bytes)) => {
+                line += &format!(", of {} in use according to {source}", human_bytes(*bytes))
+            }
+            None => line += "; blocks allocated before the attach are not shown",
+        }
+        line
+    }
+}
+
+/// The recording facts of a target's regions (`None`: recorded since it
+/// started).
+pub fn recording(target: &Target) -> Option<Recording> {
+    let w = heapdump_table::header::read_attach(&target.allocations.view());
+    if w.attached_at == 0 {
+        return None;
+    }
+    Some(Recording {
+        attached_at: wall_time(target, w.attached_at),
+        detached_at: (w.detached_at != 0)
+            .then(|| wall_time(target, w.detached_at))
+            .flatten(),
+        allocator_heap: w
+            .allocator_heap
+            .map(|(src, bytes)| (src.describe().to_string(), bytes)),
+    })
 }
 
 impl Snapshot {
@@ -672,6 +734,7 @@ pub fn take(
             }
         },
         sampling: (rate != 0).then_some(rate),
+        recording: recording(target),
         dropped,
         threads,
         sites,
