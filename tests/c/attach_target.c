@@ -15,6 +15,8 @@
  *              other 999 pre-attach blocks; "allocated"
  *   more    -> 40 x malloc(2000) at site_more; "more done"
  *   free    -> frees the 50 site_after_malloc blocks; "freed"
+ *   fork    -> forks a child that runs site_more and prints "child PID",
+ *              then waits until this process quits;
  *   quit    -> stops the threads, prints "eintr N" and exits 0.
  * Prints "ready PID" when all threads run. */
 #define _GNU_SOURCE
@@ -24,17 +26,20 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
 #include <sys/epoll.h>
 #include <time.h>
 #include <unistd.h>
 
 static void *pre[1000];
 static void *after[50];
-static void *more[40];
+void *more[40]; /* not static: stores to it are never elided */
 static void *volatile moved;
 static atomic_int stop;
 static atomic_long eintr;
 static int wake[2];
+static int hold[2] = {-1, -1};
+static pid_t child;
 
 __attribute__((noinline)) void pre_attach(void) {
     for (int i = 0; i < 1000; i++) pre[i] = malloc(100 + i);
@@ -102,6 +107,19 @@ static void *commands(void *arg) {
             } else if (!strcmp(line, "free")) {
                 for (int i = 0; i < 50; i++) free(after[i]);
                 say("freed");
+            } else if (!strcmp(line, "fork")) {
+                if (pipe(hold) != 0) abort();
+                child = fork();
+                if (child == 0) {
+                    close(hold[1]);
+                    site_more();
+                    printf("child %d\n", (int)getpid());
+                    fflush(stdout);
+                    char c;
+                    while (read(hold[0], &c, 1) < 0 && errno == EINTR) {}
+                    _exit(0);
+                }
+                close(hold[0]);
             } else if (!strcmp(line, "quit")) {
                 atomic_store(&stop, 1);
                 if (write(wake[1], "q", 1) != 1) abort();
@@ -139,6 +157,11 @@ int main(void) {
         if (n > 0) break;
     }
     for (int i = 0; i < 6; i++) pthread_join(t[i], NULL);
+    if (child > 0) {
+        close(hold[1]);
+        int st;
+        waitpid(child, &st, 0);
+    }
     printf("eintr %ld\n", atomic_load(&eintr));
     fflush(stdout);
     return 0;

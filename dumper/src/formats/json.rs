@@ -129,10 +129,13 @@ impl From<&crate::target::snapshot::Recording> for JsonRecording {
         JsonRecording {
             attached_at: r.attached_at.map(rfc3339),
             detached_at: r.detached_at.map(rfc3339),
-            allocator_heap: r.allocator_heap.as_ref().map(|(source, bytes)| JsonAllocatorHeap {
-                source: source.clone(),
-                bytes: *bytes,
-            }),
+            allocator_heap: r
+                .allocator_heap
+                .as_ref()
+                .map(|(source, bytes)| JsonAllocatorHeap {
+                    source: source.clone(),
+                    bytes: *bytes,
+                }),
         }
     }
 }
@@ -142,7 +145,10 @@ impl From<&JsonRecording> for crate::target::snapshot::Recording {
         crate::target::snapshot::Recording {
             attached_at: parse_time(j.attached_at.as_deref()),
             detached_at: parse_time(j.detached_at.as_deref()),
-            allocator_heap: j.allocator_heap.as_ref().map(|h| (h.source.clone(), h.bytes)),
+            allocator_heap: j
+                .allocator_heap
+                .as_ref()
+                .map(|h| (h.source.clone(), h.bytes)),
         }
     }
 }

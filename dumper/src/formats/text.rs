@@ -73,7 +73,11 @@ pub fn render(s: &Snapshot, opts: TextOptions) -> String {
         "live: {} in {} blocks | allocated since {}: {} in {} blocks | peak live: {}",
         human_bytes(t.live_bytes),
         t.live_blocks,
-        if s.recording.is_some() { "the first attach" } else { "start" },
+        if s.recording.is_some() {
+            "the first attach"
+        } else {
+            "start"
+        },
         human_bytes(t.alloc_bytes),
         t.alloc_blocks,
         human_bytes(t.peak_bytes)

@@ -196,7 +196,10 @@ impl Recording {
             .unwrap_or_else(|| "an unknown time".into());
         let mut line = format!("recording since heapdump attach at {at}");
         if let Some(d) = self.detached_at {
-            line += &format!(", detached at {} (nothing recorded since)", crate::formats::json::rfc3339(d));
+            line += &format!(
+                ", detached at {} (nothing recorded since)",
+                crate::formats::json::rfc3339(d)
+            );
         }
         line += &format!(
             ": {} live recorded since the attach",

@@ -1,0 +1,433 @@
+//! `heapdump attach` / `detach` on processes started without the agent
+//! (`tests/c/attach_target.c`: four threads in malloc/free loops, one in
+//! nanosleep, one in read, the main thread in epoll_wait, 1000 blocks
+//! from before the attach): what follows the attach is recorded exactly,
+//! what came before never is, detach stops it, no thread sees an EINTR,
+//! and every refusal leaves the process as it was.
+
+mod common;
+
+use std::process::Command;
+
+use common::*;
+use heapdump_tests::{compile_c, compile_c_variant, preload_lib, real_dependency, Target};
+use serde_json::Value;
+
+fn start() -> Target {
+    let mut cmd = Command::new(compile_c("attach_target"));
+    cmd.env_remove("LD_PRELOAD");
+    Target::spawn(cmd)
+}
+
+fn attach(pid: u32, extra: &[&str]) -> std::process::Output {
+    let lib = preload_lib();
+    let pid = pid.to_string();
+    let mut args = vec!["attach", pid.as_str(), "--library", lib.to_str().unwrap()];
+    args.extend_from_slice(extra);
+    heapdump(&args)
+}
+
+fn attach_ok(pid: u32, extra: &[&str]) {
+    let out = attach(pid, extra);
+    assert!(out.status.success(), "attach failed: {}", stderr(&out));
+    assert!(stdout(&out).contains("attached to"), "{}", stdout(&out));
+}
+
+fn detach_ok(pid: u32) {
+    let out = heapdump(&["detach", &pid.to_string()]);
+    assert!(out.status.success(), "detach failed: {}", stderr(&out));
+}
+
+fn snapshot_json(pid: u32, dir: &TempDir, name: &str) -> Value {
+    let file = dir.str(&format!("{name}.json"));
+    let out = heapdump(&["snapshot", &pid.to_string(), "-o", &file]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let j = read_json(&dir.path(&format!("{name}.json")));
+    assert!(j["partial"].is_null(), "{}", j["partial"]);
+    j
+}
+
+/// Ends the target and checks that no thread saw an EINTR.
+fn quit_without_eintr(mut t: Target) {
+    t.send("quit");
+    let line = t.wait_line("eintr ");
+    assert_eq!(line, "eintr 0", "a thread saw EINTR across attach/detach");
+    assert!(t.finish().success());
+}
+
+#[test]
+fn an_attached_process_records_its_later_sites_exactly_and_never_its_earlier_blocks() {
+    let mut t = start();
+    let pid = t.pid();
+    attach_ok(pid, &[]);
+    t.send("alloc");
+    t.wait_line("allocated");
+    let dir = TempDir::new("attach-exact");
+    let j = snapshot_json(pid, &dir, "s");
+    let sites = live_by_leaf(&j);
+    assert_eq!(
+        sites.get("site_after_malloc"),
+        Some(&(50, 50_000)),
+        "{sites:#?}"
+    );
+    // The realloc of a block from before the attach records the new block
+    // at the realloc's stack.
+    assert_eq!(
+        sites.get("site_realloc_pre"),
+        Some(&(1, 5000)),
+        "{sites:#?}"
+    );
+    // The 1000 blocks from before (999 of them freed since, unseen) are
+    // never counted.
+    assert_eq!(sites.get("pre_attach"), None, "{sites:#?}");
+    assert!(j["totals"]["live_blocks"].as_u64().unwrap() < 1000);
+    let rec = &j["recording"];
+    assert!(rec["attached_at"].is_string(), "{rec}");
+    assert!(rec["detached_at"].is_null(), "{rec}");
+    // `list` marks it as attached.
+    let list = stdout(&heapdump(&["list"]));
+    let row = list
+        .lines()
+        .find(|l| l.split_whitespace().next() == Some(&pid.to_string()))
+        .unwrap_or_else(|| panic!("{pid} not listed: {list}"));
+    assert!(row.contains("exact+"), "{row}");
+    // The text report says since when.
+    let text = stdout(&heapdump(&["snapshot", &pid.to_string()]));
+    assert!(
+        text.contains("recording since heapdump attach at"),
+        "{text}"
+    );
+    quit_without_eintr(t);
+}
+
+#[test]
+fn the_allocators_own_figure_for_the_whole_heap_is_shown_beside_the_recorded_part() {
+    let mut t = start();
+    let pid = t.pid();
+    attach_ok(pid, &[]);
+    t.send("alloc");
+    t.wait_line("allocated");
+    // The housekeeping thread stores glibc's figure within a second of
+    // the attach: wait for it with a bounded loop of snapshots (no sleep
+    // decides the outcome; the loop only ends sooner).
+    let dir = TempDir::new("attach-heap");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    let heap = loop {
+        let j = snapshot_json(pid, &dir, "s");
+        if let Some(h) = j["recording"]["allocator_heap"].as_object() {
+            break h.clone();
+        }
+        assert!(std::time::Instant::now() < deadline, "no allocator figure");
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    };
+    assert_eq!(heap["source"], "glibc's mallinfo2");
+    // The heap holds at least what was recorded since the attach.
+    assert!(heap["bytes"].as_u64().unwrap() >= 55_000, "{heap:?}");
+    quit_without_eintr(t);
+}
+
+#[test]
+fn detach_stops_recording_and_a_later_attach_records_again() {
+    let mut t = start();
+    let pid = t.pid();
+    attach_ok(pid, &[]);
+    t.send("alloc");
+    t.wait_line("allocated");
+    detach_ok(pid);
+    t.send("more");
+    t.wait_line("more done");
+    let dir = TempDir::new("attach-detach");
+    let j = snapshot_json(pid, &dir, "detached");
+    let sites = live_by_leaf(&j);
+    assert_eq!(sites.get("site_more"), None, "recorded while detached");
+    assert_eq!(sites.get("site_after_malloc"), Some(&(50, 50_000)));
+    assert!(
+        j["recording"]["detached_at"].is_string(),
+        "{}",
+        j["recording"]
+    );
+    let list = stdout(&heapdump(&["list"]));
+    assert!(list.contains("exact-"), "{list}");
+    // Detaching twice says so.
+    let again = heapdump(&["detach", &pid.to_string()]);
+    assert!(!again.status.success());
+    assert!(
+        stderr(&again).contains("detached already"),
+        "{}",
+        stderr(&again)
+    );
+    // Attaching again with other settings is refused: the mode is fixed.
+    let other = attach(pid, &["--sample-rate", "64KiB"]);
+    assert!(!other.status.success());
+    assert!(
+        stderr(&other).contains("other settings"),
+        "{}",
+        stderr(&other)
+    );
+    // With the same settings it records again, from a clean table.
+    attach_ok(pid, &[]);
+    t.send("more");
+    t.wait_line("more done");
+    let j = snapshot_json(pid, &dir, "again");
+    let sites = live_by_leaf(&j);
+    assert_eq!(sites.get("site_more"), Some(&(40, 80_000)), "{sites:#?}");
+    // The records of the first attach are forgotten (their frees while
+    // detached were not seen); the site stays with its cumulative counts.
+    assert_eq!(
+        sites.get("site_after_malloc").map_or(0, |c| c.0),
+        0,
+        "stale records kept"
+    );
+    quit_without_eintr(t);
+}
+
+#[test]
+fn twenty_attach_and_detach_cycles_leave_the_busy_process_unharmed() {
+    let mut t = start();
+    let pid = t.pid();
+    for _ in 0..20 {
+        attach_ok(pid, &[]);
+        detach_ok(pid);
+    }
+    t.send("alloc");
+    t.wait_line("allocated");
+    quit_without_eintr(t);
+}
+
+#[test]
+fn attach_for_a_while_detaches_by_itself() {
+    let t = start();
+    let pid = t.pid();
+    let out = attach(pid, &["--for", "1s"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(stdout(&out).contains("detached from"), "{}", stdout(&out));
+    let dir = TempDir::new("attach-for");
+    let j = snapshot_json(pid, &dir, "s");
+    assert!(j["recording"]["detached_at"].is_string());
+    quit_without_eintr(t);
+}
+
+#[test]
+fn sampled_attach_records_with_its_rate() {
+    let mut t = start();
+    let pid = t.pid();
+    attach_ok(pid, &["--sample-rate", "64KiB"]);
+    t.send("alloc");
+    t.wait_line("allocated");
+    let dir = TempDir::new("attach-sampled");
+    let j = snapshot_json(pid, &dir, "s");
+    assert_eq!(j["sampling"]["rate_bytes"], 65536, "{}", j["sampling"]);
+    let list = stdout(&heapdump(&["list"]));
+    assert!(list.contains("~1/64.0KiB+"), "{list}");
+    quit_without_eintr(t);
+}
+
+#[test]
+fn attaching_twice_is_refused_and_changes_nothing() {
+    let mut t = start();
+    let pid = t.pid();
+    attach_ok(pid, &[]);
+    let again = attach(pid, &[]);
+    assert!(!again.status.success());
+    assert!(
+        stderr(&again).contains("attached to process"),
+        "{}",
+        stderr(&again)
+    );
+    t.send("alloc");
+    t.wait_line("allocated");
+    let dir = TempDir::new("attach-twice");
+    let sites = live_by_leaf(&snapshot_json(pid, &dir, "s"));
+    assert_eq!(sites.get("site_after_malloc"), Some(&(50, 50_000)));
+    quit_without_eintr(t);
+}
+
+#[test]
+fn a_process_started_under_the_agent_is_not_attached_again() {
+    let mut cmd = Command::new(compile_c("attach_target"));
+    cmd.env("LD_PRELOAD", preload_lib());
+    let t = Target::spawn(cmd);
+    let out = attach(t.pid(), &[]);
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains("started under the agent"),
+        "{}",
+        stderr(&out)
+    );
+    quit_without_eintr(t);
+}
+
+#[test]
+fn a_static_program_is_refused_before_anything_is_injected() {
+    let exe = compile_c_variant("attach_target", "static", &["-static"]);
+    let t = Target::spawn(Command::new(exe));
+    let out = attach(t.pid(), &[]);
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains("statically linked"),
+        "{}",
+        stderr(&out)
+    );
+    quit_without_eintr(t);
+}
+
+#[test]
+fn a_traced_process_is_refused_with_its_tracer_named() {
+    let t = start();
+    let pid = nix::unistd::Pid::from_raw(t.pid() as i32);
+    // This test thread becomes the main thread's tracer (seize: the
+    // process is not stopped).
+    nix::sys::ptrace::seize(pid, nix::sys::ptrace::Options::empty()).expect("seize");
+    let out = attach(t.pid(), &[]);
+    let _ = nix::sys::ptrace::detach(pid, None);
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains("being traced by pid"),
+        "{}",
+        stderr(&out)
+    );
+    quit_without_eintr(t);
+}
+
+#[test]
+fn a_process_that_is_gone_is_refused() {
+    let mut child = Command::new("true").spawn().unwrap();
+    let pid = child.id();
+    child.wait().unwrap();
+    let out = attach(pid, &[]);
+    assert!(!out.status.success());
+    assert!(stderr(&out).contains(&pid.to_string()), "{}", stderr(&out));
+}
+
+#[test]
+fn a_library_the_loader_refuses_is_reported_and_the_process_runs_on() {
+    let t = start();
+    let dir = TempDir::new("attach-badlib");
+    let bad = dir.path("libheapdump_preload.so");
+    std::fs::write(&bad, vec![b'x'; 8192]).unwrap();
+    let out = heapdump(&[
+        "attach",
+        &t.pid().to_string(),
+        "--library",
+        bad.to_str().unwrap(),
+    ]);
+    assert!(!out.status.success());
+    let err = stderr(&out);
+    assert!(err.contains("could not load the agent library"), "{err}");
+    // dlerror's own words.
+    assert!(err.contains("ELF"), "{err}");
+    assert!(err.contains("left as it was"), "{err}");
+    quit_without_eintr(t);
+}
+
+#[test]
+fn a_child_forked_by_an_attached_process_is_recorded_from_its_birth() {
+    let mut t = start();
+    let pid = t.pid();
+    attach_ok(pid, &[]);
+    t.send("fork");
+    let line = t.wait_line("child ");
+    let child: u32 = line["child ".len()..].parse().unwrap();
+    let dir = TempDir::new("attach-fork");
+    let j = snapshot_json(child, &dir, "child");
+    assert!(j["recording"]["attached_at"].is_string());
+    let sites = live_by_leaf(&j);
+    assert_eq!(sites.get("site_more"), Some(&(40, 80_000)), "{sites:#?}");
+    // The parent's records are not the child's.
+    let parent = live_by_leaf(&snapshot_json(pid, &dir, "parent"));
+    assert_eq!(parent.get("site_more"), None, "{parent:#?}");
+    quit_without_eintr(t);
+}
+
+#[test]
+fn a_snapshot_request_of_an_attached_process_is_answered_by_watch() {
+    let mut t = start();
+    let pid = t.pid();
+    attach_ok(pid, &[]);
+    t.send("alloc");
+    t.wait_line("allocated");
+    let dir = TempDir::new("attach-watch");
+    let mut watch = Command::new(bin())
+        .args([
+            "watch",
+            &pid.to_string(),
+            "-d",
+            &dir.str("out"),
+            "--format",
+            "json",
+        ])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let lines = Lines::new(watch.stdout.take().unwrap());
+    // watch says when it watches; then the signal asks for a snapshot.
+    let first = lines.next();
+    assert!(first.contains("watching"), "{first}");
+    // SAFETY: kill(2) on the target this test started.
+    unsafe { libc::kill(pid as i32, libc::SIGUSR2) };
+    let wrote = lines.next();
+    assert!(wrote.contains("wrote"), "{wrote}");
+    let path = wrote
+        .split_whitespace()
+        .find(|w| w.ends_with(".json"))
+        .unwrap_or_else(|| panic!("{wrote}"));
+    let j = read_json(std::path::Path::new(path));
+    let sites = live_by_leaf(&j);
+    assert_eq!(sites.get("site_after_malloc"), Some(&(50, 50_000)));
+    let _ = watch.kill();
+    let _ = watch.wait();
+    // The snapshot signal itself interrupts epoll_wait (as it would under
+    // LD_PRELOAD), so EINTR is not checked here.
+    t.send("quit");
+    t.wait_line("eintr ");
+    assert!(t.finish().success());
+}
+
+#[test]
+fn debian_python3_attached_while_running_records_what_it_allocates_next() {
+    if !real_dependency("python3", std::path::Path::new("/usr/bin/python3").exists()) {
+        return;
+    }
+    let script = "import sys, threading\n\
+         def spin():\n\
+         \x20   while True:\n\
+         \x20       x = [bytearray(100) for _ in range(100)]\n\
+         threading.Thread(target=spin, daemon=True).start()\n\
+         print('ready', flush=True)\n\
+         for line in sys.stdin:\n\
+         \x20   if line.strip() == 'alloc':\n\
+         \x20       keep = [bytearray(100000) for _ in range(200)]\n\
+         \x20       print('allocated', flush=True)\n\
+         \x20   if line.strip() == 'quit':\n\
+         \x20       break\n";
+    let mut cmd = Command::new("/usr/bin/python3");
+    cmd.args(["-c", script]).env_remove("LD_PRELOAD");
+    let mut t = Target::spawn(cmd);
+    let pid = t.pid();
+    attach_ok(pid, &[]);
+    t.send("alloc");
+    t.wait_line("allocated");
+    let dir = TempDir::new("attach-python3");
+    let j = snapshot_json(pid, &dir, "s");
+    let arrays: u64 = j["sites"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|s| {
+            s["frames"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|f| f["function"].as_str() == Some("PyByteArray_Resize"))
+        })
+        .map(|s| s["live_blocks"].as_u64().unwrap())
+        .sum();
+    assert!(
+        arrays >= 200,
+        "the 200 bytearrays made after the attach: {arrays}"
+    );
+    detach_ok(pid);
+    t.send("quit");
+    assert!(t.finish().success(), "python3 did not exit cleanly");
+}
