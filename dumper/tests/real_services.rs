@@ -269,3 +269,78 @@ fn redis_on_jemalloc_runs_under_the_agent_with_clean_snapshots_and_its_own_numbe
     redis.stop();
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn redis_started_bare_is_attached_under_load_records_what_follows_and_serves_on_after_detach() {
+    if !real_dependency(
+        "redis (redis-server, redis-tools)",
+        have("redis-server") && have("redis-cli") && have("redis-benchmark"),
+    ) {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("heapdump-redis-attach-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let redis = Redis::start(false, &dir);
+    let pid = redis.server_pid;
+    redis.populate();
+    let bench = Command::new("redis-benchmark")
+        .args(["-h", "127.0.0.1", "-p", &redis.port.to_string()])
+        .args(["-P", "16", "-n", "600000", "-t", "set,get", "-q"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run redis-benchmark");
+    let lib = heapdump_tests::preload_lib();
+    let out = common::heapdump(&[
+        "attach",
+        &pid.to_string(),
+        "--library",
+        lib.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "attach: {}", common::stderr(&out));
+    // A 1 MiB value made after the attach is seen.
+    let value = dir.join("value");
+    std::fs::write(&value, vec![b'v'; 1 << 20]).unwrap();
+    let set = Command::new("redis-cli")
+        .args([
+            "-h",
+            "127.0.0.1",
+            "-p",
+            &redis.port.to_string(),
+            "-x",
+            "SET",
+            "big",
+        ])
+        .stdin(std::fs::File::open(&value).unwrap())
+        .output()
+        .unwrap();
+    assert!(set.status.success(), "{set:?}");
+    let j = snapshot(pid, &dir, "attached");
+    let biggest = j["sites"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["live_bytes"].as_u64().unwrap())
+        .max()
+        .unwrap_or(0);
+    assert!(
+        biggest >= 1 << 20,
+        "the 1 MiB value: biggest site {biggest}"
+    );
+    // The 100 000 keys from before the attach are not counted.
+    assert!(
+        j["totals"]["live_blocks"].as_u64().unwrap() < 100_000,
+        "{}",
+        j["totals"]
+    );
+    assert!(j["recording"]["attached_at"].is_string());
+    let out = common::heapdump(&["detach", &pid.to_string()]);
+    assert!(out.status.success(), "detach: {}", common::stderr(&out));
+    assert_eq!(redis.cli(&["PING"]).trim(), "PONG");
+    let out = bench.wait_with_output().unwrap();
+    assert!(out.status.success(), "redis-benchmark: {out:?}");
+    assert_eq!(redis.cli(&["STRLEN", "big"]).trim(), (1 << 20).to_string());
+    assert!(redis.cli(&["DBSIZE"]).trim().parse::<u64>().unwrap() >= 100_000);
+    redis.stop();
+    let _ = std::fs::remove_dir_all(&dir);
+}
