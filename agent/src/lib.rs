@@ -21,6 +21,7 @@ pub mod cfi_unwind;
 pub mod config;
 mod global_alloc;
 pub mod initial_exec_tls;
+pub mod jemalloc_calls;
 pub mod recorder;
 pub mod sampling;
 mod signal;

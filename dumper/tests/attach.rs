@@ -47,6 +47,21 @@ fn snapshot_json(pid: u32, dir: &TempDir, name: &str) -> Value {
     j
 }
 
+/// The allocator's own figure, once the housekeeping thread stored it
+/// (within a second of the attach): a bounded loop of snapshots, where no
+/// sleep decides the outcome (the loop only ends sooner).
+fn allocator_heap(pid: u32, dir: &TempDir) -> serde_json::Map<String, Value> {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        let j = snapshot_json(pid, dir, "heap");
+        if let Some(h) = j["recording"]["allocator_heap"].as_object() {
+            return h.clone();
+        }
+        assert!(std::time::Instant::now() < deadline, "no allocator figure");
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+}
+
 /// Ends the target and checks that no thread saw an EINTR.
 fn quit_without_eintr(mut t: Target) {
     t.send("quit");
@@ -107,19 +122,8 @@ fn the_allocators_own_figure_for_the_whole_heap_is_shown_beside_the_recorded_par
     attach_ok(pid, &[]);
     t.send("alloc");
     t.wait_line("allocated");
-    // The housekeeping thread stores glibc's figure within a second of
-    // the attach: wait for it with a bounded loop of snapshots (no sleep
-    // decides the outcome; the loop only ends sooner).
     let dir = TempDir::new("attach-heap");
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
-    let heap = loop {
-        let j = snapshot_json(pid, &dir, "s");
-        if let Some(h) = j["recording"]["allocator_heap"].as_object() {
-            break h.clone();
-        }
-        assert!(std::time::Instant::now() < deadline, "no allocator figure");
-        std::thread::sleep(std::time::Duration::from_millis(100));
-    };
+    let heap = allocator_heap(pid, &dir);
     assert_eq!(heap["source"], "glibc's mallinfo2");
     // The heap holds at least what was recorded since the attach.
     assert!(heap["bytes"].as_u64().unwrap() >= 55_000, "{heap:?}");
@@ -430,4 +434,39 @@ fn debian_python3_attached_while_running_records_what_it_allocates_next() {
     detach_ok(pid);
     t.send("quit");
     assert!(t.finish().success(), "python3 did not exit cleanly");
+}
+
+#[test]
+fn jemallocs_own_calls_are_recorded_under_the_agents_names_when_attached() {
+    if !real_dependency(
+        "libjemalloc-dev",
+        heapdump_tests::has_header("jemalloc/jemalloc.h"),
+    ) {
+        return;
+    }
+    let exe = compile_c_variant(
+        "attach_target",
+        "jemalloc",
+        &["-DWITH_JEMALLOC", "-ljemalloc"],
+    );
+    let mut t = Target::spawn(Command::new(exe));
+    let pid = t.pid();
+    attach_ok(pid, &[]);
+    t.send("alloc");
+    t.wait_line("allocated");
+    // mallocx'd blocks recorded; malloc'd blocks freed by sdallocx gone.
+    t.send("jx");
+    t.wait_line("jx done");
+    let dir = TempDir::new("attach-jemalloc");
+    let j = snapshot_json(pid, &dir, "s");
+    let sites = live_by_leaf(&j);
+    assert_eq!(sites.get("site_mallocx"), Some(&(10, 30_000)), "{sites:#?}");
+    assert_eq!(
+        sites.get("site_after_malloc").map_or(0, |c| c.0),
+        0,
+        "{sites:#?}"
+    );
+    let heap = allocator_heap(pid, &dir);
+    assert_eq!(heap["source"], "jemalloc's stats.allocated");
+    quit_without_eintr(t);
 }

@@ -17,6 +17,9 @@
  *   free    -> frees the 50 site_after_malloc blocks; "freed"
  *   fork    -> forks a child that runs site_more and prints "child PID",
  *              then waits until this process quits;
+ *   jx      -> (built with -DWITH_JEMALLOC -ljemalloc) 10 x mallocx(3000)
+ *              at site_mallocx, and frees the 50 site_after_malloc blocks
+ *              with sdallocx; "jx done"
  *   quit    -> stops the threads, prints "eintr N" and exits 0.
  * Prints "ready PID" when all threads run. */
 #define _GNU_SOURCE
@@ -30,6 +33,9 @@
 #include <sys/epoll.h>
 #include <time.h>
 #include <unistd.h>
+#ifdef WITH_JEMALLOC
+#include <jemalloc/jemalloc.h>
+#endif
 
 static void *pre[1000];
 static void *after[50];
@@ -48,6 +54,12 @@ __attribute__((noinline)) void site_after_malloc(void) {
     for (int i = 0; i < 50; i++) after[i] = malloc(1000);
 }
 __attribute__((noinline)) void site_realloc_pre(void) { moved = realloc(pre[0], 5000); }
+#ifdef WITH_JEMALLOC
+void *jx[10];
+__attribute__((noinline)) void site_mallocx(void) {
+    for (int i = 0; i < 10; i++) jx[i] = mallocx(3000, 0);
+}
+#endif
 __attribute__((noinline)) void site_more(void) {
     for (int i = 0; i < 40; i++) more[i] = malloc(2000);
 }
@@ -107,6 +119,12 @@ static void *commands(void *arg) {
             } else if (!strcmp(line, "free")) {
                 for (int i = 0; i < 50; i++) free(after[i]);
                 say("freed");
+#ifdef WITH_JEMALLOC
+            } else if (!strcmp(line, "jx")) {
+                site_mallocx();
+                for (int i = 0; i < 50; i++) sdallocx(after[i], 1000, 0);
+                say("jx done");
+#endif
             } else if (!strcmp(line, "fork")) {
                 if (pipe(hold) != 0) abort();
                 child = fork();

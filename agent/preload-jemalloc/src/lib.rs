@@ -26,6 +26,7 @@
 use std::ffi::{c_int, c_void, CStr};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+use heapdump_agent::jemalloc_calls::{self as calls, Record};
 use heapdump_agent::stack_capture::caller_frame;
 
 /// A function bound once by name; 0 until then (or if absent).
@@ -88,28 +89,32 @@ static SDALLOCX: Bound = Bound::new(c"sdallocx", true);
 static ON_ALLOC: Bound = Bound::new(c"heapdump_internal_on_alloc", false);
 static ON_FREE: Bound = Bound::new(c"heapdump_internal_on_free", false);
 
-fn record_alloc(p: *mut c_void, size: usize, fp: usize) {
-    let f = ON_ALLOC.get();
-    if f != 0 && !p.is_null() {
-        // SAFETY: `heapdump_internal_on_alloc(usize, usize, usize)` of
-        // libheapdump_preload.so, built with this library.
-        let f: extern "C" fn(usize, usize, usize) = unsafe { std::mem::transmute(f) };
-        f(p as usize, size, fp);
-    }
-}
+/// Records through `libheapdump_preload.so`'s internal entry points.
+struct ThroughPreload;
 
-/// Removes `p`; its recorded size, if it was recorded.
-fn record_free(p: *mut c_void) -> Option<u64> {
-    let f = ON_FREE.get();
-    if f == 0 || p.is_null() {
-        return None;
+impl Record for ThroughPreload {
+    fn alloc(&self, p: usize, size: usize, fp: usize) {
+        let f = ON_ALLOC.get();
+        if f != 0 {
+            // SAFETY: `heapdump_internal_on_alloc(usize, usize, usize)` of
+            // libheapdump_preload.so, built with this library.
+            let f: extern "C" fn(usize, usize, usize) = unsafe { std::mem::transmute(f) };
+            f(p, size, fp);
+        }
     }
-    // SAFETY: `heapdump_internal_on_free(usize, *mut u64) -> c_int` of
-    // libheapdump_preload.so, built with this library.
-    let f: unsafe extern "C" fn(usize, *mut u64) -> c_int = unsafe { std::mem::transmute(f) };
-    let mut size = 0u64;
-    // SAFETY: `size` is a valid out-pointer.
-    (unsafe { f(p as usize, &mut size) } == 1).then_some(size)
+
+    fn free(&self, p: usize) -> Option<u64> {
+        let f = ON_FREE.get();
+        if f == 0 {
+            return None;
+        }
+        // SAFETY: `heapdump_internal_on_free(usize, *mut u64) -> c_int` of
+        // libheapdump_preload.so, built with this library.
+        let f: unsafe extern "C" fn(usize, *mut u64) -> c_int = unsafe { std::mem::transmute(f) };
+        let mut size = 0u64;
+        // SAFETY: `size` is a valid out-pointer.
+        (unsafe { f(p, &mut size) } == 1).then_some(size)
+    }
 }
 
 /// jemalloc's `mallocx`.
@@ -120,15 +125,20 @@ pub unsafe extern "C" fn mallocx(size: usize, flags: c_int) -> *mut c_void {
     if f == 0 {
         return std::ptr::null_mut();
     }
-    // SAFETY: jemalloc's mallocx, same contract.
-    let f: unsafe extern "C" fn(usize, c_int) -> *mut c_void = unsafe { std::mem::transmute(f) };
-    // SAFETY: forwarded with the caller's arguments.
-    let p = unsafe { f(size, flags) };
-    record_alloc(p, size, fp);
-    p
+    // SAFETY: `f` is jemalloc's mallocx; forwarded with the caller's
+    // arguments.
+    unsafe {
+        calls::mallocx(
+            std::mem::transmute::<usize, calls::Mallocx>(f),
+            size,
+            flags,
+            fp,
+            &ThroughPreload,
+        )
+    }
 }
 
-/// jemalloc's `rallocx`: the block may move; on failure the old one stays.
+/// jemalloc's `rallocx`.
 #[no_mangle]
 pub unsafe extern "C" fn rallocx(p: *mut c_void, size: usize, flags: c_int) -> *mut c_void {
     let fp = caller_frame();
@@ -136,27 +146,20 @@ pub unsafe extern "C" fn rallocx(p: *mut c_void, size: usize, flags: c_int) -> *
     if f == 0 {
         return std::ptr::null_mut();
     }
-    let old = record_free(p);
-    // SAFETY: jemalloc's rallocx, same contract.
-    let f: unsafe extern "C" fn(*mut c_void, usize, c_int) -> *mut c_void =
-        unsafe { std::mem::transmute(f) };
-    // SAFETY: forwarded with the caller's arguments.
-    let q = unsafe { f(p, size, flags) };
-    if q.is_null() {
-        if let Some(old) = old {
-            record_alloc(p, old as usize, fp);
-        }
-    } else {
-        record_alloc(q, size, fp);
+    // SAFETY: as in `mallocx`.
+    unsafe {
+        calls::rallocx(
+            std::mem::transmute::<usize, calls::Rallocx>(f),
+            p,
+            size,
+            flags,
+            fp,
+            &ThroughPreload,
+        )
     }
-    q
 }
 
-/// jemalloc's `xallocx`: resizes in place to at least `size` (at most
-/// `size + extra`) and returns the block's real size. The record keeps
-/// the size the program can rely on: `size` when the resize reached it
-/// (the most it asked for, `size + extra`, when the real size exceeds
-/// that), else the old size.
+/// jemalloc's `xallocx`.
 #[no_mangle]
 pub unsafe extern "C" fn xallocx(p: *mut c_void, size: usize, extra: usize, flags: c_int) -> usize {
     let fp = caller_frame();
@@ -164,21 +167,18 @@ pub unsafe extern "C" fn xallocx(p: *mut c_void, size: usize, extra: usize, flag
     if f == 0 {
         return 0;
     }
-    let old = record_free(p);
-    // SAFETY: jemalloc's xallocx, same contract.
-    let f: unsafe extern "C" fn(*mut c_void, usize, usize, c_int) -> usize =
-        unsafe { std::mem::transmute(f) };
-    // SAFETY: forwarded with the caller's arguments.
-    let real = unsafe { f(p, size, extra, flags) };
-    if let Some(old) = old {
-        let recorded = if real >= size {
-            real.min(size.saturating_add(extra))
-        } else {
-            old as usize
-        };
-        record_alloc(p, recorded, fp);
+    // SAFETY: as in `mallocx`.
+    unsafe {
+        calls::xallocx(
+            std::mem::transmute::<usize, calls::Xallocx>(f),
+            p,
+            size,
+            extra,
+            flags,
+            fp,
+            &ThroughPreload,
+        )
     }
-    real
 }
 
 /// jemalloc's `dallocx`.
@@ -188,11 +188,15 @@ pub unsafe extern "C" fn dallocx(p: *mut c_void, flags: c_int) {
     if f == 0 {
         return;
     }
-    record_free(p);
-    // SAFETY: jemalloc's dallocx, same contract.
-    let f: unsafe extern "C" fn(*mut c_void, c_int) = unsafe { std::mem::transmute(f) };
-    // SAFETY: forwarded with the caller's arguments.
-    unsafe { f(p, flags) }
+    // SAFETY: as in `mallocx`.
+    unsafe {
+        calls::dallocx(
+            std::mem::transmute::<usize, calls::Dallocx>(f),
+            p,
+            flags,
+            &ThroughPreload,
+        )
+    }
 }
 
 /// jemalloc's `sdallocx`.
@@ -202,11 +206,16 @@ pub unsafe extern "C" fn sdallocx(p: *mut c_void, size: usize, flags: c_int) {
     if f == 0 {
         return;
     }
-    record_free(p);
-    // SAFETY: jemalloc's sdallocx, same contract.
-    let f: unsafe extern "C" fn(*mut c_void, usize, c_int) = unsafe { std::mem::transmute(f) };
-    // SAFETY: forwarded with the caller's arguments.
-    unsafe { f(p, size, flags) }
+    // SAFETY: as in `mallocx`.
+    unsafe {
+        calls::sdallocx(
+            std::mem::transmute::<usize, calls::Sdallocx>(f),
+            p,
+            size,
+            flags,
+            &ThroughPreload,
+        )
+    }
 }
 
 fn stderr(msg: &[u8]) {

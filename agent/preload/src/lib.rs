@@ -27,6 +27,7 @@ pub mod bootstrap_arena;
 pub mod cxx;
 pub mod dlclose_hook;
 pub mod internal_api;
+pub mod jemalloc_attached;
 pub mod malloc_family;
 pub mod next_allocator;
 pub mod slot_redirection;

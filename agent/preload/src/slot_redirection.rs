@@ -78,6 +78,13 @@ const HOOKED: &[&CStr] = &[
     c"dlclose",
     c"pthread_setname_np",
     c"prctl",
+    // jemalloc's own calls, to hooks under our own names
+    // (`jemalloc_attached`), only where jemalloc defines them.
+    c"mallocx",
+    c"rallocx",
+    c"xallocx",
+    c"dallocx",
+    c"sdallocx",
 ];
 
 /// Our hook for each name of [`HOOKED`] (0: not exported here).
@@ -330,8 +337,9 @@ fn our_hooks() -> Option<Hooks> {
     }
     let mut addrs = [0usize; HOOKED.len()];
     for (a, name) in addrs.iter_mut().zip(HOOKED) {
+        let ours = crate::jemalloc_attached::hook_name(name).unwrap_or(name);
         // SAFETY: dlsym on our own handle finds our own definition first.
-        *a = unsafe { libc::dlsym(handle, name.as_ptr()) } as usize;
+        *a = unsafe { libc::dlsym(handle, ours.as_ptr()) } as usize;
     }
     // SAFETY: the handle from dlopen above (only drops the reference count
     // it added).
@@ -422,7 +430,19 @@ pub fn prepare() -> Option<Hooks> {
     if !cfg!(target_arch = "x86_64") {
         return None;
     }
-    let hooks = our_hooks()?;
+    let mut hooks = our_hooks()?;
     collect_bound(&hooks);
-    crate::next_allocator::rebind_for_attach().then_some(hooks)
+    if !crate::next_allocator::rebind_for_attach() {
+        return None;
+    }
+    crate::jemalloc_attached::bind();
+    // A jemalloc call with no definition to forward to keeps its slots.
+    for (a, name) in hooks.addrs.iter_mut().zip(HOOKED) {
+        if crate::jemalloc_attached::hook_name(name).is_some()
+            && !crate::jemalloc_attached::bound(name)
+        {
+            *a = 0;
+        }
+    }
+    Some(hooks)
 }
