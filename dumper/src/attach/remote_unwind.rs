@@ -227,6 +227,9 @@ impl ModuleFile {
     }
 }
 
+/// A counter's file and its file virtual address.
+pub type Located = (Arc<ModuleFile>, u64);
+
 /// The target's executable mappings and the files behind them, read once
 /// per attach.
 pub struct Modules {
@@ -247,7 +250,7 @@ impl Modules {
 
     /// The mapping holding `pc`, its file (if readable) and the file
     /// virtual address of `pc`.
-    pub fn locate(&mut self, pc: u64) -> Option<(Mapping, Option<(Arc<ModuleFile>, u64)>)> {
+    pub fn locate(&mut self, pc: u64) -> Option<(Mapping, Option<Located>)> {
         let m = crate::symbolization::maps::find(&self.maps, pc)?.clone();
         let file = self.file(&m);
         let located = file.and_then(|f| {
