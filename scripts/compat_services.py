@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Long-running services from Debian's packages, each started bare, under
-`heapdump run` in exact mode and in sampled mode, loaded on loopback with
+`heapdump run` in exact mode and in sampled mode, and started bare then
+attached with `heapdump attach` once it serves (every process of it), loaded on loopback with
 a bounded load, checked to serve exactly as bare (every request answered,
 the same answers), and, under the agent, every one of its instrumented
 processes snapshotted while it serves.
@@ -28,7 +29,11 @@ BINDIR = os.path.abspath(sys.argv[1])
 HEAPDUMP = os.path.join(BINDIR, "heapdump")
 PRELOAD = os.path.join(BINDIR, "libheapdump_preload.so")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MODES = [("bare", None), ("exact", {}), ("sampled 512KiB", {"HEAPDUMP_SAMPLE_RATE": "512KiB"})]
+ATTACH = {"attach": True}  # the mode whose processes start bare and are attached
+MODES = [("bare", None), ("exact", {}), ("sampled 512KiB", {"HEAPDUMP_SAMPLE_RATE": "512KiB"}),
+         ("attached", ATTACH)]
+# In attached mode: the pids attached, and what failed.
+ATTACHED = {"on": False, "pids": [], "errors": []}
 GUARD = 120  # seconds: a hang guard, never a synchronisation
 
 
@@ -113,10 +118,44 @@ def snapshot_all(root, work):
     return len(pids), errors, largest
 
 
+def serving(proc):
+    """Called by each service once it serves, before its load: in attached
+    mode, attaches heapdump to every process of it."""
+    if not ATTACHED["on"]:
+        return
+    for pid in descendants(proc.pid):
+        if not alive(pid) or instrumented(pid):
+            continue
+        r = subprocess.run([HEAPDUMP, "attach", str(pid), "--library", PRELOAD],
+                           capture_output=True, text=True, timeout=GUARD)
+        if r.returncode == 0:
+            ATTACHED["pids"].append(pid)
+        elif alive(pid):
+            ATTACHED["errors"].append(f"attach {pid}: {r.stderr.strip()[:300]}")
+    if not ATTACHED["pids"]:
+        ATTACHED["errors"].append("no process attached")
+
+
+def detach_all():
+    """Detaches every attached process still running; the errors."""
+    errors = []
+    for pid in ATTACHED["pids"]:
+        if not alive(pid):
+            continue
+        r = subprocess.run([HEAPDUMP, "detach", str(pid)], capture_output=True, text=True,
+                           timeout=GUARD)
+        if r.returncode != 0 and alive(pid):
+            errors.append(f"detach {pid}: {r.stderr.strip()[:300]}")
+    return errors
+
+
 def start(argv, mode_env, work, user=None, cwd=None):
-    """Starts argv bare or under `heapdump run` in a session of its own."""
+    """Starts argv bare or under `heapdump run` in a session of its own
+    (attached mode starts it bare; `serving` attaches)."""
     env = dict(os.environ, HEAPDUMP_PRELOAD=PRELOAD)
     env.pop("LD_PRELOAD", None)
+    if mode_env is ATTACH:
+        mode_env = None
     if mode_env is not None:
         env.update(mode_env)
         argv = [HEAPDUMP, "run", "--"] + argv
@@ -180,6 +219,7 @@ def varnish(work, mode_env):
         try:
             if not wait_port(port, p, "varnishd"):
                 return None, "exited before listening"
+            serving(p)
             result = ab(port, "/page.html")
             return result, p
         except Exception:
@@ -195,6 +235,7 @@ def memcached(work, mode_env):
                "-m", "64", "-t", "2"], mode_env, work)
     if not wait_port(port, p, "memcached"):
         return None, "exited before listening"
+    serving(p)
     r = subprocess.run(["memcslap", f"--servers=127.0.0.1:{port}", "--concurrency=4",
                         "--execute-number=2000", "--binary"], capture_output=True, text=True,
                        timeout=GUARD)
@@ -227,6 +268,7 @@ def named(work, mode_env):
         if r.stdout.strip() == "192.0.2.1":
             break
         time.sleep(0.1)
+    serving(p)
     for i in range(200):
         r = subprocess.run(["dig", "@127.0.0.1", "-p", str(port), f"host{i}.test", "+short"],
                            capture_output=True, text=True, timeout=GUARD)
@@ -254,6 +296,7 @@ def nginx(work, mode_env):
     p = start(["nginx", "-c", conf, "-p", work], mode_env, work)
     if not wait_port(port, p, "nginx"):
         return None, "exited before listening"
+    serving(p)
     return ab(port, "/index.html"), p
 
 
@@ -273,6 +316,7 @@ def postgres(work, mode_env):
                "-c", "listen_addresses=127.0.0.1"], mode_env, work, user="postgres")
     if not wait_port(port, p, "postgres"):
         return None, "exited before listening"
+    serving(p)
     pg = ["runuser", "-u", "postgres", "--", "pgbench", "-h", sock, "-p", str(port)]
     subprocess.run(pg + ["-i", "-s", "1", "-q", "postgres"], check=True, capture_output=True,
                    timeout=GUARD)
@@ -284,6 +328,8 @@ def postgres(work, mode_env):
 
 
 def closefds(work, mode_env):
+    if mode_env is ATTACH:
+        return "skip", None  # it runs to its end at once: nothing to attach to
     exe = os.path.join(work, "closefds_fork")
     if not os.path.exists(exe):
         subprocess.run(["cc", "-O1", "-o", exe, os.path.join(ROOT, "tests", "c",
@@ -318,8 +364,11 @@ def main():
         for mode, mode_env in MODES:
             detail, ok, snaps = "", False, ""
             open(os.path.join(work, "service.log"), "w").close()
+            ATTACHED.update(on=mode_env is ATTACH, pids=[], errors=[])
             try:
                 result, p = fn(work, mode_env)
+                if result == "skip":
+                    continue
                 try:
                     if result is None:
                         detail = f"did not start: {p}"
@@ -336,6 +385,12 @@ def main():
                         if n == 0 or errors:
                             ok = False
                             detail += f" snapshots: {n} instrumented, errors {errors}"
+                    if mode_env is ATTACH:
+                        errors = ATTACHED["errors"] + detach_all()
+                        snaps += f", {len(ATTACHED['pids'])} attached and detached"
+                        if errors:
+                            ok = False
+                            detail += f" attach: {errors}"
                 finally:
                     if p is not None and not isinstance(p, str):
                         stop(p)
