@@ -20,6 +20,10 @@
  *   jx      -> (built with -DWITH_JEMALLOC -ljemalloc) 10 x mallocx(3000)
  *              at site_mallocx, and frees the 50 site_after_malloc blocks
  *              with sdallocx; "jx done"
+ *   stall   -> "stall US": the longest the sleeper thread overslept its
+ *              20 ms (how long a stop held it), since the last "stall"
+ *   rate    -> "rate N": malloc+free pairs per second of the churn
+ *              threads over the next second (bench/attach);
  *   quit    -> stops the threads, prints "eintr N" and exits 0.
  * Prints "ready PID" when all threads run. */
 #define _GNU_SOURCE
@@ -43,6 +47,8 @@ void *more[40]; /* not static: stores to it are never elided */
 static void *volatile moved;
 static atomic_int stop;
 static atomic_long eintr;
+static atomic_long overslept_us;
+static atomic_long pairs;
 static int wake[2];
 static int hold[2] = {-1, -1};
 static pid_t child;
@@ -71,6 +77,7 @@ static void *churn(void *arg) {
         void *p[8];
         for (int i = 0; i < 8; i++) p[i] = malloc(16 + (rand_r(&seed) & 1023));
         for (int i = 0; i < 8; i++) free(p[i]);
+        atomic_fetch_add_explicit(&pairs, 8, memory_order_relaxed);
     }
     return NULL;
 }
@@ -79,8 +86,12 @@ static void *sleeper(void *arg) {
     (void)arg;
     pthread_setname_np(pthread_self(), "sleeper");
     while (!atomic_load(&stop)) {
-        struct timespec ts = {0, 20 * 1000 * 1000};
+        struct timespec ts = {0, 20 * 1000 * 1000}, a, b;
+        clock_gettime(CLOCK_MONOTONIC, &a);
         if (nanosleep(&ts, NULL) != 0 && errno == EINTR) atomic_fetch_add(&eintr, 1);
+        clock_gettime(CLOCK_MONOTONIC, &b);
+        long us = (b.tv_sec - a.tv_sec) * 1000000L + (b.tv_nsec - a.tv_nsec) / 1000 - 20000;
+        if (us > atomic_load(&overslept_us)) atomic_store(&overslept_us, us);
     }
     return NULL;
 }
@@ -125,6 +136,15 @@ static void *commands(void *arg) {
                 for (int i = 0; i < 50; i++) sdallocx(after[i], 1000, 0);
                 say("jx done");
 #endif
+            } else if (!strcmp(line, "stall")) {
+                printf("stall %ld\n", atomic_exchange(&overslept_us, 0));
+                fflush(stdout);
+            } else if (!strcmp(line, "rate")) {
+                long before = atomic_load(&pairs);
+                struct timespec one = {1, 0};
+                nanosleep(&one, NULL);
+                printf("rate %ld\n", atomic_load(&pairs) - before);
+                fflush(stdout);
             } else if (!strcmp(line, "fork")) {
                 if (pipe(hold) != 0) abort();
                 child = fork();
