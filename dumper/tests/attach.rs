@@ -470,3 +470,55 @@ fn jemallocs_own_calls_are_recorded_under_the_agents_names_when_attached() {
     assert_eq!(heap["source"], "jemalloc's stats.allocated");
     quit_without_eintr(t);
 }
+
+#[test]
+fn a_single_threaded_daemon_asleep_in_poll_is_attached_and_its_poll_goes_on() {
+    // Its one thread's poll resumes through the restart block: the
+    // injector takes it when no other thread comes, and makes the poll
+    // again from the start; the program never sees EINTR.
+    let mut t = Target::spawn(Command::new(compile_c("poll_single")));
+    let pid = t.pid();
+    attach_ok(pid, &[]);
+    t.send("alloc");
+    t.wait_line("allocated");
+    let dir = TempDir::new("attach-poll");
+    let sites = live_by_leaf(&snapshot_json(pid, &dir, "s"));
+    assert_eq!(sites.get("site_poll"), Some(&(10, 7770)), "{sites:#?}");
+    detach_ok(pid);
+    t.send("quit");
+    assert_eq!(t.wait_line("eintr "), "eintr 0");
+    assert!(t.finish().success());
+}
+
+#[test]
+fn the_agent_says_nothing_in_the_attached_process_output() {
+    // A process that handles SIGUSR2 itself (as postgres does): under
+    // LD_PRELOAD the agent says on stderr that it leaves the signal alone;
+    // attached, the process's stderr is its log, so the dumper says it.
+    let mut cmd = Command::new(compile_c("poll_single"));
+    cmd.arg("usr2").stderr(std::process::Stdio::piped());
+    let mut t = Target::spawn(cmd);
+    let pid = t.pid();
+    let out = attach(pid, &[]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("handles SIGUSR2 itself"),
+        "{}",
+        stderr(&out)
+    );
+    t.send("quit");
+    t.wait_line("eintr ");
+    let mut err = String::new();
+    use std::io::Read;
+    t.child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .unwrap();
+    assert!(t.finish().success());
+    assert!(
+        !err.contains("heapdump"),
+        "the agent wrote into the process's stderr: {err}"
+    );
+}

@@ -99,6 +99,9 @@ const NT_X86_XSTATE: libc::c_int = 0x202;
 const EVENT_STOP: i32 = 128;
 /// Rounds over the threads before giving up.
 const ROUNDS: u32 = 40;
+/// Rounds in which a thread whose system call resumes through its restart
+/// block is passed over, in case another thread comes to a safe point.
+const RESTART_BLOCK_ROUNDS: u32 = 3;
 /// How long a call into the target may take before it is abandoned.
 const CALL_TIMEOUT: Duration = Duration::from_secs(20);
 
@@ -557,11 +560,12 @@ pub fn inject(pid: u32, library: &str, action: &Action) -> Result<Injected, Inje
                 rsp: held.saved.rsp,
                 rbp: held.saved.rbp,
             };
-            let verdict = if held.saved.orig_rax as i64 >= 0
-                && held.saved.rax as i64 == -ERESTART_RESTARTBLOCK
-            {
+            let in_restart_block =
+                held.saved.orig_rax as i64 >= 0 && held.saved.rax as i64 == -ERESTART_RESTARTBLOCK;
+            let verdict = if in_restart_block && round < RESTART_BLOCK_ROUNDS {
                 // Its interrupted sleep resumes through the thread's
-                // restart block, which a system call of ours could change.
+                // restart block, which a system call of ours could
+                // change: prefer another thread while one may come.
                 Verdict::Unsafe("in a sleep the kernel resumes through its restart block".into())
             } else {
                 safe_point::judge(
@@ -572,6 +576,21 @@ pub fn inject(pid: u32, library: &str, action: &Action) -> Result<Injected, Inje
                     mapping_of(&maps, regs.rsp),
                 )
             };
+            if in_restart_block && matches!(verdict, Verdict::Safe) {
+                // Chosen all the same (a single-threaded daemon asleep in
+                // poll or nanosleep has no other thread): its system call
+                // is made again from the start instead of through the
+                // restart block, with its original arguments (a relative
+                // timeout then starts over; an absolute one is exact).
+                let mut before = [0u8; 2];
+                if mem.read(held.saved.rip.wrapping_sub(2), &mut before) && before == [0x0f, 0x05] {
+                    held.resume.rax = held.saved.orig_rax;
+                    held.resume.rip = held.saved.rip - 2;
+                } else {
+                    others_stopped = others_stopped.max(release(pid, held));
+                    continue;
+                }
+            }
             match verdict {
                 Verdict::Safe => {
                     let result = run_calls(pid, &mem, &mut held, &loader, library, action);

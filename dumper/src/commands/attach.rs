@@ -28,6 +28,10 @@ pub struct AttachArgs {
     /// none), cfi or fp.
     #[arg(long, value_parser = ["auto", "cfi", "fp"])]
     pub unwind: Option<String>,
+    /// Snapshot-request signal for the process (name or number, `none`);
+    /// default SIGUSR2, unless the process handles that one itself.
+    #[arg(long)]
+    pub signal: Option<String>,
     /// Deepest stack recorded (1-64).
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub max_frames: Option<u32>,
@@ -196,8 +200,26 @@ fn explain(e: InjectError, pid: u32) -> anyhow::Error {
     ))
 }
 
+/// Whether `pid` catches signal `sig` (`SigCgt` of /proc/PID/status).
+fn catches(pid: u32, sig: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("SigCgt:"))
+                .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
+        })
+        .is_some_and(|m| m & (1u64 << (sig - 1)) != 0)
+}
+
+/// The agent's settings for the attach. The agent is quiet in an attached
+/// process: its stderr is the service's (a log), and what it would say
+/// the dumper says here instead.
 fn settings_of(a: &AttachArgs) -> String {
-    let mut s = String::new();
+    let mut s = String::from("HEAPDUMP_QUIET=1\n");
+    if let Some(sig) = &a.signal {
+        s += &format!("HEAPDUMP_SIGNAL={sig}\n");
+    }
     if let Some(r) = a.sample_rate {
         s += &format!("HEAPDUMP_SAMPLE_RATE={r}\n");
     }
@@ -235,6 +257,12 @@ pub fn attach(a: AttachArgs) -> Result<i32> {
         bail!(
             "process {pid} ({name}) maps no dlopen (neither glibc 2.34+'s libc.so.6 nor \
              libdl.so.2), so the agent cannot be loaded into it"
+        );
+    }
+    if a.signal.is_none() && catches(pid, libc::SIGUSR2) {
+        eprintln!(
+            "heapdump: note: process {pid} handles SIGUSR2 itself, so the agent leaves it alone \
+             and snapshot requests by signal are off (--signal SIGNAL chooses another)"
         );
     }
     let lib = find_preload(a.library.as_deref()).context("finding libheapdump_preload.so")?;
