@@ -522,3 +522,57 @@ fn the_agent_says_nothing_in_the_attached_process_output() {
         "the agent wrote into the process's stderr: {err}"
     );
 }
+
+#[test]
+fn a_process_in_another_mount_namespace_gets_a_copy_of_the_library_inside_it() {
+    // The library's directory is hidden inside the target's mount
+    // namespace by a tmpfs: attach must place a copy where the target can
+    // open it, and say where.
+    // SAFETY: geteuid has no preconditions.
+    let root = unsafe { libc::geteuid() } == 0;
+    if !real_dependency(
+        "unshare (util-linux), root",
+        root && std::path::Path::new("/usr/bin/unshare").exists(),
+    ) {
+        return;
+    }
+    let dir = TempDir::new("attach-mntns");
+    let hidden = dir.path("lib");
+    std::fs::create_dir_all(&hidden).unwrap();
+    let lib = hidden.join("libheapdump_preload.so");
+    std::fs::copy(preload_lib(), &lib).unwrap();
+    let exe = compile_c("poll_single");
+    let mut cmd = Command::new("/usr/bin/unshare");
+    cmd.args(["-m", "--propagation", "private", "--", "sh", "-c"])
+        .arg(format!(
+            "mount -t tmpfs none {} && exec {}",
+            hidden.display(),
+            exe.display()
+        ));
+    let mut t = Target::spawn(cmd);
+    // The pid the target printed (sh exec'd it: the same process).
+    let pid: u32 = t.last_line()["ready ".len()..].parse().unwrap();
+    assert!(
+        !std::path::Path::new(&format!("/proc/{pid}/root{}", lib.display())).exists(),
+        "the tmpfs does not hide the library"
+    );
+    let out = heapdump(&[
+        "attach",
+        &pid.to_string(),
+        "--library",
+        lib.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("copied to /tmp/heapdump-agent-"),
+        "{}",
+        stderr(&out)
+    );
+    t.send("alloc");
+    t.wait_line("allocated");
+    let sites = live_by_leaf(&snapshot_json(pid, &dir, "s"));
+    assert_eq!(sites.get("site_poll"), Some(&(10, 7770)), "{sites:#?}");
+    detach_ok(pid);
+    t.send("quit");
+    assert_eq!(t.wait_line("eintr "), "eintr 0");
+}
