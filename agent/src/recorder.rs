@@ -251,6 +251,18 @@ fn init(role: Role) -> Option<&'static Writers> {
             }
         }
     }
+    {
+        // The memory curve starts where recording starts, at zero.
+        // SAFETY: written above, in this same initialisation.
+        let alloc = unsafe { (*ALLOCATIONS_REGION.0.get()).assume_init_ref() };
+        heapdump_table::timeline::append(
+            &alloc.view(),
+            heapdump_table::timeline::Point {
+                time_ns: heapdump_table::monotonic_ns(),
+                ..Default::default()
+            },
+        );
+    }
     if ATTACHED_MODE.load(Ordering::Relaxed) {
         // Loaded by `heapdump attach`: this process (or this fork child of
         // an attached process) is recorded from now on.
@@ -316,6 +328,10 @@ extern "C" fn after_fork_child() {
     crate::thread_tables::after_fork_child();
     // A parent thread was initialising: its half-built state is not ours.
     GENERATION.fetch_add(1, Ordering::Relaxed);
+    // The child's curve starts afresh (it does not report inherited blocks).
+    EST_LIVE_BYTES.store(0, Ordering::Relaxed);
+    EST_LIVE_BLOCKS_X1024.store(0, Ordering::Relaxed);
+    EST_ALLOC_BYTES.store(0, Ordering::Relaxed);
     STATE.store(UNINIT, Ordering::Release);
     if was_ready {
         // The child's own regions now, not at its first recorded event: in
@@ -791,6 +807,7 @@ fn record_weighted<const DIRECT: bool>(
                         Ok(()) => {
                             if rate != 0 {
                                 crate::sampling::note_recorded(addr);
+                                curve_sampled(rec.size, rate, true);
                             }
                         }
                         // A free we never saw (memory released behind the
@@ -907,8 +924,12 @@ fn remove_block(t: &ThreadState, w: &Writers, addr: usize, token: u64) -> Option
         heapdump_table::allocations_table::prefetch_line((addr as *const u8).wrapping_sub(16));
     }
     let removed = w.allocations.remove_cached(addr as u64, nodes);
-    if removed.is_some() && crate::sampling::rate() != 0 {
-        crate::sampling::note_removed(addr);
+    if let Some(size) = removed {
+        let rate = crate::sampling::rate();
+        if rate != 0 {
+            crate::sampling::note_removed(addr);
+            curve_sampled(size, rate, false);
+        }
     }
     removed
 }
@@ -1083,6 +1104,60 @@ pub(crate) fn request_snapshot_from_signal() {
     if let Some(w) = writers() {
         w.counters
             .request_snapshot_signal_safe(heapdump_table::monotonic_ns());
+    }
+}
+
+/// Sampled mode's running estimates for the memory curve
+/// (`heapdump_table::timeline`): the live bytes, live blocks (x1024) and
+/// bytes allocated that the sampled blocks stand for, each block weighted
+/// by its size as a snapshot weighs it. Touched only at sampled events,
+/// never on the unsampled fast path. Reset in a fork child.
+static EST_LIVE_BYTES: AtomicU64 = AtomicU64::new(0);
+static EST_LIVE_BLOCKS_X1024: AtomicU64 = AtomicU64::new(0);
+static EST_ALLOC_BYTES: AtomicU64 = AtomicU64::new(0);
+
+/// A sampled block of `size` bytes was recorded (`alloc`) or removed: moves
+/// the estimates and offers the curve a point.
+#[cold]
+fn curve_sampled(size: u64, rate: u64, alloc: bool) {
+    let wt = heapdump_table::sampling::weight(size, rate);
+    let bytes = (size as f64 * wt) as u64;
+    let blocks = (wt * 1024.0) as u64;
+    let (live, n) = if alloc {
+        EST_ALLOC_BYTES.fetch_add(bytes, Ordering::Relaxed);
+        (
+            EST_LIVE_BYTES.fetch_add(bytes, Ordering::Relaxed).wrapping_add(bytes),
+            EST_LIVE_BLOCKS_X1024
+                .fetch_add(blocks, Ordering::Relaxed)
+                .wrapping_add(blocks),
+        )
+    } else {
+        (
+            EST_LIVE_BYTES.fetch_sub(bytes, Ordering::Relaxed).wrapping_sub(bytes),
+            EST_LIVE_BLOCKS_X1024
+                .fetch_sub(blocks, Ordering::Relaxed)
+                .wrapping_sub(blocks),
+        )
+    };
+    // A racing free may briefly take a sum below zero: no point then.
+    if live > i64::MAX as u64 || n > i64::MAX as u64 {
+        return;
+    }
+    let Some(region) = allocations_region() else {
+        return;
+    };
+    let view = region.view();
+    let now = coarse_now_ns();
+    if heapdump_table::timeline::due(&view, now, live) {
+        heapdump_table::timeline::append(
+            &view,
+            heapdump_table::timeline::Point {
+                time_ns: now,
+                live_bytes: live,
+                live_blocks: n / 1024,
+                alloc_bytes: EST_ALLOC_BYTES.load(Ordering::Relaxed),
+            },
+        );
     }
 }
 

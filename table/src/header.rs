@@ -27,8 +27,9 @@ pub const FORMAT_MAJOR: u16 = 1;
 /// unwinder and sample-rate words (`offsets::UNWINDER`,
 /// `offsets::SAMPLE_RATE`); 1.3 the attach words (`offsets::ATTACHED_AT`,
 /// `offsets::DETACHED_AT`, `offsets::ALLOCATOR_HEAP`,
-/// `offsets::ALLOCATOR_HEAP_SOURCE`).
-pub const FORMAT_MINOR: u16 = 3;
+/// `offsets::ALLOCATOR_HEAP_SOURCE`); 1.4 the memory curve in the
+/// allocations region's header page (`crate::timeline`).
+pub const FORMAT_MINOR: u16 = 4;
 /// Bytes reserved for the header at the start of every region.
 pub const HEADER_SIZE: u64 = 4096;
 
@@ -462,8 +463,9 @@ impl HeaderCounters {
     /// Adds `add` to and subtracts `sub` from the live bytes (one atomic
     /// add), raising the peak if needed. The allocations table keeps live
     /// blocks and totals per shard (see [`read_counters`]).
+    /// Returns the new running total.
     #[inline]
-    pub(crate) fn live_bytes_changed(&self, add: u64, sub: u64) {
+    pub(crate) fn live_bytes_changed(&self, add: u64, sub: u64) -> u64 {
         let delta = add.wrapping_sub(sub);
         let live = self
             .word(offsets::LIVE_BYTES)
@@ -477,6 +479,7 @@ impl HeaderCounters {
                 peak.fetch_max(live, Ordering::Relaxed);
             }
         }
+        live
     }
 
     /// Counts one dropped event. Async-signal-safe (one atomic add).

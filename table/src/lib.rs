@@ -21,6 +21,7 @@ pub mod resources_table;
 pub mod sampling;
 pub mod shared_view;
 pub mod stack_compression;
+pub mod timeline;
 
 pub use allocations_table::{
     AllocationRecord, AllocationsConfig, AllocationsReader, AllocationsWriter, InsertError,

@@ -226,6 +226,32 @@ impl AllocationsWriter<'_> {
         );
     }
 
+    /// Adds to the header's running live total and, in exact mode, offers
+    /// the memory curve a point when one is due (`crate::timeline`: a
+    /// coarse clock read and three loads; the counters are summed only for
+    /// a point that is taken). In sampled mode the agent feeds the curve
+    /// its estimates instead.
+    #[inline]
+    pub(super) fn fold_live(&self, add: u64, sub: u64) {
+        let live = self.counters.live_bytes_changed(add, sub);
+        if live > i64::MAX as u64 || self.view.load_u64(offsets::SAMPLE_RATE).unwrap_or(0) != 0 {
+            return;
+        }
+        let now = crate::region::clock_ns(libc::CLOCK_MONOTONIC_COARSE);
+        if crate::timeline::due(&self.view, now, live) {
+            let c = crate::header::read_counters(&self.view);
+            crate::timeline::append(
+                &self.view,
+                crate::timeline::Point {
+                    time_ns: now,
+                    live_bytes: c.live_bytes,
+                    live_blocks: c.live_blocks,
+                    alloc_bytes: c.total_bytes,
+                },
+            );
+        }
+    }
+
     /// Folds a live-bytes change into the header's running total: at once
     /// without a cache, in batches of [`LIVE_BATCH`] with one.
     #[inline]
@@ -233,9 +259,9 @@ impl AllocationsWriter<'_> {
         match cache {
             None => {
                 if delta >= 0 {
-                    self.counters.live_bytes_changed(delta as u64, 0)
+                    self.fold_live(delta as u64, 0)
                 } else {
-                    self.counters.live_bytes_changed(0, delta.unsigned_abs())
+                    self.fold_live(0, delta.unsigned_abs())
                 }
             }
             Some(c) => {

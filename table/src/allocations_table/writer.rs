@@ -545,7 +545,7 @@ impl<'a> AllocationsWriter<'a> {
         }
         match old_size {
             Some(s) => {
-                self.counters.live_bytes_changed(rec.size.min(SIZE_MASK), s);
+                self.fold_live(rec.size.min(SIZE_MASK), s);
                 Ok(Some(s))
             }
             None => self.insert(rec).map(|()| None),
