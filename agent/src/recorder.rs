@@ -1126,14 +1126,18 @@ fn curve_sampled(size: u64, rate: u64, alloc: bool) {
     let (live, n) = if alloc {
         EST_ALLOC_BYTES.fetch_add(bytes, Ordering::Relaxed);
         (
-            EST_LIVE_BYTES.fetch_add(bytes, Ordering::Relaxed).wrapping_add(bytes),
+            EST_LIVE_BYTES
+                .fetch_add(bytes, Ordering::Relaxed)
+                .wrapping_add(bytes),
             EST_LIVE_BLOCKS_X1024
                 .fetch_add(blocks, Ordering::Relaxed)
                 .wrapping_add(blocks),
         )
     } else {
         (
-            EST_LIVE_BYTES.fetch_sub(bytes, Ordering::Relaxed).wrapping_sub(bytes),
+            EST_LIVE_BYTES
+                .fetch_sub(bytes, Ordering::Relaxed)
+                .wrapping_sub(bytes),
             EST_LIVE_BLOCKS_X1024
                 .fetch_sub(blocks, Ordering::Relaxed)
                 .wrapping_sub(blocks),

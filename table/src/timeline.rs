@@ -80,7 +80,8 @@ pub struct Curve {
 fn word(view: &SharedView, off: u64) -> &std::sync::atomic::AtomicU64 {
     // The curve lies inside the header page, which every region has (its
     // creator checked the size), so this cannot fail.
-    view.atomic_u64(off).expect("timeline word inside the header page")
+    view.atomic_u64(off)
+        .expect("timeline word inside the header page")
 }
 
 fn point_at(view: &SharedView, i: u64) -> Point {
@@ -277,7 +278,11 @@ mod tests {
         let mut peak = (0, 0);
         for i in 1..=1_000_000u64 {
             // A wave with one spike in the middle.
-            let live = if i == 400_000 { 10_000_000 } else { 1000 + (i % 1000) * 100 };
+            let live = if i == 400_000 {
+                10_000_000
+            } else {
+                1000 + (i % 1000) * 100
+            };
             if live > peak.1 {
                 peak = (i, live);
             }
@@ -286,7 +291,11 @@ mod tests {
         let c = read(&v).unwrap();
         assert!(c.points.len() as u64 <= CAPACITY);
         assert_eq!(c.points[0].time_ns, 1, "the first point");
-        assert_eq!(c.points.last().unwrap().time_ns, 1_000_000, "the last point");
+        assert_eq!(
+            c.points.last().unwrap().time_ns,
+            1_000_000,
+            "the last point"
+        );
         assert!(c.points.contains(&pt(peak.0, peak.1)), "the peak");
         assert!(c.points.windows(2).all(|w| w[0].time_ns <= w[1].time_ns));
         assert_eq!(c.thinned + c.points.len() as u64, 1_000_000);
@@ -333,12 +342,15 @@ mod tests {
                 s.spawn(move || {
                     for i in 0..200_000u64 {
                         let t = i * 2 + w;
-                        append(&v, Point {
-                            time_ns: t + 1,
-                            live_bytes: t,
-                            live_blocks: t,
-                            alloc_bytes: t,
-                        });
+                        append(
+                            &v,
+                            Point {
+                                time_ns: t + 1,
+                                live_bytes: t,
+                                live_blocks: t,
+                                alloc_bytes: t,
+                            },
+                        );
                     }
                 });
             }

@@ -26,7 +26,9 @@
 //!   "unwinder": "cfi+fp" | "cfi" | "fp" | "unknown",
 //!   "sampling": null | {"rate_bytes": 524288, "estimated": true},
 //!   "recording": null | {"attached_at": "RFC 3339", "detached_at": null | "RFC 3339",
-//!                        "allocator_heap": null | {"source", "bytes"}}
+//!                        "allocator_heap": null | {"source", "bytes"}},
+//!   "timeline": null | [{"time": "RFC 3339", "live_bytes", "live_blocks", "alloc_bytes"}],
+//!   "timeline_thinned": 0
 //! }
 //! ```
 //!
@@ -102,6 +104,55 @@ pub struct JsonSnapshot {
     /// recorded; null for a process recorded since it started.
     #[serde(default)]
     pub recording: Option<JsonRecording>,
+    /// The memory curve, oldest first, its last point the snapshot's
+    /// totals; null for agents older than format 1.4.
+    #[serde(default)]
+    pub timeline: Option<Vec<JsonPoint>>,
+    /// Points of the curve thinned away (older ones, coarser the older).
+    #[serde(default)]
+    pub timeline_thinned: u64,
+}
+
+/// One point of the memory curve.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct JsonPoint {
+    /// RFC 3339.
+    pub time: String,
+    /// Live bytes then.
+    pub live_bytes: u64,
+    /// Live blocks then.
+    pub live_blocks: u64,
+    /// Bytes allocated since recording started, then.
+    pub alloc_bytes: u64,
+}
+
+impl From<&crate::target::snapshot::TimelinePoint> for JsonPoint {
+    fn from(p: &crate::target::snapshot::TimelinePoint) -> Self {
+        JsonPoint {
+            time: rfc3339(p.time),
+            live_bytes: p.live_bytes,
+            live_blocks: p.live_blocks,
+            alloc_bytes: p.alloc_bytes,
+        }
+    }
+}
+
+fn timeline_from_json(j: &JsonSnapshot) -> Option<crate::target::snapshot::Timeline> {
+    let points = j.timeline.as_ref()?;
+    Some(crate::target::snapshot::Timeline {
+        points: points
+            .iter()
+            .filter_map(|p| {
+                Some(crate::target::snapshot::TimelinePoint {
+                    time: humantime::parse_rfc3339(&p.time).ok()?,
+                    live_bytes: p.live_bytes,
+                    live_blocks: p.live_blocks,
+                    alloc_bytes: p.alloc_bytes,
+                })
+            })
+            .collect(),
+        thinned: j.timeline_thinned,
+    })
 }
 
 /// `recording`: an attached process's recording.
@@ -417,6 +468,11 @@ pub fn to_json(s: &Snapshot) -> JsonSnapshot {
             estimated: true,
         }),
         recording: s.recording.as_ref().map(JsonRecording::from),
+        timeline: s
+            .timeline
+            .as_ref()
+            .map(|t| t.points.iter().map(JsonPoint::from).collect()),
+        timeline_thinned: s.timeline.as_ref().map_or(0, |t| t.thinned),
     }
 }
 
@@ -526,6 +582,7 @@ pub fn from_json(j: &JsonSnapshot) -> Snapshot {
         unwinder: j.unwinder.clone(),
         sampling: j.sampling.as_ref().map(|s| s.rate_bytes),
         recording: j.recording.as_ref().map(Into::into),
+        timeline: timeline_from_json(j),
         timing: Default::default(),
     }
 }
@@ -626,7 +683,7 @@ mod view {
     impl Serialize for SnapshotView<'_> {
         fn serialize<S: Serializer>(&self, ser: S) -> Result<S::Ok, S::Error> {
             let s = self.0;
-            let mut m = ser.serialize_struct("JsonSnapshot", 19)?;
+            let mut m = ser.serialize_struct("JsonSnapshot", 21)?;
             m.serialize_field("format", "heapdump-snapshot")?;
             m.serialize_field("schema_version", &1u32)?;
             m.serialize_field("pid", &s.pid)?;
@@ -688,6 +745,19 @@ mod view {
             m.serialize_field(
                 "recording",
                 &s.recording.as_ref().map(super::JsonRecording::from),
+            )?;
+            m.serialize_field(
+                "timeline",
+                &s.timeline.as_ref().map(|t| {
+                    t.points
+                        .iter()
+                        .map(super::JsonPoint::from)
+                        .collect::<Vec<_>>()
+                }),
+            )?;
+            m.serialize_field(
+                "timeline_thinned",
+                &s.timeline.as_ref().map_or(0, |t| t.thinned),
             )?;
             m.end()
         }
@@ -885,6 +955,7 @@ mod tests {
             unwinder: "cfi+fp".into(),
             sampling: Some(512 << 10),
             recording: None,
+            timeline: None,
             timing: Default::default(),
         }
     }

@@ -453,6 +453,24 @@ pub fn from_snapshot(s: &Snapshot, per_thread: bool) -> Profile {
     if let Some(r) = &s.recording {
         comments.push(r.describe(s.totals.live_bytes));
     }
+    if let Some(tl) = &s.timeline {
+        if let Some(line) = tl.describe(s.taken_at) {
+            comments.push(line);
+        }
+        // The curve itself, compactly: seconds since its first point and
+        // live bytes, for tools that read comments.
+        if let Some(first) = tl.points.first() {
+            let pts: Vec<String> = tl
+                .points
+                .iter()
+                .map(|p| {
+                    let dt = p.time.duration_since(first.time).unwrap_or_default();
+                    format!("{:.3}:{}", dt.as_secs_f64(), p.live_bytes)
+                })
+                .collect();
+            comments.push(format!("timeline (s:live_bytes): {}", pts.join(" ")));
+        }
+    }
     let time_nanos = s
         .taken_at
         .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())

@@ -68,6 +68,9 @@ pub fn render(s: &Snapshot, opts: TextOptions) -> String {
     if let Some(r) = &s.recording {
         let _ = writeln!(o, "{}", r.describe(t.live_bytes));
     }
+    if let Some(line) = s.timeline.as_ref().and_then(|tl| tl.describe(s.taken_at)) {
+        let _ = writeln!(o, "{line}");
+    }
     let _ = writeln!(
         o,
         "live: {} in {} blocks | allocated since {}: {} in {} blocks | peak live: {}",

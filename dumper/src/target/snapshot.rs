@@ -168,8 +168,105 @@ pub struct Snapshot {
     /// recorded, and what its allocator says of the whole heap. `None`
     /// for a process recorded since it started.
     pub recording: Option<Recording>,
+    /// The memory curve from the start of recording to the snapshot (its
+    /// last point is the snapshot's own totals); `None` for agents older
+    /// than format 1.4.
+    pub timeline: Option<Timeline>,
     /// Timing.
     pub timing: Timing,
+}
+
+/// One point of the memory curve.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TimelinePoint {
+    /// When (wall clock).
+    pub time: SystemTime,
+    /// Live bytes then.
+    pub live_bytes: u64,
+    /// Live blocks then.
+    pub live_blocks: u64,
+    /// Bytes allocated since recording started, then.
+    pub alloc_bytes: u64,
+}
+
+/// The memory curve (see `heapdump_table::timeline`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Timeline {
+    /// Points, oldest first; older ones thinned (coarser the older).
+    pub points: Vec<TimelinePoint>,
+    /// Points thinned away so far.
+    pub thinned: u64,
+}
+
+impl Timeline {
+    /// The highest point (the earliest of equals).
+    pub fn peak(&self) -> Option<&TimelinePoint> {
+        self.points.iter().rev().max_by_key(|p| p.live_bytes)
+    }
+
+    /// One line for reports: start, peak and when, now.
+    pub fn describe(&self, now: Option<SystemTime>) -> Option<String> {
+        use crate::formats::text::human_bytes;
+        let first = self.points.first()?;
+        let last = self.points.last()?;
+        let peak = self.peak()?;
+        let ago = |t: SystemTime| {
+            now.and_then(|n| n.duration_since(t).ok())
+                .map(|d| {
+                    format!(
+                        " ({} ago)",
+                        humantime::format_duration(Duration::from_secs(d.as_secs()))
+                    )
+                })
+                .unwrap_or_default()
+        };
+        Some(format!(
+            "memory over time: {} at {}{}, peak {} at {}{}, now {} ({} points{})",
+            human_bytes(first.live_bytes),
+            crate::formats::json::rfc3339(first.time),
+            ago(first.time),
+            human_bytes(peak.live_bytes),
+            crate::formats::json::rfc3339(peak.time),
+            ago(peak.time),
+            human_bytes(last.live_bytes),
+            self.points.len(),
+            if self.thinned > 0 {
+                format!(", older ones thinned: {} dropped", self.thinned)
+            } else {
+                String::new()
+            }
+        ))
+    }
+}
+
+/// The memory curve of a target's regions, ending with `last` (the
+/// snapshot's own totals at its time); `None` when the writer keeps none.
+pub fn timeline(target: &Target, last: Option<TimelinePoint>) -> Option<Timeline> {
+    if !heapdump_table::timeline::kept_by(target.allocations.header().version_minor) {
+        return None;
+    }
+    let curve = heapdump_table::timeline::read(&target.allocations.view()).unwrap_or_default();
+    let mut points: Vec<TimelinePoint> = curve
+        .points
+        .iter()
+        .filter_map(|p| {
+            Some(TimelinePoint {
+                time: wall_time(target, p.time_ns)?,
+                live_bytes: p.live_bytes,
+                live_blocks: p.live_blocks,
+                alloc_bytes: p.alloc_bytes,
+            })
+        })
+        .collect();
+    if let Some(l) = last {
+        // Keep the order: the snapshot's own point comes last.
+        points.retain(|p| p.time <= l.time);
+        points.push(l);
+    }
+    Some(Timeline {
+        points,
+        thinned: curve.thinned,
+    })
 }
 
 /// What a snapshot of an attached process says of its recording.
@@ -708,7 +805,7 @@ pub fn take(
         }
     }
 
-    Ok(Snapshot {
+    let mut snap = Snapshot {
         pid: target.pid,
         process: target.name.clone(),
         cmdline: target.cmdline.clone(),
@@ -738,6 +835,7 @@ pub fn take(
         },
         sampling: (rate != 0).then_some(rate),
         recording: recording(target),
+        timeline: None,
         dropped,
         threads,
         sites,
@@ -764,7 +862,18 @@ pub fn take(
             symbolize: t1.elapsed(),
             nodes: stats.nodes,
         },
-    })
+    };
+    let t = &snap.totals;
+    snap.timeline = timeline(
+        target,
+        Some(TimelinePoint {
+            time: taken_at,
+            live_bytes: t.live_bytes,
+            live_blocks: t.live_blocks,
+            alloc_bytes: t.alloc_bytes,
+        }),
+    );
+    Ok(snap)
 }
 
 /// What a snapshot cannot show: "no allocation recorded" when the agent

@@ -1,0 +1,163 @@
+//! The memory curve (issue 22) on real instrumented processes: a program
+//! whose heap peaks at ~320 MiB and settles at ~71 MiB, live, after it
+//! died and in sampled mode; and a program that runs long enough for the
+//! curve's ring to fill and thin many times.
+
+mod common;
+
+use std::process::Command;
+
+use common::*;
+use heapdump_tests::{compile_c, preload_lib, Target};
+use serde_json::Value;
+
+const MIB: u64 = 1 << 20;
+/// The curve's highest point is within 1/64 of the running total's peak
+/// (`heapdump_table::timeline::RISE`), which lags the exact figure by at
+/// most a 64 KiB batch per thread.
+fn near_peak(live: u64, exact: u64) -> bool {
+    live <= exact && live >= exact - exact / 64 - (64 << 10)
+}
+
+fn points(j: &Value) -> Vec<(u64, String)> {
+    j["timeline"]
+        .as_array()
+        .expect("a timeline")
+        .iter()
+        .map(|p| {
+            (
+                p["live_bytes"].as_u64().unwrap(),
+                p["time"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect()
+}
+
+fn start(program: &str, args: &[&str], env: &[(&str, &str)]) -> Target {
+    let mut cmd = Command::new(compile_c(program));
+    cmd.args(args).env("LD_PRELOAD", preload_lib());
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    Target::spawn_until(cmd, if program == "wave" { "done" } else { "ready" })
+}
+
+#[test]
+fn the_curve_reaches_the_peak_and_ends_at_the_current_heap() {
+    let t = start("peak", &[], &[]);
+    let dir = TempDir::new("timeline-peak");
+    let out = heapdump(&["snapshot", &t.pid().to_string(), "-o", &dir.str("s.json")]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let j = read_json(&dir.path("s.json"));
+    let p = points(&j);
+    assert!(p.len() >= 3, "{p:?}");
+    // Recording starts at zero.
+    assert_eq!(p[0].0, 0, "{p:?}");
+    let exact_peak = 320 * MIB;
+    let top = p.iter().map(|x| x.0).max().unwrap();
+    assert!(
+        near_peak(top, exact_peak),
+        "highest point {top}, peak {exact_peak}: {p:?}"
+    );
+    // The last point is the snapshot's own totals: the program's blocks
+    // and stdio's buffer.
+    let now = 70 * MIB + 10 * (100 << 10);
+    let total = j["totals"]["live_bytes"].as_u64().unwrap();
+    assert!((now..now + (16 << 10)).contains(&total), "{total}");
+    assert_eq!(p.last().unwrap().0, total);
+    // Oldest first.
+    assert!(p.windows(2).all(|w| w[0].1 <= w[1].1), "{p:?}");
+    // Text and pprof say it too.
+    let text = stdout(&heapdump(&["snapshot", &t.pid().to_string()]));
+    assert!(text.contains("memory over time: 0 B at "), "{text}");
+    assert!(text.contains("now 71.0 MiB"), "{text}");
+    assert!(t.finish().success());
+}
+
+#[test]
+fn a_watch_final_snapshot_after_the_process_was_killed_still_has_the_curve() {
+    let mut t = start("peak", &[], &[]);
+    let dir = TempDir::new("timeline-killed");
+    let mut watch = Command::new(bin())
+        .args([
+            "watch",
+            &t.pid().to_string(),
+            "-d",
+            &dir.str("out"),
+            "--format",
+            "json",
+        ])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let lines = Lines::new(watch.stdout.take().unwrap());
+    assert!(lines.next().contains("watching"));
+    t.child.kill().unwrap();
+    t.child.wait().unwrap();
+    let wrote = lines.next();
+    let path = wrote
+        .split_whitespace()
+        .find(|w| w.ends_with(".json"))
+        .unwrap_or_else(|| panic!("{wrote}"));
+    let j = read_json(std::path::Path::new(path));
+    let p = points(&j);
+    let top = p.iter().map(|x| x.0).max().unwrap();
+    assert!(near_peak(top, 320 * MIB), "{p:?}");
+    assert_eq!(
+        p.last().unwrap().0,
+        j["totals"]["live_bytes"].as_u64().unwrap()
+    );
+    let now = 70 * MIB + 10 * (100 << 10);
+    assert!((now..now + (16 << 10)).contains(&p.last().unwrap().0));
+    let _ = watch.wait();
+}
+
+#[test]
+fn a_sampled_curve_estimates_the_peak() {
+    // At 256 KiB every 1 MiB block is sampled with probability
+    // 1 - exp(-4) = 0.98 and stands for 1.0187 blocks: the estimate of
+    // 320 blocks' bytes has a standard deviation of
+    // sqrt(320 * (w - 1)) * w * 1 MiB = 2.5 MiB (w = 1.0187). The curve's
+    // highest point is within 1/64 below the running estimate (5 MiB), so
+    // [320 - 5 - 6 * 2.5, 320 + 6 * 2.5] MiB holds it but with a
+    // probability of false failure under 1e-8 (6 standard deviations).
+    let t = start("peak", &[], &[("HEAPDUMP_SAMPLE_RATE", "256KiB")]);
+    let dir = TempDir::new("timeline-sampled");
+    let out = heapdump(&["snapshot", &t.pid().to_string(), "-o", &dir.str("s.json")]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let j = read_json(&dir.path("s.json"));
+    let p = points(&j);
+    let top = p.iter().map(|x| x.0).max().unwrap() as f64 / MIB as f64;
+    assert!(
+        (300.0..=335.0).contains(&top),
+        "highest point {top} MiB: {p:?}"
+    );
+    assert_eq!(
+        p.last().unwrap().0,
+        j["totals"]["live_bytes"].as_u64().unwrap()
+    );
+    assert!(t.finish().success());
+}
+
+#[test]
+fn the_ring_fills_many_times_and_keeps_the_first_the_peak_and_the_last() {
+    let t = start("wave", &["300"], &[]);
+    let dir = TempDir::new("timeline-wave");
+    let out = heapdump(&["snapshot", &t.pid().to_string(), "-o", &dir.str("s.json")]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let j = read_json(&dir.path("s.json"));
+    let p = points(&j);
+    let cap = heapdump_table::timeline::CAPACITY as usize;
+    let thinned = j["timeline_thinned"].as_u64().unwrap() as usize;
+    // 300 cycles of two moves each, 13 ms apart: ~600 points for a ring
+    // of `cap` (at least 300 if a coarse clock hid every other gap), so it
+    // thinned many times, and stayed bounded.
+    assert!(thinned >= 2 * cap, "thinned {thinned}, capacity {cap}");
+    assert!(p.len() <= cap + 1, "{} points", p.len());
+    assert_eq!(p[0].0, 0, "the first point (recording's start)");
+    let top = p.iter().map(|x| x.0).max().unwrap();
+    assert!(near_peak(top, 65 * MIB), "the spike: {top}");
+    let last = p.last().unwrap().0;
+    assert!((MIB..MIB + (16 << 10)).contains(&last), "{last}");
+    assert!(t.finish().success());
+}
