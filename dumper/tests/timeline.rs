@@ -117,7 +117,7 @@ fn a_sampled_curve_estimates_the_peak() {
     // At 256 KiB every 1 MiB block is sampled with probability
     // 1 - exp(-4) = 0.98 and stands for 1.0187 blocks: the estimate of
     // 320 blocks' bytes has a standard deviation of
-    // sqrt(320 * (w - 1)) * w * 1 MiB = 2.5 MiB (w = 1.0187). The curve's
+    // sqrt(320 * (w - 1)) * 1 MiB = 2.5 MiB (w = 1.0187). The curve's
     // highest point is within 1/64 below the running estimate (5 MiB), so
     // [320 - 5 - 6 * 2.5, 320 + 6 * 2.5] MiB holds it but with a
     // probability of false failure under 1e-8 (6 standard deviations).

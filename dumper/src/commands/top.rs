@@ -150,6 +150,17 @@ pub fn render(
         delta(t.live_blocks, base.live_blocks),
         human_bytes(t.peak_bytes),
     );
+    if let Some(tl) = &now.timeline {
+        if let Some(peak) = tl.peak() {
+            let _ = writeln!(
+                o,
+                "memory {} peak {} at {}",
+                crate::formats::text::sparkline(&tl.points, 48),
+                human_bytes(peak.live_bytes),
+                crate::formats::json::rfc3339(peak.time)
+            );
+        }
+    }
     if let Some(p) = &now.partial {
         let _ = writeln!(o, "PARTIAL: {p}");
     }

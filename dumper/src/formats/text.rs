@@ -262,3 +262,73 @@ mod tests {
         ));
     }
 }
+
+/// The memory curve in `width` characters (`▁` to `█`, each the highest
+/// live bytes in its slice of time; a slice without a point repeats the
+/// one before): for `heapdump top`'s header.
+pub fn sparkline(points: &[crate::target::snapshot::TimelinePoint], width: usize) -> String {
+    const BARS: [char; 8] = ['▁', '▂', '▃', '▄', '▅', '▆', '▇', '█'];
+    let (Some(first), Some(last)) = (points.first(), points.last()) else {
+        return String::new();
+    };
+    let width = width.max(1);
+    let span = last
+        .time
+        .duration_since(first.time)
+        .unwrap_or_default()
+        .as_secs_f64();
+    let mut slots: Vec<Option<u64>> = vec![None; width];
+    for p in points {
+        let at = p
+            .time
+            .duration_since(first.time)
+            .unwrap_or_default()
+            .as_secs_f64();
+        let i = if span > 0.0 {
+            ((at / span) * (width - 1) as f64).round() as usize
+        } else {
+            width - 1
+        };
+        let slot = &mut slots[i.min(width - 1)];
+        *slot = Some(slot.map_or(p.live_bytes, |v| v.max(p.live_bytes)));
+    }
+    let max = points
+        .iter()
+        .map(|p| p.live_bytes)
+        .max()
+        .unwrap_or(0)
+        .max(1);
+    let mut prev = first.live_bytes;
+    slots
+        .into_iter()
+        .map(|v| {
+            let v = v.unwrap_or(prev);
+            prev = v;
+            BARS[((v as u128 * 7 + max as u128 / 2) / max as u128).min(7) as usize]
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod sparkline_tests {
+    use super::sparkline;
+    use crate::target::snapshot::TimelinePoint;
+    use std::time::{Duration, UNIX_EPOCH};
+
+    fn p(s: u64, live: u64) -> TimelinePoint {
+        TimelinePoint {
+            time: UNIX_EPOCH + Duration::from_secs(s),
+            live_bytes: live,
+            live_blocks: 0,
+            alloc_bytes: 0,
+        }
+    }
+
+    #[test]
+    fn a_rise_a_spike_and_a_fall_draw_as_they_happened() {
+        let pts = [p(0, 0), p(4, 40), p(5, 100), p(6, 40), p(9, 40)];
+        assert_eq!(sparkline(&pts, 10), "▁▁▁▁▄█▄▄▄▄");
+        assert_eq!(sparkline(&pts[..1], 3), "▁▁▁");
+        assert_eq!(sparkline(&[], 3), "");
+    }
+}
