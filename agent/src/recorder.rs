@@ -79,6 +79,8 @@ struct Writers {
     resources: ResourcesWriter<'static>,
     allocations: AllocationsWriter<'static>,
     counters: HeaderCounters,
+    /// The allocations region's view, for the peak words.
+    peak_view: heapdump_table::SharedView,
     clock_base_ns: u64,
     /// The settings in force (`unwind` is the unwinder actually used: frame
     /// pointers where CFI cannot be read).
@@ -225,6 +227,7 @@ fn init(role: Role) -> Option<&'static Writers> {
             resources,
             allocations,
             counters: alloc.counters(),
+            peak_view: alloc.view(),
             clock_base_ns: alloc.header().clock_monotonic_ns,
             config,
         })
@@ -402,6 +405,9 @@ extern "C" fn thread_exit(_value: *mut libc::c_void) {
                 // SAFETY: `with_thread` set this thread's busy flag.
                 w.allocations.flush_cache(unsafe { t.nodes() });
                 if let Some(block) = t.counters.take() {
+                    w.resources.release_counters(block);
+                }
+                if let Some(block) = t.peak_block.take() {
                     w.resources.release_counters(block);
                 }
             }
@@ -913,7 +919,8 @@ fn remove_block(t: &ThreadState, w: &Writers, addr: usize, token: u64) -> Option
         // (the inherited block was never recorded here), so nothing is
         // removed.
         let node = u32::try_from(token - 1).ok()?;
-        return w.allocations.remove_direct(addr as u64, node, nodes);
+        let freed = w.allocations.remove_direct_freed(addr as u64, node, nodes)?;
+        return Some(after_removal(t, w, addr, freed, false));
     }
     // With held-back frees (glibc only, see `set_release`), glibc reads
     // the chunk header just below the block when the block is finally
@@ -923,15 +930,69 @@ fn remove_block(t: &ThreadState, w: &Writers, addr: usize, token: u64) -> Option
     if RELEASE.load(Ordering::Relaxed) != 0 {
         heapdump_table::allocations_table::prefetch_line((addr as *const u8).wrapping_sub(16));
     }
-    let removed = w.allocations.remove_cached(addr as u64, nodes);
-    if let Some(size) = removed {
-        let rate = crate::sampling::rate();
-        if rate != 0 {
-            crate::sampling::note_removed(addr);
-            curve_sampled(size, rate, false);
-        }
+    let freed = w.allocations.remove_cached_freed(addr as u64, nodes)?;
+    Some(after_removal(t, w, addr, freed, true))
+}
+
+/// The accounting of a removed block: sampled mode's filter and curve, and
+/// the peak's composition. `filtered`: the block went through the sampled
+/// filter at insert (direct blocks do not). Returns its size.
+#[inline]
+fn after_removal(
+    t: &ThreadState,
+    w: &Writers,
+    addr: usize,
+    freed: heapdump_table::allocations_table::Freed,
+    filtered: bool,
+) -> u64 {
+    let rate = crate::sampling::rate();
+    if rate != 0 && filtered {
+        crate::sampling::note_removed(addr);
+        // (Direct blocks stay out of the sampled curve, as at insert.)
+        curve_sampled(freed.size, rate, false);
     }
-    removed
+    // A block from before the heap's peak, freed after it: counted for the
+    // composition at the peak (see `heapdump_table::peak`). One load and a
+    // compare for every other free.
+    let view = w.peak_view;
+    let (gen, peak_us) = heapdump_table::peak::current(&view);
+    if gen != 0 && freed.timestamp_us <= peak_us {
+        count_peak_freed(t, w, gen, &freed, rate);
+    }
+    freed.size
+}
+
+/// Counts `freed` in this thread's peak block (claimed at its first use).
+#[cold]
+fn count_peak_freed(
+    t: &ThreadState,
+    w: &Writers,
+    gen: u64,
+    freed: &heapdump_table::allocations_table::Freed,
+    rate: u64,
+) {
+    let block = match t.peak_block.get() {
+        Some(b) => b,
+        None => {
+            // SAFETY: gettid has no preconditions.
+            let tid = unsafe { libc::syscall(libc::SYS_gettid) } as u64;
+            let Some(b) = w.resources.claim_peak_block(tid) else {
+                return;
+            };
+            t.peak_block.set(Some(b));
+            b
+        }
+    };
+    // Sampled mode: what the block stood for, weighed as a snapshot
+    // weighs a live block of its size.
+    let (count, bytes) = if rate == 0 {
+        (1, freed.size)
+    } else {
+        let wt = heapdump_table::sampling::weight(freed.size, rate);
+        ((wt * 1024.0) as u64, (freed.size as f64 * wt) as u64)
+    };
+    w.resources
+        .add_peak_freed(block, gen, freed.stack, count, bytes);
 }
 
 /// Whether this thread may hold a freed block back (see
@@ -1152,6 +1213,10 @@ fn curve_sampled(size: u64, rate: u64, alloc: bool) {
     };
     let view = region.view();
     let now = coarse_now_ns();
+    if alloc && heapdump_table::peak::due(&view, live) {
+        let base = region.header().clock_monotonic_ns;
+        heapdump_table::peak::offer(&view, now.saturating_sub(base) / 1000, live, n / 1024);
+    }
     if heapdump_table::timeline::due(&view, now, live) {
         heapdump_table::timeline::append(
             &view,

@@ -98,6 +98,10 @@ pub struct ThreadState {
     tables: Cell<*mut crate::thread_tables::ThreadTables>,
     /// This thread's block of per-stack cumulative counters.
     pub counters: Cell<Option<CounterBlock>>,
+    /// This thread's peak block: per stack, the blocks it freed since the
+    /// heap's peak that were allocated before it (`heapdump_table::peak`);
+    /// taken at its first such free.
+    pub peak_block: Cell<Option<CounterBlock>>,
     /// Free table nodes and pending live bytes of this thread. Only
     /// touched through [`ThreadState::nodes`] while `busy` is set.
     nodes: UnsafeCell<NodeCache>,
@@ -129,6 +133,7 @@ thread_local! {
             stack_known: Cell::new(false),
             tables: Cell::new(std::ptr::null_mut()),
             counters: Cell::new(None),
+            peak_block: Cell::new(None),
             nodes: UnsafeCell::new(NodeCache::new()),
             deferred: Cell::new([0; DEFER_DEPTH]),
             no_defer: Cell::new(false),
@@ -147,6 +152,7 @@ impl ThreadState {
         self.thread_key.set(0);
         self.allocs.set(0);
         self.counters.set(None);
+        self.peak_block.set(None);
         self.generation.set(generation);
         // SAFETY: called with `busy` set (see `nodes`).
         unsafe { self.nodes() }.clear();

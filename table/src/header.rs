@@ -28,7 +28,8 @@ pub const FORMAT_MAJOR: u16 = 1;
 /// `offsets::SAMPLE_RATE`); 1.3 the attach words (`offsets::ATTACHED_AT`,
 /// `offsets::DETACHED_AT`, `offsets::ALLOCATOR_HEAP`,
 /// `offsets::ALLOCATOR_HEAP_SOURCE`); 1.4 the memory curve in the
-/// allocations region's header page (`crate::timeline`).
+/// allocations region's header page (`crate::timeline`), the peak words
+/// (`crate::peak`) and the resources region's peak blocks.
 pub const FORMAT_MINOR: u16 = 4;
 /// Bytes reserved for the header at the start of every region.
 pub const HEADER_SIZE: u64 = 4096;

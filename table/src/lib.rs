@@ -16,6 +16,7 @@ pub mod allocations_table;
 pub mod byte_size;
 pub mod error;
 pub mod header;
+pub mod peak;
 pub mod region;
 pub mod resources_table;
 pub mod sampling;

@@ -7,7 +7,8 @@
 //! offset, `layout[2]` = first record offset, `layout[3]` = end of data.
 //! Dynamic words: `KIND_WORDS+0` = bump pointer (next free offset),
 //! `+8` = head of the thread-record list, `+16` stack count, `+24` thread
-//! count, `+32` = head of the counter-block list.
+//! count, `+32` = head of the counter-block list, `+40` = head of the
+//! peak-block list (format 1.4).
 //!
 //! Records are 8-aligned: word 0 = `tag | len << 32`, word 1 = `next`
 //! (bucket chain or thread list, 0 = end). A stack record then has
@@ -67,6 +68,18 @@ const W_THREADS: u64 = offsets::KIND_WORDS + 8;
 const W_STACK_COUNT: u64 = offsets::KIND_WORDS + 16;
 const W_THREAD_COUNT: u64 = offsets::KIND_WORDS + 24;
 const W_COUNTERS: u64 = offsets::KIND_WORDS + 32;
+const W_PEAK_BLOCKS: u64 = offsets::KIND_WORDS + 40;
+const TAG_PEAK: u32 = 0x524b_4650; // "PFKR"
+
+/// **Peak blocks** (format 1.4) count, per writer thread and stack, the
+/// blocks freed since the heap's last peak that had been allocated before
+/// it (see `crate::peak`): with the live blocks allocated before the peak,
+/// they give the heap's composition at the peak. Laid out as counter
+/// blocks (one owner, `stack key, count, bytes` slots), with header word 3
+/// the peak generation the slots belong to: the owner empties its block
+/// when it first adds in a new generation, and readers take only blocks of
+/// the current one.
+const PEAK_GEN_WORD: u64 = 24;
 
 const TAG_COUNTERS: u32 = 0x5254_4e43; // "CNTR"
 const COUNTERS_HEADER: u64 = 32;
@@ -367,8 +380,18 @@ impl<'a> ResourcesWriter<'a> {
     /// new one. `None` when the region is full (callers then use
     /// [`Self::record_allocation`]). Lock-free; never allocates.
     pub fn claim_counters(&self, owner: u64) -> Option<CounterBlock> {
+        self.claim_block(W_COUNTERS, TAG_COUNTERS, owner)
+    }
+
+    /// Claims a peak block (see [`TAG_PEAK`]) for the calling thread, like
+    /// [`Self::claim_counters`]. Release it with [`Self::release_counters`].
+    pub fn claim_peak_block(&self, owner: u64) -> Option<CounterBlock> {
+        self.claim_block(W_PEAK_BLOCKS, TAG_PEAK, owner)
+    }
+
+    fn claim_block(&self, list: u64, tag: u32, owner: u64) -> Option<CounterBlock> {
         let owner = owner.max(1);
-        let head = self.word(W_COUNTERS).load(Ordering::Acquire);
+        let head = self.word(list).load(Ordering::Acquire);
         let mut cur = head;
         let mut steps = 0u64;
         let limit = (self.layout.data_end - self.layout.data_off) / COUNTERS_HEADER + 1;
@@ -382,7 +405,7 @@ impl<'a> ResourcesWriter<'a> {
                 && cur
                     .checked_add(size)
                     .is_some_and(|e| e <= self.layout.data_end)
-                && self.view.load_u64(cur) == Some(u64::from(TAG_COUNTERS) | COUNTER_SLOTS << 32);
+                && self.view.load_u64(cur) == Some(u64::from(tag) | COUNTER_SLOTS << 32);
             if !well_formed {
                 break;
             }
@@ -397,12 +420,9 @@ impl<'a> ResourcesWriter<'a> {
         }
         let size = COUNTERS_HEADER + COUNTER_SLOTS * COUNTER_SLOT;
         let off = self.reserve(size).ok()?;
-        self.word(off).store(
-            u64::from(TAG_COUNTERS) | COUNTER_SLOTS << 32,
-            Ordering::Relaxed,
-        );
+        self.word(off).store(u64::from(tag) | COUNTER_SLOTS << 32, Ordering::Relaxed);
         self.word(off + 16).store(owner, Ordering::Relaxed);
-        let head_word = self.word(W_COUNTERS);
+        let head_word = self.word(list);
         let mut head = head_word.load(Ordering::Relaxed);
         loop {
             self.word(off + 8).store(head, Ordering::Relaxed);
@@ -496,6 +516,60 @@ impl<'a> ResourcesWriter<'a> {
             Ordering::Relaxed,
         );
         Some(i as u32)
+    }
+
+    /// Adds `count` blocks of `bytes` from stack `key`, freed since the
+    /// peak of generation `gen` and allocated before it, to `block` (a peak
+    /// block only the calling thread holds). The block is emptied first if
+    /// it holds another generation's counts. False when the block had no
+    /// room near the key's place (the event is then not counted).
+    pub fn add_peak_freed(
+        &self,
+        block: CounterBlock,
+        gen: u64,
+        key: ResourceKey,
+        count: u64,
+        bytes: u64,
+    ) -> bool {
+        let base = block.0 + COUNTERS_HEADER;
+        let slot_word = |i: u64, w: u64| {
+            let off = base + i * COUNTER_SLOT + w * 8;
+            // SAFETY: as in `count_allocations`: a claimed block of
+            // COUNTER_SLOTS slots inside the data area; `i` is masked and
+            // `w` < 3.
+            unsafe { self.view.atomic_u64_unchecked(off) }
+        };
+        // SAFETY: the header word of the same claimed block.
+        let gen_word = unsafe { self.view.atomic_u64_unchecked(block.0 + PEAK_GEN_WORD) };
+        if gen_word.load(Ordering::Relaxed) != gen {
+            // Another generation's counts: mark the block as being emptied
+            // (generation 0: readers skip it), empty it, then publish the
+            // new generation with Release.
+            gen_word.store(0, Ordering::Relaxed);
+            fence(Ordering::Release);
+            for i in 0..COUNTER_SLOTS {
+                for w in 0..3 {
+                    slot_word(i, w).store(0, Ordering::Relaxed);
+                }
+            }
+            gen_word.store(gen, Ordering::Release);
+        }
+        let start = (key.0 >> 3).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 54;
+        for p in 0..COUNTER_PROBE {
+            let i = (start + p) & (COUNTER_SLOTS - 1);
+            let k = slot_word(i, 0).load(Ordering::Relaxed);
+            if k == 0 {
+                slot_word(i, 0).store(key.0, Ordering::Release);
+            } else if k != key.0 {
+                continue;
+            }
+            let c = slot_word(i, 1);
+            c.store(c.load(Ordering::Relaxed).wrapping_add(count), Ordering::Relaxed);
+            let b = slot_word(i, 2);
+            b.store(b.load(Ordering::Relaxed).wrapping_add(bytes), Ordering::Relaxed);
+            return true;
+        }
+        false
     }
 
     /// Bytes of the data area in use.
@@ -757,8 +831,32 @@ impl<'a> ResourcesReader<'a> {
     /// Sums of every counter block's slots, by stack key. Bounded and
     /// cycle-safe like every walk; a bad block marks the result partial.
     fn counter_sums(&self, partial: &mut Option<String>) -> HashMap<u64, (u64, u64)> {
+        self.block_sums(W_COUNTERS, TAG_COUNTERS, None, partial)
+    }
+
+    /// Per stack key, the blocks and bytes freed since the peak of
+    /// generation `gen` that had been allocated before it (the peak blocks
+    /// of that generation, summed), and whether the sums are partial.
+    pub fn peak_freed(&self, gen: u64) -> (HashMap<ResourceKey, (u64, u64)>, Option<String>) {
+        let mut partial = None;
+        let sums = self.block_sums(W_PEAK_BLOCKS, TAG_PEAK, Some(gen), &mut partial);
+        (
+            sums.into_iter().map(|(k, v)| (ResourceKey(k), v)).collect(),
+            partial,
+        )
+    }
+
+    /// Sums of the slots of every block on list `list` with tag `tag` (and,
+    /// with `gen`, header word 3 equal to it), by key.
+    fn block_sums(
+        &self,
+        list: u64,
+        tag: u32,
+        gen: Option<u64>,
+        partial: &mut Option<String>,
+    ) -> HashMap<u64, (u64, u64)> {
         let mut sums: HashMap<u64, (u64, u64)> = HashMap::new();
-        let head = self.view.load_u64(W_COUNTERS).unwrap_or(0);
+        let head = self.view.load_u64(list).unwrap_or(0);
         fence(Ordering::Acquire);
         let mut seen = HashSet::new();
         let mut budget = self.max_records();
@@ -776,9 +874,19 @@ impl<'a> ResourcesReader<'a> {
             let w0 = self.view.load_u64(k).unwrap_or(0);
             let slots = w0 >> 32;
             let size = COUNTERS_HEADER + slots.min(1 << 20) * COUNTER_SLOT;
-            if w0 as u32 != TAG_COUNTERS || slots > 1 << 16 || k.saturating_add(size) > limit {
+            if w0 as u32 != tag || slots > 1 << 16 || k.saturating_add(size) > limit {
                 partial.get_or_insert_with(|| "a counter block is corrupt".to_string());
                 continue;
+            }
+            if let Some(g) = gen {
+                // Acquire: the slots of the generation read are seen.
+                let bg = self
+                    .view
+                    .atomic_u64(k + PEAK_GEN_WORD)
+                    .map_or(0, |w| w.load(Ordering::Acquire));
+                if bg != g {
+                    continue;
+                }
             }
             if slots > slot_budget {
                 partial.get_or_insert_with(|| "counter blocks overlap".to_string());

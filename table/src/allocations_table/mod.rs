@@ -103,4 +103,4 @@ pub use reader::{
 };
 pub use record::AllocationRecord;
 pub(crate) use shards::add_shard_counters;
-pub use writer::{AllocationsWriter, InsertError, NodeCache, LIVE_BATCH, NODE_CACHE};
+pub use writer::{AllocationsWriter, Freed, InsertError, NodeCache, LIVE_BATCH, NODE_CACHE};

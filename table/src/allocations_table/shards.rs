@@ -14,6 +14,9 @@
 
 use super::*;
 
+/// Offset of `StaticHeader::clock_monotonic_ns` (the regions' clock base).
+const CLOCK_BASE_OFF: u64 = 48;
+
 pub(super) struct ShardGuard<'w> {
     lock: &'w AtomicU32,
 }
@@ -205,7 +208,7 @@ impl AllocationsWriter<'_> {
         h: u64,
         addr: u64,
         keep: bool,
-    ) -> Option<(u64, Option<u32>)> {
+    ) -> Option<(Freed, Option<u32>)> {
         let spill = self.spill_shard(addr, h);
         if spill == home {
             return None;
@@ -226,10 +229,11 @@ impl AllocationsWriter<'_> {
         );
     }
 
-    /// Adds to the header's running live total and, in exact mode, offers
-    /// the memory curve a point when one is due (`crate::timeline`: a
-    /// coarse clock read and three loads; the counters are summed only for
-    /// a point that is taken). In sampled mode the agent feeds the curve
+    /// Adds to the header's running live total and, in exact mode, moves
+    /// the peak when live bytes pass it (`crate::peak`) and offers the
+    /// memory curve a point when one is due (`crate::timeline`): a coarse
+    /// clock read and a few loads; the counters are summed only for a
+    /// point or a peak that is taken. In sampled mode the agent feeds both
     /// its estimates instead.
     #[inline]
     pub(super) fn fold_live(&self, add: u64, sub: u64) {
@@ -237,9 +241,20 @@ impl AllocationsWriter<'_> {
         if live > i64::MAX as u64 || self.view.load_u64(offsets::SAMPLE_RATE).unwrap_or(0) != 0 {
             return;
         }
+        let curve_due = |now| crate::timeline::due(&self.view, now, live);
+        let peak_due = crate::peak::due(&self.view, live);
         let now = crate::region::clock_ns(libc::CLOCK_MONOTONIC_COARSE);
-        if crate::timeline::due(&self.view, now, live) {
-            let c = crate::header::read_counters(&self.view);
+        if !peak_due && !curve_due(now) {
+            return;
+        }
+        let c = crate::header::read_counters(&self.view);
+        if peak_due {
+            // Record times are microseconds since the clock base, read
+            // from the same coarse clock (see the agent's recorder).
+            let base = self.view.load_u64(CLOCK_BASE_OFF).unwrap_or(0);
+            crate::peak::offer(&self.view, now.saturating_sub(base) / 1000, live, c.live_blocks);
+        }
+        if curve_due(now) {
             crate::timeline::append(
                 &self.view,
                 crate::timeline::Point {

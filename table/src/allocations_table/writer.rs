@@ -14,6 +14,17 @@
 
 use super::*;
 
+/// What a removed record held (besides its address).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Freed {
+    /// Block size.
+    pub size: u64,
+    /// Its stack.
+    pub stack: ResourceKey,
+    /// Its allocation time (microseconds since the clock base).
+    pub timestamp_us: u64,
+}
+
 /// Free nodes a [`NodeCache`] holds.
 pub const NODE_CACHE: usize = 32;
 /// A [`NodeCache`] folds live-byte changes into the header's running total
@@ -368,7 +379,7 @@ impl<'a> AllocationsWriter<'a> {
         h: u64,
         addr: u64,
         keep_node: bool,
-    ) -> Option<(u64, Option<u32>)> {
+    ) -> Option<(Freed, Option<u32>)> {
         let cap = 1u64 << self.cap_log2(shard);
         let win = self.window(shard);
         let (i, node) = self.find(shard, win, cap, h, addr)?;
@@ -393,8 +404,15 @@ impl<'a> AllocationsWriter<'a> {
         shard: u64,
         node: u32,
         keep_node: bool,
-    ) -> (u64, Option<u32>) {
-        let size = self.node_word(node, 2).load(Ordering::Relaxed) & SIZE_MASK;
+    ) -> (Freed, Option<u32>) {
+        let w2 = self.node_word(node, 2).load(Ordering::Relaxed);
+        let w3 = self.node_word(node, 3).load(Ordering::Relaxed);
+        let size = w2 & SIZE_MASK;
+        let freed = Freed {
+            size,
+            stack: ResourceKey((w3 & 0xffff_ffff) * 8),
+            timestamp_us: (w2 >> 48) << 32 | w3 >> 32,
+        };
         let kept = if keep_node {
             self.write_node(node, 0, 0, 0, 0);
             Some(node)
@@ -406,7 +424,7 @@ impl<'a> AllocationsWriter<'a> {
         };
         self.add_live_locked(shard, 0, size);
         self.bump_locked(shard, S_LEN, u32::wrapping_sub);
-        (size, kept)
+        (freed, kept)
     }
 
     /// Inserts `rec` as a *direct* block (see the module doc): no index
@@ -455,12 +473,23 @@ impl<'a> AllocationsWriter<'a> {
     /// thread's next insert while it has room. Never allocates.
     #[inline]
     pub fn remove_direct(&self, addr: u64, node: u32, cache: &mut NodeCache) -> Option<u64> {
+        self.remove_direct_freed(addr, node, cache).map(|f| f.size)
+    }
+
+    /// [`Self::remove_direct`], returning what the record held.
+    #[inline]
+    pub fn remove_direct_freed(
+        &self,
+        addr: u64,
+        node: u32,
+        cache: &mut NodeCache,
+    ) -> Option<Freed> {
         if addr == 0 || u64::from(node) >= self.layout.capacity {
             return None;
         }
         let home = self.home_shard(addr, hash(addr));
         let keep = cache.len < NODE_CACHE;
-        let (size, kept) = {
+        let (freed, kept) = {
             let _g = self.lock(home);
             // Under the home shard's lock: a direct block of `addr` was
             // written under this lock, and no other live block has `addr`.
@@ -473,24 +502,31 @@ impl<'a> AllocationsWriter<'a> {
         if let Some(node) = kept {
             cache.push(node);
         }
-        self.live_changed(Some(cache), -(size as i64));
-        Some(size)
+        self.live_changed(Some(cache), -(freed.size as i64));
+        Some(freed)
     }
 
     /// Removes the block at `addr`, returning its size, or `None` if the
     /// table does not hold it. Never allocates.
     pub fn remove(&self, addr: u64) -> Option<u64> {
-        self.remove_impl(addr, None)
+        self.remove_impl(addr, None).map(|f| f.size)
     }
 
     /// [`Self::remove`] keeping the freed node in the calling thread's
     /// `cache` (for its next insert) and settling live bytes there.
     pub fn remove_cached(&self, addr: u64, cache: &mut NodeCache) -> Option<u64> {
+        self.remove_impl(addr, Some(cache)).map(|f| f.size)
+    }
+
+    /// [`Self::remove_cached`], returning what the record held (its stack
+    /// and allocation time, for the peak's accounting).
+    #[inline]
+    pub fn remove_cached_freed(&self, addr: u64, cache: &mut NodeCache) -> Option<Freed> {
         self.remove_impl(addr, Some(cache))
     }
 
     #[inline]
-    pub(super) fn remove_impl(&self, addr: u64, mut cache: Option<&mut NodeCache>) -> Option<u64> {
+    pub(super) fn remove_impl(&self, addr: u64, mut cache: Option<&mut NodeCache>) -> Option<Freed> {
         let h = hash(addr);
         let home = self.home_shard(addr, h);
         let keep = cache.as_ref().is_some_and(|c| c.len < NODE_CACHE);
@@ -501,12 +537,12 @@ impl<'a> AllocationsWriter<'a> {
         if r.is_none() && self.spilled(home) {
             r = self.remove_spilled(home, h, addr, keep);
         }
-        let (size, kept) = r?;
+        let (freed, kept) = r?;
         if let (Some(node), Some(c)) = (kept, cache.as_mut()) {
             c.push(node);
         }
-        self.live_changed(cache, -(size as i64));
-        Some(size)
+        self.live_changed(cache, -(freed.size as i64));
+        Some(freed)
     }
 
     /// Replaces the block at `old` by `rec` (a `realloc`): in place when the
