@@ -919,7 +919,9 @@ fn remove_block(t: &ThreadState, w: &Writers, addr: usize, token: u64) -> Option
         // (the inherited block was never recorded here), so nothing is
         // removed.
         let node = u32::try_from(token - 1).ok()?;
-        let freed = w.allocations.remove_direct_freed(addr as u64, node, nodes)?;
+        let freed = w
+            .allocations
+            .remove_direct_freed(addr as u64, node, nodes)?;
         return Some(after_removal(t, w, addr, freed, false));
     }
     // With held-back frees (glibc only, see `set_release`), glibc reads

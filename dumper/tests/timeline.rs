@@ -161,3 +161,133 @@ fn the_ring_fills_many_times_and_keeps_the_first_the_peak_and_the_last() {
     assert!((MIB..MIB + (16 << 10)).contains(&last), "{last}");
     assert!(t.finish().success());
 }
+
+/// Live (blocks, bytes) by leaf and the `peak` object of a `--peak`
+/// JSON snapshot.
+fn peak_tables(j: &Value) -> (std::collections::BTreeMap<String, (u64, u64)>, Value) {
+    (live_by_leaf(j), j["peak"].clone())
+}
+
+/// The composition at the peak of tests/c/peak.c: the spike's site within
+/// the stated tolerance of 250 MiB (blocks allocated after the recorded
+/// peak moment, in the last 1/64 of the rise, are not counted), the kept
+/// site exactly, the site that allocated only after the peak at 0.
+fn check_peak_composition(j: &Value, sampled: bool) {
+    let (sites, peak) = peak_tables(j);
+    assert!(peak["time"].is_string(), "{peak}");
+    let tolerance = peak["tolerance"].as_u64().unwrap();
+    let live = peak["live_bytes"].as_u64().unwrap();
+    assert_eq!(live, j["totals"]["live_bytes"].as_u64().unwrap());
+    assert!(tolerance >= 320 * MIB / 64, "{peak}");
+    let spike = sites.get("site_spike").map_or(0, |c| c.1);
+    let keep = sites.get("site_keep").map_or(0, |c| c.1);
+    let after = sites.get("site_after").map_or(0, |c| c.0);
+    assert_eq!(after, 0, "allocated after the peak: {sites:#?}");
+    if sampled {
+        // Estimates: within the tolerance and 6 standard deviations of
+        // the 1 MiB blocks' sampling (2.5 MiB for 320, see above).
+        let f = |b: u64| b as f64 / MIB as f64;
+        assert!(
+            (235.0..=265.0).contains(&f(spike)),
+            "spike {}: {sites:#?}",
+            f(spike)
+        );
+        assert!(
+            (60.0..=80.0).contains(&f(keep)),
+            "keep {}: {sites:#?}",
+            f(keep)
+        );
+    } else {
+        assert!(
+            spike <= 250 * MIB && spike + tolerance >= 250 * MIB,
+            "spike {spike}, tolerance {tolerance}: {sites:#?}"
+        );
+        assert_eq!(sites.get("site_keep"), Some(&(70, 70 * MIB)), "{sites:#?}");
+    }
+}
+
+#[test]
+fn the_heap_at_its_peak_shows_the_spike_the_kept_blocks_and_nothing_after() {
+    let t = start("peak", &[], &[]);
+    let dir = TempDir::new("peak-live");
+    let out = heapdump(&[
+        "snapshot",
+        &t.pid().to_string(),
+        "--peak",
+        "-o",
+        &dir.str("p.json"),
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    check_peak_composition(&read_json(&dir.path("p.json")), false);
+    // The text report says which moment it shows; pprof loads.
+    let text = stdout(&heapdump(&["snapshot", &t.pid().to_string(), "--peak"]));
+    assert!(text.contains("THE HEAP AT ITS PEAK"), "{text}");
+    let out = heapdump(&[
+        "snapshot",
+        &t.pid().to_string(),
+        "--peak",
+        "-o",
+        &dir.str("p.pb.gz"),
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(t.finish().success());
+}
+
+#[test]
+fn the_heap_at_its_peak_in_sampled_mode_is_estimated() {
+    let t = start("peak", &[], &[("HEAPDUMP_SAMPLE_RATE", "256KiB")]);
+    let dir = TempDir::new("peak-sampled");
+    let out = heapdump(&[
+        "snapshot",
+        &t.pid().to_string(),
+        "--peak",
+        "-o",
+        &dir.str("p.json"),
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    check_peak_composition(&read_json(&dir.path("p.json")), true);
+    assert!(t.finish().success());
+}
+
+#[test]
+fn watch_writes_the_peak_beside_the_heap_at_death() {
+    let mut t = start("peak", &[], &[]);
+    let dir = TempDir::new("peak-killed");
+    let mut watch = Command::new(bin())
+        .args([
+            "watch",
+            &t.pid().to_string(),
+            "-d",
+            &dir.str("out"),
+            "--format",
+            "json",
+            "--peak",
+        ])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let lines = Lines::new(watch.stdout.take().unwrap());
+    assert!(lines.next().contains("watching"));
+    t.child.kill().unwrap();
+    t.child.wait().unwrap();
+    let mut last = None;
+    let mut peak = None;
+    for _ in 0..2 {
+        let wrote = lines.next();
+        let path = wrote
+            .split_whitespace()
+            .find(|w| w.ends_with(".json"))
+            .unwrap_or_else(|| panic!("{wrote}"))
+            .to_string();
+        if path.ends_with("-peak.json") {
+            peak = Some(path);
+        } else {
+            last = Some(path);
+        }
+    }
+    let last = read_json(std::path::Path::new(&last.expect("the final snapshot")));
+    assert!(last["peak"].is_null());
+    let p = read_json(std::path::Path::new(&peak.expect("the peak snapshot")));
+    check_peak_composition(&p, false);
+    let _ = watch.wait();
+}

@@ -43,6 +43,10 @@ const W_GEN: u64 = PEAK_OFF + 16;
 const W_TIME: u64 = PEAK_OFF + 24;
 const W_LIVE: u64 = PEAK_OFF + 32;
 const W_BLOCKS: u64 = PEAK_OFF + 40;
+// The peak words lie between the header words and the curve.
+const _: () = assert!(PEAK_OFF >= crate::timeline::first_free_after_words());
+const _: () = assert!(W_BLOCKS + 8 <= crate::timeline::TIMELINE_OFF);
+
 /// The peak moves when live bytes pass it by more than 1/`TOLERANCE_DIV`.
 pub const TOLERANCE_DIV: u64 = 64;
 
@@ -61,7 +65,8 @@ pub struct Peak {
 
 fn word(view: &SharedView, off: u64) -> &AtomicU64 {
     // Inside the header page, which every region has.
-    view.atomic_u64(off).expect("peak word inside the header page")
+    view.atomic_u64(off)
+        .expect("peak word inside the header page")
 }
 
 /// Whether live bytes `live` pass the recorded peak by enough to move it
@@ -153,14 +158,11 @@ mod tests {
         assert!(offer(&v, 12, 6501, 3));
         assert!(!offer(&v, 13, 100, 1), "a fall never moves it");
         let p = read(&v).unwrap();
-        assert_eq!((p.generation, p.time_us, p.live_bytes, p.live_blocks), (2, 12, 6501, 3));
+        assert_eq!(
+            (p.generation, p.time_us, p.live_bytes, p.live_blocks),
+            (2, 12, 6501, 3)
+        );
         assert_eq!(current(&v), (2, 12));
         drop(mem);
-    }
-
-    #[test]
-    fn the_peak_words_lie_between_the_header_words_and_the_curve() {
-        assert!(PEAK_OFF >= crate::timeline::first_free_after_words());
-        assert!(W_BLOCKS + 8 <= crate::timeline::TIMELINE_OFF);
     }
 }

@@ -420,7 +420,8 @@ impl<'a> ResourcesWriter<'a> {
         }
         let size = COUNTERS_HEADER + COUNTER_SLOTS * COUNTER_SLOT;
         let off = self.reserve(size).ok()?;
-        self.word(off).store(u64::from(tag) | COUNTER_SLOTS << 32, Ordering::Relaxed);
+        self.word(off)
+            .store(u64::from(tag) | COUNTER_SLOTS << 32, Ordering::Relaxed);
         self.word(off + 16).store(owner, Ordering::Relaxed);
         let head_word = self.word(list);
         let mut head = head_word.load(Ordering::Relaxed);
@@ -564,9 +565,15 @@ impl<'a> ResourcesWriter<'a> {
                 continue;
             }
             let c = slot_word(i, 1);
-            c.store(c.load(Ordering::Relaxed).wrapping_add(count), Ordering::Relaxed);
+            c.store(
+                c.load(Ordering::Relaxed).wrapping_add(count),
+                Ordering::Relaxed,
+            );
             let b = slot_word(i, 2);
-            b.store(b.load(Ordering::Relaxed).wrapping_add(bytes), Ordering::Relaxed);
+            b.store(
+                b.load(Ordering::Relaxed).wrapping_add(bytes),
+                Ordering::Relaxed,
+            );
             return true;
         }
         false

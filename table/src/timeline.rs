@@ -13,6 +13,8 @@
 //! [`CAPACITY`] points of four words each, oldest first.
 //!
 //! Invariants:
+//! - Nothing here allocates: writers run inside the agent's allocation
+//!   hooks.
 //! - Writers never wait: one that finds the lock taken drops its point
 //!   (the next one comes at the next change), so the allocation path
 //!   never blocks on the curve.
@@ -43,6 +45,10 @@ const POINTS_OFF: u64 = TIMELINE_OFF + 64;
 const POINT_SIZE: u64 = 32;
 /// Points the curve holds before it thins.
 pub const CAPACITY: u64 = (HEADER_SIZE - POINTS_OFF) / POINT_SIZE;
+// The curve lies after every header word and inside the header page.
+const _: () = assert!(TIMELINE_OFF >= first_free_after_words());
+const _: () = assert!(POINTS_OFF + CAPACITY * POINT_SIZE <= HEADER_SIZE);
+const _: () = assert!(CAPACITY >= 64);
 
 /// A point is taken when live bytes moved by more than 1/`MOVE` of the
 /// last point's...
@@ -169,27 +175,31 @@ pub fn append(view: &SharedView, p: Point) -> bool {
 /// Drops every other point of the older half, keeping the first point and
 /// the highest; returns the new count. Caller holds the lock.
 fn thin(view: &SharedView, count: u64) -> u64 {
-    let points: Vec<Point> = (0..count).map(|i| point_at(view, i)).collect();
+    // On the stack: this runs inside an allocation hook, where allocating
+    // would recurse into it.
+    let mut points = [Point::default(); CAPACITY as usize];
+    let count = count.min(CAPACITY);
+    for (i, p) in points.iter_mut().enumerate().take(count as usize) {
+        *p = point_at(view, i as u64);
+    }
+    let points = &points[..count as usize];
     let peak = points
         .iter()
         .enumerate()
         .max_by_key(|(i, p)| (p.live_bytes, std::cmp::Reverse(*i)))
         .map_or(0, |(i, _)| i);
     let half = count / 2;
-    let mut kept = Vec::with_capacity(count as usize);
+    let mut kept = 0u64;
     for (i, p) in points.iter().enumerate() {
         let i_u = i as u64;
-        let keep = i == 0 || i == peak || i_u >= half || i_u % 2 == 0;
-        if keep {
-            kept.push(*p);
+        if i == 0 || i == peak || i_u >= half || i_u.is_multiple_of(2) {
+            // `kept <= i`: a point is never written over before it is read.
+            store_point(view, kept, *p);
+            kept += 1;
         }
     }
-    for (i, p) in kept.iter().enumerate() {
-        store_point(view, i as u64, *p);
-    }
-    let removed = count - kept.len() as u64;
-    word(view, W_THINNED).fetch_add(removed, Ordering::Relaxed);
-    kept.len() as u64
+    word(view, W_THINNED).fetch_add(count - kept, Ordering::Relaxed);
+    kept
 }
 
 /// Offers the curve a point (the writers' entry): appended when due.
@@ -263,13 +273,6 @@ mod tests {
             live_blocks: live / 100,
             alloc_bytes: t,
         }
-    }
-
-    #[test]
-    fn the_curve_lies_after_every_header_word_and_inside_the_page() {
-        assert!(TIMELINE_OFF >= first_free_after_words());
-        assert!(POINTS_OFF + CAPACITY * POINT_SIZE <= HEADER_SIZE);
-        assert!(CAPACITY >= 64);
     }
 
     #[test]

@@ -80,6 +80,7 @@ pub fn demo(dir: &Path, env: &AgentEnv) -> Result<DemoReport, DemoError> {
             &target,
             &maps,
             snapshot::Options {
+                peak: false,
                 symbolizer: Some(&mut sym),
                 progress: true,
                 request: None,

@@ -237,6 +237,7 @@ pub fn command(a: RunArgs) -> anyhow::Result<i32> {
                 keep: None,
                 ages: AgeFilter::default(),
                 all: false,
+                peak: false,
                 scan: Duration::from_secs(1),
                 max_total: None,
             };

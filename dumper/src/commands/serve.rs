@@ -160,6 +160,7 @@ impl State {
             target,
             &maps,
             snapshot::Options {
+                peak: false,
                 symbolizer: self.opts.symbolize.then_some(&mut self.symbolizer),
                 progress: false,
                 request: None,

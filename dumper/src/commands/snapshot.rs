@@ -28,6 +28,13 @@ pub struct SnapshotArgs {
     pub(crate) sym: SymArgs,
     #[command(flatten)]
     pub(crate) ages: AgeArgs,
+    /// The heap at its peak instead of now: per site and thread, the live
+    /// bytes and blocks when live bytes were highest (within the tolerance
+    /// the output states), with that moment. Blocks freed since the peak
+    /// count under their stacks, their thread shown as "<freed since the
+    /// peak>".
+    #[arg(long)]
+    pub(crate) peak: bool,
 }
 
 /// `heapdump snapshot`: returns the exit status (0, or [`EXIT_PARTIAL`]).
@@ -35,6 +42,9 @@ pub fn command(a: SnapshotArgs) -> Result<i32> {
     let format = a.report.format()?;
     let start = std::time::Instant::now();
     let target = discovery::open_target(a.pid)?;
+    if a.peak {
+        snapshot::peak_recorded(&target).map_err(anyhow::Error::msg)?;
+    }
     let maps = read_maps(a.pid, &mut BuildIds::default())
         .with_context(|| format!("reading /proc/{}/maps", a.pid))?;
     let mut sym = Symbolizer::new();
@@ -47,6 +57,7 @@ pub fn command(a: SnapshotArgs) -> Result<i32> {
             request: None,
             keep_allocator_frames: a.sym.keep_allocator_frames,
             ages: a.ages.filter(),
+            peak: a.peak,
         },
     )
     .with_context(|| format!("taking a snapshot of pid {}", a.pid))?;

@@ -305,6 +305,7 @@ pub fn command(a: TopArgs) -> anyhow::Result<i32> {
             &target,
             &maps,
             crate::target::snapshot::Options {
+                peak: false,
                 symbolizer: Some(&mut sym),
                 progress: tty && seq == 0,
                 request: None,

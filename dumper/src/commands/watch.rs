@@ -68,6 +68,9 @@ pub struct WatchOptions {
     /// Host-wide collector: also watch every instrumented process found
     /// later (scanned every `scan`), run until stopped.
     pub all: bool,
+    /// With the final snapshot (exit or stop), also write the heap at its
+    /// peak (`-peak` before the extension).
+    pub peak: bool,
     /// How often `all` looks for new instrumented processes.
     pub scan: Duration,
     /// Keep the snapshot files in the directory under this many bytes in
@@ -314,6 +317,7 @@ fn shoot(
         &w.target,
         &w.maps,
         snapshot::Options {
+            peak: false,
             symbolizer: opts.symbolize.then_some(symbolizer),
             progress: false,
             request,
@@ -334,6 +338,35 @@ fn shoot(
             }
         })?;
         paths.push(path);
+    }
+    let last = matches!(reason, Reason::Exit | Reason::Stop);
+    if last && opts.peak && snapshot::peak_recorded(&w.target).is_ok() {
+        let peak = snapshot::take(
+            &w.target,
+            &w.maps,
+            snapshot::Options {
+                peak: true,
+                symbolizer: opts.symbolize.then_some(&mut *symbolizer),
+                progress: false,
+                request: None,
+                keep_allocator_frames: opts.keep_allocator_frames,
+                ages: opts.ages,
+            },
+        )
+        .map_err(|source| WatchError::Snapshot { pid, source })?;
+        for f in &opts.formats {
+            let name = file_name(pid, w.seq, &reason, &snap, *f);
+            let ext = format!(".{}", f.extension());
+            let stem = name.strip_suffix(&ext).unwrap_or(&name);
+            let path = opts.dir.join(format!("{stem}-peak{ext}"));
+            formats::write_snapshot(&path, &peak, *f, opts.render).map_err(|source| {
+                WatchError::Write {
+                    path: path.clone(),
+                    source,
+                }
+            })?;
+            paths.push(path);
+        }
     }
     Ok(Written {
         pid,
@@ -638,6 +671,11 @@ pub struct WatchArgs {
     /// answered, since the heap at an earlier request is gone.
     #[arg(long)]
     pub(crate) answer_pending: bool,
+    /// With the final snapshot (when a target exits, or the watch stops),
+    /// also write the heap at its peak, in every format, its file names
+    /// ending in `-peak` (see `snapshot --peak`).
+    #[arg(long)]
+    pub(crate) peak: bool,
     #[command(flatten)]
     pub(crate) sym: SymArgs,
     #[command(flatten)]
@@ -679,6 +717,7 @@ pub fn command(a: WatchArgs) -> anyhow::Result<i32> {
         keep: a.keep.map(|n| n as usize),
         ages: a.ages.filter(),
         all: a.all,
+        peak: a.peak,
         scan: a.scan,
         max_total: a.max_total,
     };

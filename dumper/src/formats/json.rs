@@ -28,7 +28,8 @@
 //!   "recording": null | {"attached_at": "RFC 3339", "detached_at": null | "RFC 3339",
 //!                        "allocator_heap": null | {"source", "bytes"}},
 //!   "timeline": null | [{"time": "RFC 3339", "live_bytes", "live_blocks", "alloc_bytes"}],
-//!   "timeline_thinned": 0
+//!   "timeline_thinned": 0,
+//!   "peak": null | {"time": "RFC 3339", "live_bytes", "tolerance"}  // snapshot --peak
 //! }
 //! ```
 //!
@@ -111,6 +112,30 @@ pub struct JsonSnapshot {
     /// Points of the curve thinned away (older ones, coarser the older).
     #[serde(default)]
     pub timeline_thinned: u64,
+    /// Set when the document is the heap at its peak (`snapshot --peak`).
+    #[serde(default)]
+    pub peak: Option<JsonPeak>,
+}
+
+/// The moment a `--peak` snapshot shows.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct JsonPeak {
+    /// RFC 3339: when live bytes were highest.
+    pub time: String,
+    /// Live bytes then (the sites' sum).
+    pub live_bytes: u64,
+    /// Bytes the true high-water mark may exceed `live_bytes` by.
+    pub tolerance: u64,
+}
+
+impl From<&crate::target::snapshot::PeakInfo> for JsonPeak {
+    fn from(p: &crate::target::snapshot::PeakInfo) -> Self {
+        JsonPeak {
+            time: rfc3339(p.time),
+            live_bytes: p.live_bytes,
+            tolerance: p.tolerance,
+        }
+    }
 }
 
 /// One point of the memory curve.
@@ -473,6 +498,7 @@ pub fn to_json(s: &Snapshot) -> JsonSnapshot {
             .as_ref()
             .map(|t| t.points.iter().map(JsonPoint::from).collect()),
         timeline_thinned: s.timeline.as_ref().map_or(0, |t| t.thinned),
+        peak: s.peak.as_ref().map(JsonPeak::from),
     }
 }
 
@@ -583,6 +609,13 @@ pub fn from_json(j: &JsonSnapshot) -> Snapshot {
         sampling: j.sampling.as_ref().map(|s| s.rate_bytes),
         recording: j.recording.as_ref().map(Into::into),
         timeline: timeline_from_json(j),
+        peak: j.peak.as_ref().and_then(|p| {
+            Some(crate::target::snapshot::PeakInfo {
+                time: humantime::parse_rfc3339(&p.time).ok()?,
+                live_bytes: p.live_bytes,
+                tolerance: p.tolerance,
+            })
+        }),
         timing: Default::default(),
     }
 }
@@ -683,7 +716,7 @@ mod view {
     impl Serialize for SnapshotView<'_> {
         fn serialize<S: Serializer>(&self, ser: S) -> Result<S::Ok, S::Error> {
             let s = self.0;
-            let mut m = ser.serialize_struct("JsonSnapshot", 21)?;
+            let mut m = ser.serialize_struct("JsonSnapshot", 22)?;
             m.serialize_field("format", "heapdump-snapshot")?;
             m.serialize_field("schema_version", &1u32)?;
             m.serialize_field("pid", &s.pid)?;
@@ -759,6 +792,7 @@ mod view {
                 "timeline_thinned",
                 &s.timeline.as_ref().map_or(0, |t| t.thinned),
             )?;
+            m.serialize_field("peak", &s.peak.as_ref().map(super::JsonPeak::from))?;
             m.end()
         }
     }
@@ -956,6 +990,7 @@ mod tests {
             sampling: Some(512 << 10),
             recording: None,
             timeline: None,
+            peak: None,
             timing: Default::default(),
         }
     }

@@ -453,6 +453,15 @@ pub fn from_snapshot(s: &Snapshot, per_thread: bool) -> Profile {
     if let Some(r) = &s.recording {
         comments.push(r.describe(s.totals.live_bytes));
     }
+    if let Some(p) = &s.peak {
+        comments.push(format!(
+            "the heap at its peak, {}: {} live bytes (tolerance {} bytes); inuse values are the \
+             heap then",
+            crate::formats::json::rfc3339(p.time),
+            p.live_bytes,
+            p.tolerance
+        ));
+    }
     if let Some(tl) = &s.timeline {
         if let Some(line) = tl.describe(s.taken_at) {
             comments.push(line);

@@ -71,6 +71,16 @@ pub fn render(s: &Snapshot, opts: TextOptions) -> String {
     if let Some(line) = s.timeline.as_ref().and_then(|tl| tl.describe(s.taken_at)) {
         let _ = writeln!(o, "{line}");
     }
+    if let Some(p) = &s.peak {
+        let _ = writeln!(
+            o,
+            "THE HEAP AT ITS PEAK, {}: {} live (the true high-water mark may be up to {} \
+             higher); sites and threads below are the heap then",
+            crate::formats::json::rfc3339(p.time),
+            human_bytes(p.live_bytes),
+            human_bytes(p.tolerance)
+        );
+    }
     let _ = writeln!(
         o,
         "live: {} in {} blocks | allocated since {}: {} in {} blocks | peak live: {}",

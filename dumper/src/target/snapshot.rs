@@ -172,8 +172,24 @@ pub struct Snapshot {
     /// last point is the snapshot's own totals); `None` for agents older
     /// than format 1.4.
     pub timeline: Option<Timeline>,
+    /// Set when the snapshot is the heap at its peak (`snapshot --peak`):
+    /// sites, threads and totals are then the heap's then.
+    pub peak: Option<PeakInfo>,
     /// Timing.
     pub timing: Timing,
+}
+
+/// The moment a `--peak` snapshot shows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PeakInfo {
+    /// When the heap was at its peak.
+    pub time: SystemTime,
+    /// Live bytes then, as rebuilt (the sites' sum).
+    pub live_bytes: u64,
+    /// How far below the true high-water mark this may be, bytes: 1/64 of
+    /// it (a smaller rise does not move the recorded peak) plus the
+    /// writers' running-total lag (64 KiB per thread).
+    pub tolerance: u64,
 }
 
 /// One point of the memory curve.
@@ -237,6 +253,26 @@ impl Timeline {
             }
         ))
     }
+}
+
+/// Whether the target's regions record a peak (`snapshot --peak` needs
+/// one): an error in words when not.
+pub fn peak_recorded(target: &Target) -> Result<(), String> {
+    if heapdump_table::peak::read(&target.allocations.view()).is_some() {
+        return Ok(());
+    }
+    if !heapdump_table::timeline::kept_by(target.allocations.header().version_minor) {
+        return Err(format!(
+            "pid {}'s agent (format 1.{}) does not record the heap's peak: it needs an agent of \
+             format 1.4 or later",
+            target.pid,
+            target.allocations.header().version_minor
+        ));
+    }
+    Err(format!(
+        "pid {} has no peak recorded yet (nothing allocated since recording started)",
+        target.pid
+    ))
 }
 
 /// The memory curve of a target's regions, ending with `last` (the
@@ -363,6 +399,8 @@ pub struct Options<'a> {
     pub keep_allocator_frames: bool,
     /// Keep only blocks allocated in this time range (see [`crate::target::age`]).
     pub ages: AgeFilter,
+    /// The heap at its peak instead of now (see `heapdump_table::peak`).
+    pub peak: bool,
 }
 
 /// Drops the leading allocator plumbing frames of every site and merges
@@ -620,6 +658,13 @@ pub fn take(
     // rate beyond any sane setting is a damaged header: refused.
     let (raw_rate, rate) = sample_rate(target);
     let weigh = |size: u64| weigh(size, rate);
+    // (Callers check that a peak is recorded: see `peak_recorded`.)
+    let peak = if opts.peak {
+        heapdump_table::peak::read(&target.allocations.view())
+    } else {
+        None
+    };
+    let before_peak = |t_us: u64| peak.is_none_or(|p| t_us <= p.time_us);
 
     // Aggregate during the walk: per (stack key, thread key). A walk that
     // met records being modified throughout (a writer preempted mid-update
@@ -627,12 +672,20 @@ pub fn take(
     // partial; a target killed mid-update stays partial. Blocks outside the
     // age bounds count in the totals only.
     let mut attempt = 0;
-    let (per_key, live_bytes, live_blocks, selected, stats) = loop {
+    let (per_key, live_bytes, live_blocks, selected, stats, now_live) = loop {
         let mut per_key: HashMap<(ResourceKey, ResourceKey), KeyStats> = HashMap::new();
         let (mut live_bytes, mut live_blocks) = (0f64, 0f64);
         let mut selected = (0f64, 0f64);
+        // The heap now (differs from the totals in a `--peak` snapshot).
+        let mut now_live = (0f64, 0f64);
         let stats = allocs.walk(|r| {
             let (bytes, blocks) = weigh(r.size);
+            now_live.0 += bytes;
+            now_live.1 += blocks;
+            if !before_peak(r.timestamp_us) {
+                // Allocated after the peak: not part of the heap then.
+                return;
+            }
             live_bytes += bytes;
             live_blocks += blocks;
             if !bounds.admits(r.timestamp_us) {
@@ -647,10 +700,35 @@ pub fn take(
         });
         attempt += 1;
         if stats.unstable == 0 || attempt >= WALK_ATTEMPTS {
-            break (per_key, live_bytes, live_blocks, selected, stats);
+            break (per_key, live_bytes, live_blocks, selected, stats, now_live);
         }
     };
     let walk_time = t0.elapsed();
+    let (mut per_key, mut live_bytes, mut live_blocks) = (per_key, live_bytes, live_blocks);
+    let mut peak_partial = None;
+    if let Some(p) = &peak {
+        // The blocks freed since the peak that were allocated before it,
+        // per stack (their threads are not recorded).
+        let (freed, why) = resources.peak_freed(p.generation);
+        peak_partial = why;
+        for (stack, (count, bytes)) in freed {
+            // Sampled mode counts each freed block as the (x1024) number
+            // it stood for, and its bytes as the estimate.
+            let blocks = if rate == 0 {
+                count as f64
+            } else {
+                count as f64 / 1024.0
+            };
+            let bytes = bytes as f64;
+            live_bytes += bytes;
+            live_blocks += blocks;
+            let e = per_key
+                .entry((stack, ResourceKey(0)))
+                .or_insert(KeyStats::EMPTY);
+            e.bytes += bytes;
+            e.blocks += blocks;
+        }
+    }
     // Estimates are summed exactly (f64) and rounded once, per key and in
     // total; in exact mode every sum is an integer below 2^53, so exact.
     let (live_bytes, live_blocks) = (live_bytes.round() as u64, live_blocks.round() as u64);
@@ -673,6 +751,9 @@ pub fn take(
     }
     if let Some(p) = threads_partial {
         partial.push(format!("thread list: {p}"));
+    }
+    if let Some(p) = peak_partial {
+        partial.push(format!("peak blocks: {p}"));
     }
 
     // Threads: registration order.
@@ -737,14 +818,21 @@ pub fn take(
         };
         sites[site].live_bytes = sites[site].live_bytes.saturating_add(bytes);
         sites[site].live_blocks += blocks;
-        sites[site].merge_times(clock.wall_of(k.oldest_us), clock.wall_of(k.newest_us));
+        if k.oldest_us != u64::MAX {
+            sites[site].merge_times(clock.wall_of(k.oldest_us), clock.wall_of(k.newest_us));
+        }
         let ti = match thread_index.get(&thread) {
             Some(&i) => i,
             None => {
                 let t = resources.thread(thread).ok();
+                let unknown = if thread.0 == 0 && peak.is_some() {
+                    "<freed since the peak>"
+                } else {
+                    "<unknown thread>"
+                };
                 threads.push(ThreadStat {
                     tid: t.as_ref().map_or(0, |t| t.tid),
-                    name: t.map_or_else(|| "<unknown thread>".to_string(), |t| t.name),
+                    name: t.map_or_else(|| unknown.to_string(), |t| t.name),
                     ..Default::default()
                 });
                 thread_index.insert(thread, threads.len() - 1);
@@ -836,6 +924,7 @@ pub fn take(
         sampling: (rate != 0).then_some(rate),
         recording: recording(target),
         timeline: None,
+        peak: None,
         dropped,
         threads,
         sites,
@@ -863,16 +952,36 @@ pub fn take(
             nodes: stats.nodes,
         },
     };
-    let t = &snap.totals;
-    snap.timeline = timeline(
-        target,
-        Some(TimelinePoint {
+    if let Some(p) = &peak {
+        let threads_seen = snap.threads.len().max(1) as u64;
+        snap.peak = Some(PeakInfo {
+            time: clock.wall_of(p.time_us).unwrap_or(taken_at),
+            live_bytes: snap.totals.live_bytes,
+            tolerance: snap.totals.live_bytes / heapdump_table::peak::TOLERANCE_DIV
+                + threads_seen * heapdump_table::allocations_table::LIVE_BATCH as u64,
+        });
+        // The heap's high-water mark is the peak now.
+        snap.totals.peak_bytes = snap.totals.peak_bytes.max(snap.totals.live_bytes);
+    }
+    // The curve ends at the heap now (a `--peak` snapshot's totals are the
+    // heap at the peak; the exact counters give now).
+    let last = if peak.is_some() {
+        TimelinePoint {
+            time: taken_at,
+            live_bytes: now_live.0.round() as u64,
+            live_blocks: now_live.1.round() as u64,
+            alloc_bytes: snap.totals.alloc_bytes,
+        }
+    } else {
+        let t = &snap.totals;
+        TimelinePoint {
             time: taken_at,
             live_bytes: t.live_bytes,
             live_blocks: t.live_blocks,
             alloc_bytes: t.alloc_bytes,
-        }),
-    );
+        }
+    };
+    snap.timeline = timeline(target, Some(last));
     Ok(snap)
 }
 

@@ -16,6 +16,9 @@ use super::*;
 
 /// Offset of `StaticHeader::clock_monotonic_ns` (the regions' clock base).
 const CLOCK_BASE_OFF: u64 = 48;
+const _: () = assert!(
+    std::mem::offset_of!(crate::header::StaticHeader, clock_monotonic_ns) as u64 == CLOCK_BASE_OFF
+);
 
 pub(super) struct ShardGuard<'w> {
     lock: &'w AtomicU32,
@@ -252,7 +255,12 @@ impl AllocationsWriter<'_> {
             // Record times are microseconds since the clock base, read
             // from the same coarse clock (see the agent's recorder).
             let base = self.view.load_u64(CLOCK_BASE_OFF).unwrap_or(0);
-            crate::peak::offer(&self.view, now.saturating_sub(base) / 1000, live, c.live_blocks);
+            crate::peak::offer(
+                &self.view,
+                now.saturating_sub(base) / 1000,
+                live,
+                c.live_blocks,
+            );
         }
         if curve_due(now) {
             crate::timeline::append(

@@ -526,7 +526,11 @@ impl<'a> AllocationsWriter<'a> {
     }
 
     #[inline]
-    pub(super) fn remove_impl(&self, addr: u64, mut cache: Option<&mut NodeCache>) -> Option<Freed> {
+    pub(super) fn remove_impl(
+        &self,
+        addr: u64,
+        mut cache: Option<&mut NodeCache>,
+    ) -> Option<Freed> {
         let h = hash(addr);
         let home = self.home_shard(addr, h);
         let keep = cache.as_ref().is_some_and(|c| c.len < NODE_CACHE);
