@@ -12,13 +12,16 @@ use clap::{Parser, Subcommand};
 use heapdump::commands::attach::{AttachArgs, DetachArgs};
 use heapdump::commands::demo::DemoArgs;
 use heapdump::commands::diff::DiffArgs;
+use heapdump::commands::report::ReportArgs;
 use heapdump::commands::run::RunArgs;
 use heapdump::commands::serve::ServeArgs;
 use heapdump::commands::snapshot::SnapshotArgs;
 use heapdump::commands::symbolize::SymbolizeArgs;
 use heapdump::commands::top::TopArgs;
 use heapdump::commands::watch::WatchArgs;
-use heapdump::commands::{attach, demo, diff, list, run, serve, snapshot, symbolize, top, watch};
+use heapdump::commands::{
+    attach, demo, diff, list, report, run, serve, snapshot, symbolize, top, watch,
+};
 use heapdump::testing::fake_target::{self, Corruption, FakeOptions};
 
 /// heapdump: heap snapshots of running Linux processes.
@@ -73,6 +76,12 @@ enum Cmd {
     /// recorded; then write it in any format (also re-renders a
     /// symbolized JSON snapshot in another format).
     Symbolize(SymbolizeArgs),
+    /// One self-contained HTML page (opens without a network): memory over
+    /// time, the top sites now and at the peak with their stacks, an
+    /// interactive flamegraph, leak suspects and the process's facts; from
+    /// a live process, a JSON snapshot, or a directory of JSON snapshots
+    /// (`watch --interval --format json`).
+    Report(ReportArgs),
     /// Run a program under the preload agent; exits with its status.
     Run(RunArgs),
     /// Start recording in a process that is already running, without
@@ -166,6 +175,7 @@ fn dispatch(cli: Cli) -> Result<i32> {
         Cmd::Diff(a) => diff::command(a),
         Cmd::Symbolize(a) => symbolize::command(a),
         Cmd::Run(a) => run::command(a),
+        Cmd::Report(a) => report::command(a),
         Cmd::Attach(a) => attach::attach(a),
         Cmd::Detach(a) => attach::detach(a),
         Cmd::Demo(a) => demo::command(a),

@@ -6,6 +6,7 @@ pub mod attach;
 pub mod demo;
 pub mod diff;
 pub mod list;
+pub mod report;
 pub mod run;
 pub mod serve;
 pub mod snapshot;

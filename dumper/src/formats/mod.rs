@@ -11,6 +11,7 @@ use clap::ValueEnum;
 
 pub mod dhat;
 pub mod flamegraph;
+pub mod html;
 pub mod json;
 pub mod pprof;
 pub mod text;

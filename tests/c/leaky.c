@@ -1,0 +1,40 @@
+/* A service that leaks steadily (issue 22's report): every 10 ms for
+ * argv[1] rounds it leaks one 1000-byte block at site_leak and allocates
+ * and frees 64 KiB at site_temp; 5 blocks of 4 KiB at site_steady are
+ * kept from the start. Prints "done PID", then waits for a line on stdin
+ * (or EOF). */
+#define _GNU_SOURCE
+#include <stdio.h>
+#include <stdlib.h>
+#include <time.h>
+#include <unistd.h>
+
+void *steady[5];
+void **leaked;
+void *volatile temp;
+
+__attribute__((noinline)) void site_steady(void) {
+    for (int i = 0; i < 5; i++) steady[i] = malloc(4096);
+}
+__attribute__((noinline)) void *site_leak(void) { return malloc(1000); }
+__attribute__((noinline)) void site_temp(void) {
+    temp = malloc(64 << 10);
+    free(temp);
+}
+
+int main(int argc, char **argv) {
+    int rounds = argc > 1 ? atoi(argv[1]) : 100;
+    leaked = calloc((size_t)rounds, sizeof *leaked);
+    site_steady();
+    for (int i = 0; i < rounds; i++) {
+        leaked[i] = site_leak();
+        site_temp();
+        struct timespec ts = {0, 10 * 1000 * 1000};
+        nanosleep(&ts, NULL);
+    }
+    printf("done %d\n", (int)getpid());
+    fflush(stdout);
+    char line[16];
+    if (read(0, line, sizeof line) < 0) return 1;
+    return 0;
+}
