@@ -79,8 +79,8 @@ struct Writers {
     resources: ResourcesWriter<'static>,
     allocations: AllocationsWriter<'static>,
     counters: HeaderCounters,
-    /// The allocations region's view, for the peak words.
-    peak_view: heapdump_table::SharedView,
+    /// The peak words, for the free path.
+    peak: heapdump_table::peak::PeakProbe,
     clock_base_ns: u64,
     /// The settings in force (`unwind` is the unwinder actually used: frame
     /// pointers where CFI cannot be read).
@@ -227,7 +227,13 @@ fn init(role: Role) -> Option<&'static Writers> {
             resources,
             allocations,
             counters: alloc.counters(),
-            peak_view: alloc.view(),
+            peak: match heapdump_table::peak::PeakProbe::new(alloc.view()) {
+                Some(p) => p,
+                None => {
+                    STATE.store(DISABLED, Ordering::Release);
+                    return None;
+                }
+            },
             clock_base_ns: alloc.header().clock_monotonic_ns,
             config,
         })
@@ -956,8 +962,7 @@ fn after_removal(
     // A block from before the heap's peak, freed after it: counted for the
     // composition at the peak (see `heapdump_table::peak`). One load and a
     // compare for every other free.
-    let view = w.peak_view;
-    let (gen, peak_us) = heapdump_table::peak::current(&view);
+    let (gen, peak_us) = w.peak.current();
     if gen != 0 && freed.timestamp_us <= peak_us {
         count_peak_freed(t, w, gen, &freed, rate);
     }

@@ -108,12 +108,47 @@ pub fn offer(view: &SharedView, time_us: u64, live: u64, blocks: u64) -> bool {
     moved
 }
 
-/// The current peak's generation and time, for the free path (two loads;
-/// the pair may be a moment stale, which the tolerance covers).
-#[inline]
+/// The free path's view of the peak: its generation and time, two plain
+/// loads with no range check (checked once, at construction).
+#[derive(Clone, Copy, Debug)]
+pub struct PeakProbe {
+    view: SharedView,
+}
+
+impl PeakProbe {
+    /// A probe of an allocations region's view; `None` if the view is
+    /// smaller than a header page.
+    pub fn new(view: SharedView) -> Option<PeakProbe> {
+        ((view.len() as u64) >= crate::header::HEADER_SIZE).then_some(PeakProbe { view })
+    }
+
+    /// The current peak's generation and time (0: no peak yet). The pair
+    /// may be a moment stale, which the tolerance covers.
+    #[inline(always)]
+    pub fn current(&self) -> (u64, u64) {
+        // SAFETY: both words lie in the header page, which the view holds
+        // (checked in `new`), at 8-aligned offsets.
+        unsafe {
+            let gen = self
+                .view
+                .atomic_u64_unchecked(W_GEN)
+                .load(Ordering::Acquire);
+            (
+                gen,
+                self.view
+                    .atomic_u64_unchecked(W_TIME)
+                    .load(Ordering::Relaxed),
+            )
+        }
+    }
+}
+
+/// The current peak's generation and time (see [`PeakProbe::current`]).
 pub fn current(view: &SharedView) -> (u64, u64) {
-    let gen = word(view, W_GEN).load(Ordering::Acquire);
-    (gen, word(view, W_TIME).load(Ordering::Relaxed))
+    (
+        word(view, W_GEN).load(Ordering::Acquire),
+        word(view, W_TIME).load(Ordering::Relaxed),
+    )
 }
 
 /// Reads the peak; `None` before the first one, or without a stable
