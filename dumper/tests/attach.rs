@@ -576,3 +576,57 @@ fn a_process_in_another_mount_namespace_gets_a_copy_of_the_library_inside_it() {
     t.send("quit");
     assert_eq!(t.wait_line("eintr "), "eintr 0");
 }
+
+#[test]
+fn a_library_dlopened_after_the_attach_is_recorded_once_the_agent_has_seen_it() {
+    // The attached agent redirects the slots of libraries loaded later from
+    // its housekeeping thread, about once a second: the plugin's blocks are
+    // recorded from then on. A bounded loop of (allocate, snapshot) waits
+    // for it; no sleep decides the outcome.
+    let dir = TempDir::new("attach-plugin");
+    let plugin = dir.path("libattach_plugin.so");
+    let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/c/attach_plugin.c");
+    let status = Command::new("cc")
+        .args([
+            "-O1",
+            "-g",
+            "-fno-omit-frame-pointer",
+            "-shared",
+            "-fPIC",
+            "-o",
+        ])
+        .arg(&plugin)
+        .arg(&src)
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let mut cmd = Command::new(compile_c("attach_target"));
+    cmd.env("ATTACH_PLUGIN", &plugin);
+    let mut t = Target::spawn(cmd);
+    let pid = t.pid();
+    attach_ok(pid, &[]);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    let mut rounds = 0u64;
+    let seen = loop {
+        t.send("plugin");
+        assert_eq!(t.wait_line("plugin "), "plugin done");
+        rounds += 1;
+        let sites = live_by_leaf(&snapshot_json(pid, &dir, "s"));
+        if let Some(&(blocks, bytes)) = sites.get("site_plugin") {
+            break (blocks, bytes);
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the plugin's blocks were never recorded ({rounds} rounds)"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    };
+    // Whole rounds of 20 blocks of 1234 bytes, recorded from the round the
+    // slots were redirected on.
+    assert!(
+        seen.0 > 0 && seen.0 % 20 == 0 && seen.0 <= 20 * rounds,
+        "{seen:?}"
+    );
+    assert_eq!(seen.1, seen.0 * 1234);
+    quit_without_eintr(t);
+}

@@ -24,9 +24,13 @@
  *              20 ms (how long a stop held it), since the last "stall"
  *   rate    -> "rate N": malloc+free pairs per second of the churn
  *              threads over the next second (bench/attach);
+ *   plugin  -> dlopens $ATTACH_PLUGIN (once) and calls its plugin_alloc(20):
+ *              20 blocks of 1234 bytes at the plugin's site_plugin;
+ *              "plugin done"
  *   quit    -> stops the threads, prints "eintr N" and exits 0.
  * Prints "ready PID" when all threads run. */
 #define _GNU_SOURCE
+#include <dlfcn.h>
 #include <errno.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -136,6 +140,14 @@ static void *commands(void *arg) {
                 for (int i = 0; i < 50; i++) sdallocx(after[i], 1000, 0);
                 say("jx done");
 #endif
+            } else if (!strcmp(line, "plugin")) {
+                static void (*plugin_alloc)(int);
+                if (!plugin_alloc) {
+                    void *h = dlopen(getenv("ATTACH_PLUGIN"), RTLD_NOW);
+                    if (h) plugin_alloc = (void (*)(int))dlsym(h, "plugin_alloc");
+                }
+                if (plugin_alloc) plugin_alloc(20);
+                say(plugin_alloc ? "plugin done" : "plugin missing");
             } else if (!strcmp(line, "stall")) {
                 printf("stall %ld\n", atomic_exchange(&overslept_us, 0));
                 fflush(stdout);
