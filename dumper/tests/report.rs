@@ -140,8 +140,11 @@ fn a_report_of_a_watch_series_stacks_the_top_sites_and_finds_the_growing_one() {
     if !chromium_present() {
         return;
     }
+    // It leaks until told to stop; the watch writes a snapshot every
+    // 200 ms; the test stops the program once the watch wrote five, so the
+    // series has at least six snapshots however slow the machine is.
     let mut cmd = Command::new(compile_c("leaky"));
-    cmd.arg("150").env("LD_PRELOAD", preload_lib());
+    cmd.arg("0").env("LD_PRELOAD", preload_lib());
     cmd.stdin(Stdio::piped()).stdout(Stdio::piped());
     let mut child = cmd.spawn().unwrap();
     let lines = Lines::new(child.stdout.take().unwrap());
@@ -163,6 +166,14 @@ fn a_report_of_a_watch_series_stacks_the_top_sites_and_finds_the_growing_one() {
         .unwrap();
     let wlines = Lines::new(watch.stdout.take().unwrap());
     assert!(wlines.next().contains("watching"));
+    for _ in 0..5 {
+        let wrote = wlines.next();
+        assert!(wrote.starts_with("wrote"), "{wrote}");
+    }
+    {
+        use std::io::Write;
+        child.stdin.as_mut().unwrap().write_all(b"stop\n").unwrap();
+    }
     let done = lines.next();
     assert!(done.starts_with("done"), "{done}");
     // Stop the watch (its final snapshot), then the program.
