@@ -414,19 +414,7 @@ fn debian_python3_attached_while_running_records_what_it_allocates_next() {
     t.wait_line("allocated");
     let dir = TempDir::new("attach-python3");
     let j = snapshot_json(pid, &dir, "s");
-    let arrays: u64 = j["sites"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|s| {
-            s["frames"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .any(|f| f["function"].as_str() == Some("PyByteArray_Resize"))
-        })
-        .map(|s| s["live_blocks"].as_u64().unwrap())
-        .sum();
+    let arrays: u64 = live_blocks_through(&j, "PyByteArray_Resize");
     assert!(
         arrays >= 200,
         "the 200 bytearrays made after the attach: {arrays}"

@@ -132,19 +132,7 @@ fn debian_python3_attached_late_records_its_objects_with_whole_stacks() {
     let out = heapdump(&["snapshot", &t.pid().to_string(), "-o", &dir.str("s.json")]);
     assert!(out.status.success(), "{}", stderr(&out));
     let j = read_json(&dir.path("s.json"));
-    let arrays = j["sites"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|s| {
-            s["frames"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .any(|f| f["function"].as_str() == Some("PyByteArray_Resize"))
-        })
-        .map(|s| s["live_blocks"].as_u64().unwrap())
-        .sum::<u64>();
+    let arrays = live_blocks_through(&j, "PyByteArray_Resize");
     assert!(
         arrays >= 200,
         "the 200 bytearrays, allocated after the attach, through PyByteArray_Resize: {arrays}"

@@ -42,6 +42,43 @@ fn start(program: &str, args: &[&str], env: &[(&str, &str)]) -> Target {
     Target::spawn_until(cmd, if program == "wave" { "done" } else { "ready" })
 }
 
+/// Kills `t` under a `watch` (with `extra` flags) and returns the JSON
+/// files the watch wrote for its death (`count` of them).
+fn killed_under_watch(t: &mut Target, dir: &TempDir, extra: &[&str], count: usize) -> Vec<String> {
+    let pid = t.pid().to_string();
+    let out = dir.str("out");
+    let mut args = vec![
+        "watch",
+        pid.as_str(),
+        "-d",
+        out.as_str(),
+        "--format",
+        "json",
+    ];
+    args.extend_from_slice(extra);
+    let mut watch = Command::new(bin())
+        .args(&args)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let lines = Lines::new(watch.stdout.take().unwrap());
+    assert!(lines.next().contains("watching"));
+    t.child.kill().unwrap();
+    t.child.wait().unwrap();
+    let paths = (0..count)
+        .map(|_| {
+            let wrote = lines.next();
+            wrote
+                .split_whitespace()
+                .find(|w| w.ends_with(".json"))
+                .unwrap_or_else(|| panic!("{wrote}"))
+                .to_string()
+        })
+        .collect();
+    let _ = watch.wait();
+    paths
+}
+
 #[test]
 fn the_curve_reaches_the_peak_and_ends_at_the_current_heap() {
     let t = start("peak", &[], &[]);
@@ -78,27 +115,8 @@ fn the_curve_reaches_the_peak_and_ends_at_the_current_heap() {
 fn a_watch_final_snapshot_after_the_process_was_killed_still_has_the_curve() {
     let mut t = start("peak", &[], &[]);
     let dir = TempDir::new("timeline-killed");
-    let mut watch = Command::new(bin())
-        .args([
-            "watch",
-            &t.pid().to_string(),
-            "-d",
-            &dir.str("out"),
-            "--format",
-            "json",
-        ])
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let lines = Lines::new(watch.stdout.take().unwrap());
-    assert!(lines.next().contains("watching"));
-    t.child.kill().unwrap();
-    t.child.wait().unwrap();
-    let wrote = lines.next();
-    let path = wrote
-        .split_whitespace()
-        .find(|w| w.ends_with(".json"))
-        .unwrap_or_else(|| panic!("{wrote}"));
+    let paths = killed_under_watch(&mut t, &dir, &[], 1);
+    let path = &paths[0];
     let j = read_json(std::path::Path::new(path));
     let p = points(&j);
     let top = p.iter().map(|x| x.0).max().unwrap();
@@ -109,7 +127,6 @@ fn a_watch_final_snapshot_after_the_process_was_killed_still_has_the_curve() {
     );
     let now = 70 * MIB + 10 * (100 << 10);
     assert!((now..now + (16 << 10)).contains(&p.last().unwrap().0));
-    let _ = watch.wait();
 }
 
 #[test]
@@ -253,32 +270,9 @@ fn the_heap_at_its_peak_in_sampled_mode_is_estimated() {
 fn watch_writes_the_peak_beside_the_heap_at_death() {
     let mut t = start("peak", &[], &[]);
     let dir = TempDir::new("peak-killed");
-    let mut watch = Command::new(bin())
-        .args([
-            "watch",
-            &t.pid().to_string(),
-            "-d",
-            &dir.str("out"),
-            "--format",
-            "json",
-            "--peak",
-        ])
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let lines = Lines::new(watch.stdout.take().unwrap());
-    assert!(lines.next().contains("watching"));
-    t.child.kill().unwrap();
-    t.child.wait().unwrap();
     let mut last = None;
     let mut peak = None;
-    for _ in 0..2 {
-        let wrote = lines.next();
-        let path = wrote
-            .split_whitespace()
-            .find(|w| w.ends_with(".json"))
-            .unwrap_or_else(|| panic!("{wrote}"))
-            .to_string();
+    for path in killed_under_watch(&mut t, &dir, &["--peak"], 2) {
         if path.ends_with("-peak.json") {
             peak = Some(path);
         } else {
@@ -289,5 +283,4 @@ fn watch_writes_the_peak_beside_the_heap_at_death() {
     assert!(last["peak"].is_null());
     let p = read_json(std::path::Path::new(&peak.expect("the peak snapshot")));
     check_peak_composition(&p, false);
-    let _ = watch.wait();
 }

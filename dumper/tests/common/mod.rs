@@ -206,3 +206,19 @@ pub fn live_by_leaf(j: &serde_json::Value) -> std::collections::BTreeMap<String,
     }
     t
 }
+
+/// Live blocks of a JSON snapshot's sites that have `function` among
+/// their frames.
+pub fn live_blocks_through(j: &serde_json::Value, function: &str) -> u64 {
+    j["sites"]
+        .as_array()
+        .expect("sites")
+        .iter()
+        .filter(|s| {
+            s["frames"]
+                .as_array()
+                .is_some_and(|f| f.iter().any(|f| f["function"].as_str() == Some(function)))
+        })
+        .map(|s| s["live_blocks"].as_u64().unwrap_or(0))
+        .sum()
+}
