@@ -218,3 +218,31 @@ fn the_offline_check_sees_a_page_that_fetches_or_fails() {
     );
     assert!(console.contains("CONSOLE"), "{console}");
 }
+
+#[test]
+fn a_report_of_a_saved_snapshot_file_shows_its_curve_and_sites() {
+    // From a JSON snapshot taken earlier (no process needed any more).
+    let mut cmd = Command::new(compile_c("leaky"));
+    cmd.arg("20").env("LD_PRELOAD", preload_lib());
+    let t = Target::spawn_until(cmd, "done");
+    let dir = TempDir::new("report-file");
+    let snap = dir.str("s.json");
+    let out = heapdump(&["snapshot", &t.pid().to_string(), "-o", &snap]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(t.finish().success());
+    let page = dir.path("f.html");
+    let out = heapdump(&["report", &snap, "-o", page.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let html = std::fs::read_to_string(&page).unwrap();
+    assert!(html.contains("id=\"memory-chart\""));
+    let now = html.split("id=\"sites-now\"").nth(1).expect("sites now");
+    assert!(now.contains("site_leak") && now.contains("site_steady"));
+    // A bad source is refused with what it is not.
+    let out = heapdump(&["report", "/nonexistent/x", "-o", page.to_str().unwrap()]);
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains("neither a running"),
+        "{}",
+        stderr(&out)
+    );
+}
