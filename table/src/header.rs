@@ -137,7 +137,7 @@ pub mod offsets {
     /// Format 1.3.
     pub const DETACHED_AT: u64 = 552;
     /// An attached agent's reading of the allocator's own whole-heap
-    /// figure, bytes (see [`super::AllocatorHeap`]). Format 1.3.
+    /// figure, bytes (see [`super::AttachWords`]). Format 1.3.
     pub const ALLOCATOR_HEAP: u64 = 560;
     /// Where [`ALLOCATOR_HEAP`] comes from ([`super::HeapSource`] as a
     /// number; 0: none). Format 1.3.

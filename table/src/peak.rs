@@ -143,14 +143,6 @@ impl PeakProbe {
     }
 }
 
-/// The current peak's generation and time (see [`PeakProbe::current`]).
-pub fn current(view: &SharedView) -> (u64, u64) {
-    (
-        word(view, W_GEN).load(Ordering::Acquire),
-        word(view, W_TIME).load(Ordering::Relaxed),
-    )
-}
-
 /// Reads the peak; `None` before the first one, or without a stable
 /// reading in a bounded number of tries.
 pub fn read(view: &SharedView) -> Option<Peak> {
@@ -197,7 +189,7 @@ mod tests {
             (p.generation, p.time_us, p.live_bytes, p.live_blocks),
             (2, 12, 6501, 3)
         );
-        assert_eq!(current(&v), (2, 12));
+        assert_eq!(PeakProbe::new(v).unwrap().current(), (2, 12));
         drop(mem);
     }
 }

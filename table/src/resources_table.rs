@@ -470,53 +470,69 @@ impl<'a> ResourcesWriter<'a> {
         bytes: u64,
         slot_hint: u32,
     ) -> Option<u32> {
-        let base = block.0 + COUNTERS_HEADER;
         let hint = u64::from(slot_hint) & (COUNTER_SLOTS - 1);
-        let slot_word = |i: u64, w: u64| {
-            let off = base + i * COUNTER_SLOT + w * 8;
-            // SAFETY: a `CounterBlock` is only made by `claim_counters`,
-            // from a block of COUNTERS_HEADER + COUNTER_SLOTS * COUNTER_SLOT
-            // bytes it reserved (or found, validated) inside the data area;
-            // `i` is masked to COUNTER_SLOTS - 1 and `w` < 3, so `off` is in
-            // bounds and 8-aligned.
-            unsafe { self.view.atomic_u64_unchecked(off) }
-        };
-        let mut found = None;
-        if slot_word(hint, 0).load(Ordering::Relaxed) == key.0 {
-            found = Some(hint);
+        let found = if self.slot_word(block, hint, 0).load(Ordering::Relaxed) == key.0 {
+            Some(hint)
         } else {
-            let start = (key.0 >> 3).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 54;
-            for p in 0..COUNTER_PROBE {
-                let i = (start + p) & (COUNTER_SLOTS - 1);
-                let k = slot_word(i, 0).load(Ordering::Relaxed);
-                if k == key.0 {
-                    found = Some(i);
-                    break;
-                }
-                if k == 0 {
-                    // Counts of a fresh slot are zero; publish the key.
-                    slot_word(i, 0).store(key.0, Ordering::Release);
-                    found = Some(i);
-                    break;
-                }
-            }
-        }
+            self.find_slot(block, key)
+        };
         let Some(i) = found else {
             self.record_allocations(key, count, bytes);
             return None;
         };
-        // Single writer: a load and a store, no locked instruction.
-        let c = slot_word(i, 1);
+        self.add_to_slot(block, i, count, bytes);
+        Some(i as u32)
+    }
+
+    /// Word `w` (0: key, 1: count, 2: bytes) of slot `i` of `block`; `i`
+    /// is masked to the block's slots.
+    #[inline(always)]
+    fn slot_word(&self, block: CounterBlock, i: u64, w: u64) -> &std::sync::atomic::AtomicU64 {
+        debug_assert!(w < 3);
+        let off =
+            block.0 + COUNTERS_HEADER + (i & (COUNTER_SLOTS - 1)) * COUNTER_SLOT + (w % 3) * 8;
+        // SAFETY: a `CounterBlock` is only made by `claim_block`, from a
+        // block of COUNTERS_HEADER + COUNTER_SLOTS * COUNTER_SLOT bytes it
+        // reserved (or found, validated) inside the data area; `i` is
+        // masked to COUNTER_SLOTS - 1 and `w` < 3, so `off` is in bounds
+        // and 8-aligned.
+        unsafe { self.view.atomic_u64_unchecked(off) }
+    }
+
+    /// The slot of `key` in `block` (one of the holder thread's): found
+    /// within [`COUNTER_PROBE`] slots of its place, or an empty one taken
+    /// there (its counts are zero; the key is published with Release).
+    #[inline]
+    fn find_slot(&self, block: CounterBlock, key: ResourceKey) -> Option<u64> {
+        let start = (key.0 >> 3).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 54;
+        for p in 0..COUNTER_PROBE {
+            let i = (start + p) & (COUNTER_SLOTS - 1);
+            let k = self.slot_word(block, i, 0).load(Ordering::Relaxed);
+            if k == key.0 {
+                return Some(i);
+            }
+            if k == 0 {
+                self.slot_word(block, i, 0).store(key.0, Ordering::Release);
+                return Some(i);
+            }
+        }
+        None
+    }
+
+    /// Adds to slot `i`'s counts. Single writer (the block's holder): a
+    /// load and a store each, no locked instruction.
+    #[inline(always)]
+    fn add_to_slot(&self, block: CounterBlock, i: u64, count: u64, bytes: u64) {
+        let c = self.slot_word(block, i, 1);
         c.store(
             c.load(Ordering::Relaxed).wrapping_add(count),
             Ordering::Relaxed,
         );
-        let b = slot_word(i, 2);
+        let b = self.slot_word(block, i, 2);
         b.store(
             b.load(Ordering::Relaxed).wrapping_add(bytes),
             Ordering::Relaxed,
         );
-        Some(i as u32)
     }
 
     /// Adds `count` blocks of `bytes` from stack `key`, freed since the
@@ -532,15 +548,7 @@ impl<'a> ResourcesWriter<'a> {
         count: u64,
         bytes: u64,
     ) -> bool {
-        let base = block.0 + COUNTERS_HEADER;
-        let slot_word = |i: u64, w: u64| {
-            let off = base + i * COUNTER_SLOT + w * 8;
-            // SAFETY: as in `count_allocations`: a claimed block of
-            // COUNTER_SLOTS slots inside the data area; `i` is masked and
-            // `w` < 3.
-            unsafe { self.view.atomic_u64_unchecked(off) }
-        };
-        // SAFETY: the header word of the same claimed block.
+        // SAFETY: the header word of a claimed block (see `slot_word`).
         let gen_word = unsafe { self.view.atomic_u64_unchecked(block.0 + PEAK_GEN_WORD) };
         if gen_word.load(Ordering::Relaxed) != gen {
             // Another generation's counts: mark the block as being emptied
@@ -550,33 +558,16 @@ impl<'a> ResourcesWriter<'a> {
             fence(Ordering::Release);
             for i in 0..COUNTER_SLOTS {
                 for w in 0..3 {
-                    slot_word(i, w).store(0, Ordering::Relaxed);
+                    self.slot_word(block, i, w).store(0, Ordering::Relaxed);
                 }
             }
             gen_word.store(gen, Ordering::Release);
         }
-        let start = (key.0 >> 3).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 54;
-        for p in 0..COUNTER_PROBE {
-            let i = (start + p) & (COUNTER_SLOTS - 1);
-            let k = slot_word(i, 0).load(Ordering::Relaxed);
-            if k == 0 {
-                slot_word(i, 0).store(key.0, Ordering::Release);
-            } else if k != key.0 {
-                continue;
-            }
-            let c = slot_word(i, 1);
-            c.store(
-                c.load(Ordering::Relaxed).wrapping_add(count),
-                Ordering::Relaxed,
-            );
-            let b = slot_word(i, 2);
-            b.store(
-                b.load(Ordering::Relaxed).wrapping_add(bytes),
-                Ordering::Relaxed,
-            );
-            return true;
-        }
-        false
+        let Some(i) = self.find_slot(block, key) else {
+            return false;
+        };
+        self.add_to_slot(block, i, count, bytes);
+        true
     }
 
     /// Bytes of the data area in use.

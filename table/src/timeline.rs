@@ -202,12 +202,6 @@ fn thin(view: &SharedView, count: u64) -> u64 {
     kept
 }
 
-/// Offers the curve a point (the writers' entry): appended when due.
-#[inline]
-pub fn offer(view: &SharedView, p: Point) -> bool {
-    due(view, p.time_ns, p.live_bytes) && append(view, p)
-}
-
 /// Reads the curve (see the module invariants). `None` when no stable
 /// reading was had in a bounded number of tries (a writer kept it busy,
 /// or the words are damaged).
@@ -249,7 +243,8 @@ pub fn kept_by(version_minor: u16) -> bool {
     version_minor >= 4
 }
 
-/// The header words the curve must not overlap (checked in tests).
+/// The first byte after the header words of an allocations region (the
+/// curve and the peak words lie after it: checked at compile time).
 pub const fn first_free_after_words() -> u64 {
     offsets::KIND_WORDS + 8
 }
@@ -306,6 +301,11 @@ mod tests {
         // consecutive.
         let n = c.points.len();
         assert_eq!(c.points[n - 1].time_ns - c.points[n - 10].time_ns, 9);
+    }
+
+    /// What a writer does: appends when due.
+    fn offer(view: &SharedView, p: Point) -> bool {
+        due(view, p.time_ns, p.live_bytes) && append(view, p)
     }
 
     #[test]

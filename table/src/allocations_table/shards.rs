@@ -14,12 +14,6 @@
 
 use super::*;
 
-/// Offset of `StaticHeader::clock_monotonic_ns` (the regions' clock base).
-const CLOCK_BASE_OFF: u64 = 48;
-const _: () = assert!(
-    std::mem::offset_of!(crate::header::StaticHeader, clock_monotonic_ns) as u64 == CLOCK_BASE_OFF
-);
-
 pub(super) struct ShardGuard<'w> {
     lock: &'w AtomicU32,
 }
@@ -254,7 +248,7 @@ impl AllocationsWriter<'_> {
         if peak_due {
             // Record times are microseconds since the clock base, read
             // from the same coarse clock (see the agent's recorder).
-            let base = self.view.load_u64(CLOCK_BASE_OFF).unwrap_or(0);
+            let base = self.region.header().clock_monotonic_ns;
             crate::peak::offer(
                 &self.view,
                 now.saturating_sub(base) / 1000,
