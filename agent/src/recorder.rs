@@ -990,13 +990,11 @@ fn count_peak_freed(
             b
         }
     };
-    // Sampled mode: what the block stood for, weighed as a snapshot
-    // weighs a live block of its size.
+    // Sampled mode: what the block stood for (blocks x1024).
     let (count, bytes) = if rate == 0 {
         (1, freed.size)
     } else {
-        let wt = heapdump_table::sampling::weight(freed.size, rate);
-        ((wt * 1024.0) as u64, (freed.size as f64 * wt) as u64)
+        weighed(freed.size, rate)
     };
     w.resources
         .add_peak_freed(block, gen, freed.stack, count, bytes);
@@ -1184,33 +1182,29 @@ static EST_LIVE_BYTES: AtomicU64 = AtomicU64::new(0);
 static EST_LIVE_BLOCKS_X1024: AtomicU64 = AtomicU64::new(0);
 static EST_ALLOC_BYTES: AtomicU64 = AtomicU64::new(0);
 
+/// What a sampled block of `size` bytes stands for, weighed as a snapshot
+/// weighs a live block of its size: (blocks x1024, bytes).
+fn weighed(size: u64, rate: u64) -> (u64, u64) {
+    let wt = heapdump_table::sampling::weight(size, rate);
+    ((wt * 1024.0) as u64, (size as f64 * wt) as u64)
+}
+
 /// A sampled block of `size` bytes was recorded (`alloc`) or removed: moves
 /// the estimates and offers the curve a point.
 #[cold]
 fn curve_sampled(size: u64, rate: u64, alloc: bool) {
-    let wt = heapdump_table::sampling::weight(size, rate);
-    let bytes = (size as f64 * wt) as u64;
-    let blocks = (wt * 1024.0) as u64;
-    let (live, n) = if alloc {
+    let (blocks, bytes) = weighed(size, rate);
+    // Added as two's complement: a removal adds the negation.
+    let sign = |v: u64| if alloc { v } else { v.wrapping_neg() };
+    if alloc {
         EST_ALLOC_BYTES.fetch_add(bytes, Ordering::Relaxed);
-        (
-            EST_LIVE_BYTES
-                .fetch_add(bytes, Ordering::Relaxed)
-                .wrapping_add(bytes),
-            EST_LIVE_BLOCKS_X1024
-                .fetch_add(blocks, Ordering::Relaxed)
-                .wrapping_add(blocks),
-        )
-    } else {
-        (
-            EST_LIVE_BYTES
-                .fetch_sub(bytes, Ordering::Relaxed)
-                .wrapping_sub(bytes),
-            EST_LIVE_BLOCKS_X1024
-                .fetch_sub(blocks, Ordering::Relaxed)
-                .wrapping_sub(blocks),
-        )
-    };
+    }
+    let live = EST_LIVE_BYTES
+        .fetch_add(sign(bytes), Ordering::Relaxed)
+        .wrapping_add(sign(bytes));
+    let n = EST_LIVE_BLOCKS_X1024
+        .fetch_add(sign(blocks), Ordering::Relaxed)
+        .wrapping_add(sign(blocks));
     // A racing free may briefly take a sum below zero: no point then.
     if live > i64::MAX as u64 || n > i64::MAX as u64 {
         return;
@@ -1282,12 +1276,6 @@ pub fn set_allocator_heap(source: heapdump_table::header::HeapSource, bytes: u64
         r.set_header_word(offsets::ALLOCATOR_HEAP, bytes);
         r.set_header_word(offsets::ALLOCATOR_HEAP_SOURCE, source.code());
     }
-}
-
-/// The mode the running agent records in: its sample rate (0: exact), or
-/// `None` if it does not record.
-pub fn running_sample_rate() -> Option<u64> {
-    writers().map(|w| w.config.sample_rate)
 }
 
 /// Forgets every recorded block, as if each had been freed: for a second

@@ -36,18 +36,20 @@ pub mod codes {
     pub const PRELOADED: i32 = -5;
 }
 
-enum Phase {
-    /// Never attached.
-    Loaded,
-    /// Recording; the hooks found at the first attach.
-    Attached(Hooks),
-    /// Detached: slots restored, regions kept for snapshots.
-    Detached(Hooks),
+/// What the attach has done so far.
+struct State {
+    /// Our hooks, found at the first attach (`None`: never attached).
+    hooks: Option<Hooks>,
+    /// Recording now (false after a detach; the regions stay readable).
+    recording: bool,
 }
 
-static STATE: Mutex<Phase> = Mutex::new(Phase::Loaded);
+static STATE: Mutex<State> = Mutex::new(State {
+    hooks: None,
+    recording: false,
+});
 
-fn lock() -> std::sync::MutexGuard<'static, Phase> {
+fn lock() -> std::sync::MutexGuard<'static, State> {
     STATE.lock().unwrap_or_else(|e| e.into_inner())
 }
 
@@ -61,6 +63,7 @@ fn lock() -> std::sync::MutexGuard<'static, Phase> {
 /// `settings` is NULL or a NUL-terminated string.
 #[no_mangle]
 pub unsafe extern "C" fn heapdump_attach(settings: *const c_char) -> c_int {
+    use heapdump_agent::recorder::{forget_all_records, forwarding, start_attached};
     let settings: &[u8] = if settings.is_null() {
         b""
     } else {
@@ -70,45 +73,41 @@ pub unsafe extern "C" fn heapdump_attach(settings: *const c_char) -> c_int {
     if crate::named_in_ld_preload() {
         return codes::PRELOADED;
     }
-    let mut phase = lock();
-    match &*phase {
-        Phase::Attached(_) => codes::ALREADY_ATTACHED,
-        Phase::Detached(hooks) => {
-            if settings != heapdump_agent::config::overrides() {
-                return codes::OTHER_SETTINGS;
-            }
-            heapdump_agent::recorder::forget_all_records();
-            if !heapdump_agent::recorder::start_attached() {
-                return codes::NOT_STARTED;
-            }
-            let n = slot_redirection::redirect_all(hooks);
-            let Phase::Detached(hooks) = std::mem::replace(&mut *phase, Phase::Loaded) else {
-                unreachable!()
-            };
-            *phase = Phase::Attached(hooks);
-            n as c_int
-        }
-        Phase::Loaded => {
-            if !heapdump_agent::config::set_overrides(settings) {
-                return codes::OTHER_SETTINGS;
-            }
-            let Some(hooks) = heapdump_agent::recorder::forwarding(slot_redirection::prepare)
-            else {
-                return codes::UNSUPPORTED;
-            };
-            // Held-back frees are not used when attached: after a detach
-            // no hook would run to release what a thread still holds.
-            crate::cxx::note_next_operators();
-            if !heapdump_agent::recorder::start_attached() {
-                return codes::NOT_STARTED;
-            }
-            let n = heapdump_agent::recorder::forwarding(|| slot_redirection::redirect_all(&hooks));
-            *phase = Phase::Attached(hooks);
-            drop(phase);
-            start_housekeeping();
-            n as c_int
-        }
+    let mut state = lock();
+    if state.recording {
+        return codes::ALREADY_ATTACHED;
     }
+    let first = state.hooks.is_none();
+    if first {
+        if !heapdump_agent::config::set_overrides(settings) {
+            return codes::OTHER_SETTINGS;
+        }
+        let Some(hooks) = forwarding(slot_redirection::prepare) else {
+            return codes::UNSUPPORTED;
+        };
+        // Held-back frees are not used when attached: after a detach no
+        // hook would run to release what a thread still holds.
+        crate::cxx::note_next_operators();
+        state.hooks = Some(hooks);
+    } else {
+        // Attached before and detached: the mode is fixed, and the frees
+        // made while detached were not seen, so every record is stale.
+        if settings != heapdump_agent::config::overrides() {
+            return codes::OTHER_SETTINGS;
+        }
+        forget_all_records();
+    }
+    if !start_attached() {
+        return codes::NOT_STARTED;
+    }
+    let hooks = state.hooks.as_ref().expect("set above");
+    let n = forwarding(|| slot_redirection::redirect_all(hooks));
+    state.recording = true;
+    drop(state);
+    if first {
+        start_housekeeping();
+    }
+    n as c_int
 }
 
 /// `heapdump_detach()`: puts every redirected slot back, so the process
@@ -116,16 +115,13 @@ pub unsafe extern "C" fn heapdump_attach(settings: *const c_char) -> c_int {
 /// the number of slots restored, or -1 when not attached.
 #[no_mangle]
 pub extern "C" fn heapdump_detach() -> c_int {
-    let mut phase = lock();
-    let Phase::Attached(_) = &*phase else {
+    let mut state = lock();
+    let (true, Some(hooks)) = (state.recording, state.hooks.as_ref()) else {
         return -1;
     };
-    let Phase::Attached(hooks) = std::mem::replace(&mut *phase, Phase::Loaded) else {
-        unreachable!()
-    };
-    let n = heapdump_agent::recorder::forwarding(|| slot_redirection::restore_all(&hooks));
+    let n = heapdump_agent::recorder::forwarding(|| slot_redirection::restore_all(hooks));
     heapdump_agent::recorder::mark_detached();
-    *phase = Phase::Detached(hooks);
+    state.recording = false;
     n as c_int
 }
 
@@ -138,8 +134,8 @@ fn start_housekeeping() {
         .stack_size(256 << 10)
         .spawn(|| loop {
             {
-                let phase = lock();
-                if let Phase::Attached(hooks) = &*phase {
+                let state = lock();
+                if let (true, Some(hooks)) = (state.recording, state.hooks.as_ref()) {
                     heapdump_agent::recorder::forwarding(|| {
                         slot_redirection::redirect_all(hooks);
                         if let Some((source, bytes)) = allocator_heap() {
