@@ -185,6 +185,18 @@ fn peak_tables(j: &Value) -> (std::collections::BTreeMap<String, (u64, u64)>, Va
     (live_by_leaf(j), j["peak"].clone())
 }
 
+/// `snapshot --peak` of `t` into `dir/name` (its format from the name).
+fn peak_snapshot(t: &Target, dir: &TempDir, name: &str) {
+    let out = heapdump(&[
+        "snapshot",
+        &t.pid().to_string(),
+        "--peak",
+        "-o",
+        &dir.str(name),
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+}
+
 /// The composition at the peak of tests/c/peak.c: the spike's site within
 /// the stated tolerance of 250 MiB (blocks allocated after the recorded
 /// peak moment, in the last 1/64 of the rise, are not counted), the kept
@@ -227,26 +239,12 @@ fn check_peak_composition(j: &Value, sampled: bool) {
 fn the_heap_at_its_peak_shows_the_spike_the_kept_blocks_and_nothing_after() {
     let t = start("peak", &[], &[]);
     let dir = TempDir::new("peak-live");
-    let out = heapdump(&[
-        "snapshot",
-        &t.pid().to_string(),
-        "--peak",
-        "-o",
-        &dir.str("p.json"),
-    ]);
-    assert!(out.status.success(), "{}", stderr(&out));
+    peak_snapshot(&t, &dir, "p.json");
     check_peak_composition(&read_json(&dir.path("p.json")), false);
     // The text report says which moment it shows; pprof loads.
     let text = stdout(&heapdump(&["snapshot", &t.pid().to_string(), "--peak"]));
     assert!(text.contains("THE HEAP AT ITS PEAK"), "{text}");
-    let out = heapdump(&[
-        "snapshot",
-        &t.pid().to_string(),
-        "--peak",
-        "-o",
-        &dir.str("p.pb.gz"),
-    ]);
-    assert!(out.status.success(), "{}", stderr(&out));
+    peak_snapshot(&t, &dir, "p.pb.gz");
     assert!(t.finish().success());
 }
 
@@ -254,14 +252,7 @@ fn the_heap_at_its_peak_shows_the_spike_the_kept_blocks_and_nothing_after() {
 fn the_heap_at_its_peak_in_sampled_mode_is_estimated() {
     let t = start("peak", &[], &[("HEAPDUMP_SAMPLE_RATE", "256KiB")]);
     let dir = TempDir::new("peak-sampled");
-    let out = heapdump(&[
-        "snapshot",
-        &t.pid().to_string(),
-        "--peak",
-        "-o",
-        &dir.str("p.json"),
-    ]);
-    assert!(out.status.success(), "{}", stderr(&out));
+    peak_snapshot(&t, &dir, "p.json");
     check_peak_composition(&read_json(&dir.path("p.json")), true);
     assert!(t.finish().success());
 }

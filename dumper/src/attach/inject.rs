@@ -85,8 +85,6 @@ pub struct Injected {
     pub stopped: Duration,
     /// The longest any other thread was stopped while being judged.
     pub others_stopped: Duration,
-    /// Threads judged unsafe before one was chosen, with the reasons.
-    pub passed_over: Vec<(u32, String)>,
 }
 
 const RTLD_NOW: u64 = 2;
@@ -600,7 +598,6 @@ pub fn inject(pid: u32, library: &str, action: &Action) -> Result<Injected, Inje
                         thread: tid.as_raw() as u32,
                         stopped,
                         others_stopped,
-                        passed_over,
                     });
                 }
                 Verdict::Unsafe(why) => {

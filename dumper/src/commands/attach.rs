@@ -301,10 +301,12 @@ pub fn attach(a: AttachArgs) -> Result<i32> {
     };
     println!(
         "attached to {pid} ({name}): recording in {mode} from now on ({} relocation slots \
-         redirected; thread {} ran the load, stopped {:.1} ms)",
+         redirected; thread {} ran the load, stopped {:.1} ms; other threads stopped at most \
+         {:.1} ms)",
         done.result,
         done.thread,
-        done.stopped.as_secs_f64() * 1e3
+        done.stopped.as_secs_f64() * 1e3,
+        done.others_stopped.as_secs_f64() * 1e3
     );
     let Some(d) = a.duration else {
         println!("heapdump snapshot {pid} shows what it allocates; heapdump detach {pid} stops recording");
