@@ -4,11 +4,11 @@
 //! sealed memfd regions (see `heapdump-table`). This crate is grouped by
 //! role, in the order a snapshot flows through it:
 //!
-//! - [`target`]: finding instrumented processes and their regions through
-//!   `/proc/PID/fd` ([`target::discovery`]), the walk that turns a live
-//!   table into a [`target::snapshot::Snapshot`] without ever stopping or
-//!   blocking the target, selection by allocation time ([`target::age`]),
-//!   and what the agent cannot see in a program ([`target::visibility`]);
+//! - [`process`]: finding instrumented processes and their regions through
+//!   `/proc/PID/fd` ([`process::discovery`]), the walk that turns a live
+//!   table into a [`process::snapshot::Snapshot`] without ever stopping or
+//!   blocking the target, selection by allocation time ([`process::age`]),
+//!   and what the agent cannot see in a program ([`process::visibility`]);
 //! - [`symbolization`]: `/proc/PID/maps` with build IDs
 //!   ([`symbolization::maps`]), ELF/DWARF symbolization with inlined frames
 //!   and separate debug files ([`symbolization::symbolizer`]), and the
@@ -30,7 +30,7 @@
 pub mod attach;
 pub mod commands;
 pub mod formats;
+pub mod process;
 pub mod symbolization;
-pub mod target;
 #[doc(hidden)]
 pub mod testing;

@@ -11,8 +11,8 @@ use clap::Args;
 use crate::commands::run::AgentEnv;
 use crate::formats::text::{human_bytes, TextOptions};
 use crate::formats::{self, Format, RenderOptions};
-use crate::target::age::{self, AgeFilter, When};
-use crate::target::snapshot;
+use crate::process::age::{self, AgeFilter, When};
+use crate::process::snapshot;
 
 /// Exit status of `snapshot` (and `symbolize`) when the snapshot was
 /// written but is partial (the walk was not clean: target killed

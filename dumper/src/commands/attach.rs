@@ -73,7 +73,7 @@ enum AgentState {
 fn agent_state(pid: u32) -> AgentState {
     let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap_or_default();
     let has_lib = maps.contains("libheapdump_preload");
-    match crate::target::discovery::open_target(pid) {
+    match crate::process::discovery::open_target(pid) {
         Ok(t) => {
             let w = heapdump_table::header::read_attach(&t.allocations.view());
             match (has_lib, w.attached_at != 0, w.detached_at != 0) {
@@ -94,7 +94,7 @@ fn check_process(pid: u32) -> Result<()> {
     if pid == unsafe { libc::getpid() } as u32 {
         bail!("pid {pid} is heapdump itself");
     }
-    let name = crate::target::discovery::process_name(pid);
+    let name = crate::process::discovery::process_name(pid);
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))
         .with_context(|| format!("no process {pid}"))?;
     let state = stat
@@ -120,7 +120,7 @@ fn check_process(pid: u32) -> Result<()> {
         bail!(
             "process {pid} ({name}) is being traced by pid {tracer} ({}); a process has one \
              tracer at a time: detach that debugger or tool first",
-            crate::target::discovery::process_name(tracer)
+            crate::process::discovery::process_name(tracer)
         );
     }
     Ok(())
@@ -129,7 +129,7 @@ fn check_process(pid: u32) -> Result<()> {
 /// What the preload agent cannot see in this program: refused before
 /// anything is injected.
 fn check_visibility(pid: u32) -> Result<()> {
-    use crate::target::visibility::{inspect_process, BlindSpot};
+    use crate::process::visibility::{inspect_process, BlindSpot};
     let info = inspect_process(pid);
     let fatal: Vec<String> = info
         .blind_spots
@@ -194,7 +194,7 @@ fn loaded_library(pid: u32) -> Option<String> {
 }
 
 fn explain(e: InjectError, pid: u32) -> anyhow::Error {
-    let name = crate::target::discovery::process_name(pid);
+    let name = crate::process::discovery::process_name(pid);
     anyhow::anyhow!("{e}").context(format!(
         "attaching to {pid} ({name}) failed; the process was left as it was"
     ))
@@ -236,7 +236,7 @@ fn settings_of(a: &AttachArgs) -> String {
 pub fn attach(a: AttachArgs) -> Result<i32> {
     let pid = a.pid;
     check_process(pid)?;
-    let name = crate::target::discovery::process_name(pid);
+    let name = crate::process::discovery::process_name(pid);
     match agent_state(pid) {
         AgentState::Preloaded => bail!(
             "process {pid} ({name}) was started under the agent (heapdump run or LD_PRELOAD): \
@@ -340,7 +340,7 @@ fn wait_or_interrupted(d: Duration) {
 pub fn detach(a: DetachArgs) -> Result<i32> {
     let pid = a.pid;
     check_process(pid)?;
-    let name = crate::target::discovery::process_name(pid);
+    let name = crate::process::discovery::process_name(pid);
     match agent_state(pid) {
         AgentState::Attached => {}
         AgentState::Detached => bail!("process {pid} ({name}) is detached already"),

@@ -10,10 +10,10 @@ use std::time::Duration;
 
 use crate::commands::run::{self, AgentEnv, RunError};
 use crate::formats::{self, Format, RenderOptions};
+use crate::process::discovery::{open_target, DiscoveryError};
+use crate::process::snapshot::{self, Snapshot};
 use crate::symbolization::maps::{read_maps, BuildIds};
 use crate::symbolization::symbolizer::Symbolizer;
-use crate::target::discovery::{open_target, DiscoveryError};
-use crate::target::snapshot::{self, Snapshot};
 
 use crate::commands::args::AgentArgs;
 use anyhow::Context as _;

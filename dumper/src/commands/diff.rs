@@ -12,9 +12,9 @@ use std::fmt::Write;
 
 use crate::formats::pprof::{self, InputSample};
 use crate::formats::text::{human_bytes, human_delta};
+use crate::process::snapshot::Snapshot;
 use crate::symbolization::maps::{self, Mapping};
 use crate::symbolization::symbolizer::Frame;
-use crate::target::snapshot::Snapshot;
 
 use crate::commands::args::ReportArgs;
 use crate::formats::Format;

@@ -10,7 +10,7 @@ use std::io::Write;
 use anyhow::Result;
 
 use crate::formats::text::human_bytes;
-use crate::target::{discovery, snapshot, visibility};
+use crate::process::{discovery, snapshot, visibility};
 
 /// One printable row: the figures as shown.
 struct Row {

@@ -8,10 +8,10 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 
 use crate::formats::html::{self, Report};
+use crate::process::discovery;
+use crate::process::snapshot::{self, Snapshot};
 use crate::symbolization::maps::{read_maps, BuildIds};
 use crate::symbolization::symbolizer::Symbolizer;
-use crate::target::discovery;
-use crate::target::snapshot::{self, Snapshot};
 
 /// Options of `heapdump report`.
 #[derive(Args, Debug)]

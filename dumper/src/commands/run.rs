@@ -6,7 +6,7 @@
 //! kept in their order after it), followed by `libheapdump_jemalloc.so`
 //! when the program links jemalloc. Children inherit the variable. Before
 //! starting, the program's ELF files are read for what the agent could not
-//! see ([`crate::target::visibility`]), which is said on stderr.
+//! see ([`crate::process::visibility`]), which is said on stderr.
 //!
 //! The preload library is found, in order: `$HEAPDUMP_PRELOAD`; next to
 //! the `heapdump` executable; in the parent directory (cargo's `deps/` and
@@ -18,7 +18,7 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use crate::commands::args::AgentArgs;
 use crate::commands::watch::WatchOptions;
 use crate::formats::{Format, RenderOptions};
-use crate::target::age::AgeFilter;
+use crate::process::age::AgeFilter;
 use anyhow::Context as _;
 use clap::Args;
 use std::time::Duration;
@@ -124,15 +124,15 @@ pub fn preload_list(preload: &Path, companion: Option<&Path>, user: &str) -> Str
 }
 
 /// A `Command` for `argv` with the agent preloaded and configured, and
-/// what the agent will not see in the program (see [`crate::target::visibility`]).
+/// what the agent will not see in the program (see [`crate::process::visibility`]).
 pub fn program_command(
     argv: &[String],
     env: &AgentEnv,
-) -> Result<(Command, crate::target::visibility::ProgramInfo), RunError> {
+) -> Result<(Command, crate::process::visibility::ProgramInfo), RunError> {
     let (prog, args) = argv.split_first().ok_or(RunError::NoCommand)?;
     let preload = find_preload(env.preload.as_deref())?;
-    let info = crate::target::visibility::resolve_program(prog)
-        .map(|p| crate::target::visibility::inspect_program(&p))
+    let info = crate::process::visibility::resolve_program(prog)
+        .map(|p| crate::process::visibility::inspect_program(&p))
         .unwrap_or_default();
     let companion = preload.with_file_name(JEMALLOC_COMPANION_NAME);
     let companion = (info.links_jemalloc && companion.is_file()).then_some(companion);

@@ -22,11 +22,11 @@ use std::io::Cursor;
 
 use tiny_http::{Header, Request, Response, Server};
 
+use crate::process::age::{self, AgeFilter, When};
+use crate::process::discovery::{instrumented_pids, open_target, Target};
+use crate::process::snapshot;
 use crate::symbolization::maps::{read_maps, BuildIds};
 use crate::symbolization::symbolizer::Symbolizer;
-use crate::target::age::{self, AgeFilter, When};
-use crate::target::discovery::{instrumented_pids, open_target, Target};
-use crate::target::snapshot;
 
 use clap::Args;
 use std::io::Write as _;
@@ -115,7 +115,7 @@ impl State {
             if name.parse::<u32>().is_ok() {
                 return Err(text(400, format!("name={name} is a number: use pid=\n")));
             }
-            let pid = crate::target::discovery::resolve_target(name)
+            let pid = crate::process::discovery::resolve_target(name)
                 .map_err(|e| text(404, format!("{e}\n")))?;
             if !self.opts.pids.is_empty() && !self.opts.pids.contains(&pid) {
                 return Err(text(
@@ -265,7 +265,7 @@ impl State {
                 for pid in self.candidates() {
                     body.push_str(&format!(
                         "  {pid} {}\n",
-                        crate::target::discovery::process_name(pid)
+                        crate::process::discovery::process_name(pid)
                     ));
                 }
                 text(200, body)

@@ -7,9 +7,9 @@ use clap::Args;
 
 use crate::commands::args::{AgeArgs, ReportArgs, SymArgs, EXIT_PARTIAL};
 use crate::formats::text::human_bytes;
+use crate::process::{discovery, snapshot};
 use crate::symbolization::maps::{read_maps, BuildIds};
 use crate::symbolization::symbolizer::Symbolizer;
-use crate::target::{discovery, snapshot};
 
 /// Options of `heapdump snapshot`.
 #[derive(Args, Debug)]

@@ -6,9 +6,9 @@ use anyhow::Result;
 use clap::Args;
 
 use crate::commands::args::{ReportArgs, EXIT_PARTIAL};
+use crate::process::snapshot;
 use crate::symbolization::maps;
 use crate::symbolization::symbolizer::Symbolizer;
-use crate::target::snapshot;
 use std::io::IsTerminal as _;
 use std::path::PathBuf;
 

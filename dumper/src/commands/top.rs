@@ -4,7 +4,7 @@
 //! process's allocation rate.
 //!
 //! Invariants:
-//! - Each report is one ordinary snapshot ([`crate::target::snapshot::take`]); the
+//! - Each report is one ordinary snapshot ([`crate::process::snapshot::take`]); the
 //!   symbolizer's cache is kept across reports, so only new addresses cost
 //!   symbolization after the first.
 //! - Sites are matched across reports the way `diff` matches them (by
@@ -18,12 +18,12 @@ use std::time::{Duration, SystemTime};
 
 use crate::commands::diff::{delta, site_key};
 use crate::formats::text::{human_bytes, human_delta, is_library_frame};
-use crate::target::age::human_age;
-use crate::target::snapshot::{Site, Snapshot};
+use crate::process::age::human_age;
+use crate::process::snapshot::{Site, Snapshot};
 
+use crate::process::age::AgeFilter;
 use crate::symbolization::maps::{read_maps, BuildIds};
 use crate::symbolization::symbolizer::Symbolizer;
-use crate::target::age::AgeFilter;
 use anyhow::Context as _;
 use clap::Args;
 use std::io::{IsTerminal as _, Write as _};
@@ -249,7 +249,7 @@ pub fn between(earlier: &Snapshot, later: &Snapshot) -> Option<Duration> {
 pub struct TopArgs {
     /// The instrumented process: its pid, or its name if only one
     /// instrumented process has it.
-    #[arg(value_name = "PID|NAME", value_parser = crate::target::discovery::resolve_target)]
+    #[arg(value_name = "PID|NAME", value_parser = crate::process::discovery::resolve_target)]
     pub(crate) pid: u32,
     /// Time between reports (e.g. 2s, 500ms).
     #[arg(short, long, default_value = "2s", value_parser = humantime::parse_duration)]
@@ -276,7 +276,7 @@ pub struct TopArgs {
 /// `heapdump top`: returns the exit status.
 pub fn command(a: TopArgs) -> anyhow::Result<i32> {
     crate::commands::watch::install_stop_handlers();
-    let target = crate::target::discovery::open_target(a.pid)?;
+    let target = crate::process::discovery::open_target(a.pid)?;
     let exit = crate::commands::watch::ExitWatch::new(a.pid);
     let mut build_ids = BuildIds::default();
     let mut maps = read_maps(a.pid, &mut build_ids)
@@ -289,7 +289,7 @@ pub fn command(a: TopArgs) -> anyhow::Result<i32> {
         sort: a.sort,
     };
     let mut baseline = None;
-    let mut previous: Option<crate::target::snapshot::Snapshot> = None;
+    let mut previous: Option<crate::process::snapshot::Snapshot> = None;
     let mut seq = 0u64;
     loop {
         let exited = exit.exited();
@@ -301,10 +301,10 @@ pub fn command(a: TopArgs) -> anyhow::Result<i32> {
             }
             sym.open_modules(&maps);
         }
-        let snap = crate::target::snapshot::take(
+        let snap = crate::process::snapshot::take(
             &target,
             &maps,
-            crate::target::snapshot::Options {
+            crate::process::snapshot::Options {
                 peak: false,
                 symbolizer: Some(&mut sym),
                 progress: tty && seq == 0,
@@ -366,8 +366,8 @@ mod tests {
     use std::time::UNIX_EPOCH;
 
     use super::*;
+    use crate::process::snapshot::Totals;
     use crate::symbolization::symbolizer::Frame;
-    use crate::target::snapshot::Totals;
 
     fn site(name: &str, live: u64, blocks: u64, age_s: u64) -> Site {
         Site {

@@ -28,11 +28,11 @@ use std::time::{Duration, Instant};
 use heapdump_table::header::read_request;
 
 use crate::formats::{self, Format, RenderOptions};
+use crate::process::age::AgeFilter;
+use crate::process::discovery::{open_target, DiscoveryError, Target};
+use crate::process::snapshot::{self, Request, Snapshot};
 use crate::symbolization::maps::{read_maps, BuildIds, Mapping};
 use crate::symbolization::symbolizer::Symbolizer;
-use crate::target::age::AgeFilter;
-use crate::target::discovery::{open_target, DiscoveryError, Target};
-use crate::target::snapshot::{self, Request, Snapshot};
 
 use crate::commands::args::{AgeArgs, SymArgs};
 use crate::formats::text::TextOptions;
@@ -460,7 +460,7 @@ impl Watcher {
             if opts.all && !stopping && last_scan.is_none_or(|t| t.elapsed() >= opts.scan) {
                 last_scan = Some(Instant::now());
                 let known: Vec<u32> = self.watched.iter().map(|w| w.target.pid).collect();
-                for pid in crate::target::discovery::instrumented_pids() {
+                for pid in crate::process::discovery::instrumented_pids() {
                     if !known.contains(&pid) && pid != std::process::id() {
                         // A process being set up, gone, or not ours to
                         // read: looked at again at the next scan.
@@ -632,7 +632,7 @@ pub fn wait_instrumented(pid: u32, timeout: Duration) -> Result<(), DiscoveryErr
 pub struct WatchArgs {
     /// Processes to watch: pids, or names each of only one instrumented
     /// process.
-    #[arg(required_unless_present = "all", value_name = "PID|NAME", value_parser = crate::target::discovery::resolve_target)]
+    #[arg(required_unless_present = "all", value_name = "PID|NAME", value_parser = crate::process::discovery::resolve_target)]
     pub(crate) pids: Vec<u32>,
     /// Host-wide collector: watch every instrumented process of the host,
     /// those running now and those started later (every request they make

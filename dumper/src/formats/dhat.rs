@@ -11,8 +11,8 @@ use std::collections::HashMap;
 
 use serde_json::{json, Value};
 
+use crate::process::snapshot::Snapshot;
 use crate::symbolization::symbolizer::Frame;
-use crate::target::snapshot::Snapshot;
 
 fn frame_text(f: &Frame) -> String {
     let name = f.function.clone().unwrap_or_else(|| "???".to_string());

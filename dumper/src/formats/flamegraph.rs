@@ -2,8 +2,8 @@
 //! and SVG flamegraphs rendered from them with the `inferno` crate (the
 //! maintained Rust port of flamegraph.pl). Values are live bytes.
 
+use crate::process::snapshot::Snapshot;
 use crate::symbolization::symbolizer::Frame;
-use crate::target::snapshot::Snapshot;
 
 fn name(f: &Frame) -> String {
     // ';' separates frames and a trailing number is the value: keep both

@@ -19,7 +19,7 @@ use base64::Engine;
 
 use crate::formats::json::rfc3339;
 use crate::formats::text::human_bytes;
-use crate::target::snapshot::{Site, Snapshot, TimelinePoint};
+use crate::process::snapshot::{Site, Snapshot, TimelinePoint};
 
 /// What a report shows.
 #[derive(Debug)]

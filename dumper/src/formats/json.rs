@@ -48,9 +48,9 @@ use std::time::SystemTime;
 
 use serde::{Deserialize, Serialize};
 
+use crate::process::snapshot::{Request, Selection, Site, Snapshot, ThreadStat, Totals};
 use crate::symbolization::maps::Mapping;
 use crate::symbolization::symbolizer::Frame;
-use crate::target::snapshot::{Request, Selection, Site, Snapshot, ThreadStat, Totals};
 
 /// Top-level JSON document.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -128,8 +128,8 @@ pub struct JsonPeak {
     pub tolerance: u64,
 }
 
-impl From<&crate::target::snapshot::PeakInfo> for JsonPeak {
-    fn from(p: &crate::target::snapshot::PeakInfo) -> Self {
+impl From<&crate::process::snapshot::PeakInfo> for JsonPeak {
+    fn from(p: &crate::process::snapshot::PeakInfo) -> Self {
         JsonPeak {
             time: rfc3339(p.time),
             live_bytes: p.live_bytes,
@@ -151,8 +151,8 @@ pub struct JsonPoint {
     pub alloc_bytes: u64,
 }
 
-impl From<&crate::target::snapshot::TimelinePoint> for JsonPoint {
-    fn from(p: &crate::target::snapshot::TimelinePoint) -> Self {
+impl From<&crate::process::snapshot::TimelinePoint> for JsonPoint {
+    fn from(p: &crate::process::snapshot::TimelinePoint) -> Self {
         JsonPoint {
             time: rfc3339(p.time),
             live_bytes: p.live_bytes,
@@ -162,13 +162,13 @@ impl From<&crate::target::snapshot::TimelinePoint> for JsonPoint {
     }
 }
 
-fn timeline_from_json(j: &JsonSnapshot) -> Option<crate::target::snapshot::Timeline> {
+fn timeline_from_json(j: &JsonSnapshot) -> Option<crate::process::snapshot::Timeline> {
     let points = j.timeline.as_ref()?;
-    Some(crate::target::snapshot::Timeline {
+    Some(crate::process::snapshot::Timeline {
         points: points
             .iter()
             .filter_map(|p| {
-                Some(crate::target::snapshot::TimelinePoint {
+                Some(crate::process::snapshot::TimelinePoint {
                     time: humantime::parse_rfc3339(&p.time).ok()?,
                     live_bytes: p.live_bytes,
                     live_blocks: p.live_blocks,
@@ -200,8 +200,8 @@ pub struct JsonAllocatorHeap {
     pub bytes: u64,
 }
 
-impl From<&crate::target::snapshot::Recording> for JsonRecording {
-    fn from(r: &crate::target::snapshot::Recording) -> Self {
+impl From<&crate::process::snapshot::Recording> for JsonRecording {
+    fn from(r: &crate::process::snapshot::Recording) -> Self {
         JsonRecording {
             attached_at: r.attached_at.map(rfc3339),
             detached_at: r.detached_at.map(rfc3339),
@@ -216,9 +216,9 @@ impl From<&crate::target::snapshot::Recording> for JsonRecording {
     }
 }
 
-impl From<&JsonRecording> for crate::target::snapshot::Recording {
+impl From<&JsonRecording> for crate::process::snapshot::Recording {
     fn from(j: &JsonRecording) -> Self {
-        crate::target::snapshot::Recording {
+        crate::process::snapshot::Recording {
             attached_at: parse_time(j.attached_at.as_deref()),
             detached_at: parse_time(j.detached_at.as_deref()),
             allocator_heap: j
@@ -610,7 +610,7 @@ pub fn from_json(j: &JsonSnapshot) -> Snapshot {
         recording: j.recording.as_ref().map(Into::into),
         timeline: timeline_from_json(j),
         peak: j.peak.as_ref().and_then(|p| {
-            Some(crate::target::snapshot::PeakInfo {
+            Some(crate::process::snapshot::PeakInfo {
                 time: humantime::parse_rfc3339(&p.time).ok()?,
                 live_bytes: p.live_bytes,
                 tolerance: p.tolerance,
@@ -685,8 +685,8 @@ mod view {
     use serde::{Serialize, Serializer};
 
     use super::{rfc3339, JsonTotals};
+    use crate::process::snapshot::{Site, Snapshot};
     use crate::symbolization::symbolizer::Frame;
-    use crate::target::snapshot::{Site, Snapshot};
 
     /// `0x...` without an intermediate `String`.
     struct Hex(u64);

@@ -17,7 +17,7 @@ pub mod pprof;
 pub mod text;
 
 use crate::formats::text::TextOptions;
-use crate::target::snapshot::Snapshot;
+use crate::process::snapshot::Snapshot;
 
 /// A snapshot file format.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]

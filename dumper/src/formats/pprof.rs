@@ -28,9 +28,9 @@ use flate2::write::GzEncoder;
 use flate2::Compression;
 use prost::Message;
 
+use crate::process::snapshot::Snapshot;
 use crate::symbolization::maps::Mapping;
 use crate::symbolization::symbolizer::Frame;
-use crate::target::snapshot::Snapshot;
 
 /// `perftools.profiles.Profile`.
 #[derive(Clone, PartialEq, Message)]

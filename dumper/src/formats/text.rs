@@ -4,9 +4,9 @@
 use std::fmt::Write;
 use std::time::SystemTime;
 
-use crate::target::age::human_age;
+use crate::process::age::human_age;
 
-use crate::target::snapshot::Snapshot;
+use crate::process::snapshot::Snapshot;
 
 /// Formats a byte count with a binary unit (`1.5 MiB`).
 pub fn human_bytes(n: u64) -> String {
@@ -276,7 +276,7 @@ mod tests {
 /// The memory curve in `width` characters (`▁` to `█`, each the highest
 /// live bytes in its slice of time; a slice without a point repeats the
 /// one before): for `heapdump top`'s header.
-pub fn sparkline(points: &[crate::target::snapshot::TimelinePoint], width: usize) -> String {
+pub fn sparkline(points: &[crate::process::snapshot::TimelinePoint], width: usize) -> String {
     const BARS: [char; 8] = ['▁', '▂', '▃', '▄', '▅', '▆', '▇', '█'];
     let (Some(first), Some(last)) = (points.first(), points.last()) else {
         return String::new();
@@ -322,7 +322,7 @@ pub fn sparkline(points: &[crate::target::snapshot::TimelinePoint], width: usize
 #[cfg(test)]
 mod sparkline_tests {
     use super::sparkline;
-    use crate::target::snapshot::TimelinePoint;
+    use crate::process::snapshot::TimelinePoint;
     use std::time::{Duration, UNIX_EPOCH};
 
     fn p(s: u64, live: u64) -> TimelinePoint {

@@ -10,11 +10,11 @@ use std::time::{Duration, Instant, SystemTime};
 use heapdump_table::{AllocationsReader, DroppedReason, ResourceKey, ResourcesReader, TableError};
 use indicatif::{ProgressBar, ProgressStyle};
 
+use crate::process::age::{AgeFilter, Clock};
+use crate::process::discovery::Target;
 use crate::symbolization::maps::Mapping;
 use crate::symbolization::plumbing;
 use crate::symbolization::symbolizer::{self, Frame, Symbolizer};
-use crate::target::age::{AgeFilter, Clock};
-use crate::target::discovery::Target;
 
 /// Process-wide totals.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -155,7 +155,7 @@ pub struct Snapshot {
     /// restricted to some.
     pub selection: Option<Selection>,
     /// What the snapshot cannot show, in words (see
-    /// [`crate::target::visibility`]); empty when nothing is known.
+    /// [`crate::process::visibility`]); empty when nothing is known.
     pub notes: Vec<String>,
     /// How the agent walked the stacks (`fp`, `cfi+fp`, `cfi`, or
     /// `unknown` for agents that did not record it).
@@ -397,7 +397,7 @@ pub struct Options<'a> {
     /// `__rust_alloc`, `std::allocator<T>::allocate`, ...) at the leaf end
     /// of each stack instead of dropping them (see [`crate::symbolization::plumbing`]).
     pub keep_allocator_frames: bool,
-    /// Keep only blocks allocated in this time range (see [`crate::target::age`]).
+    /// Keep only blocks allocated in this time range (see [`crate::process::age`]).
     pub ages: AgeFilter,
     /// The heap at its peak instead of now (see `heapdump_table::peak`).
     pub peak: bool,
@@ -584,7 +584,7 @@ impl KeyStats {
 pub const WALK_ATTEMPTS: u32 = 3;
 
 /// Converts a monotonic timestamp of the target (0: none) into wall time,
-/// the way block times are converted (see [`crate::target::age`]).
+/// the way block times are converted (see [`crate::process::age`]).
 pub fn wall_time(target: &Target, monotonic_ns: u64) -> Option<SystemTime> {
     if monotonic_ns == 0 {
         return None;
@@ -987,7 +987,7 @@ pub fn take(
 
 /// What a snapshot cannot show: "no allocation recorded" when the agent
 /// saw none, and `blind_spots`, what the program's files say the agent
-/// cannot see ([`crate::target::visibility`]).
+/// cannot see ([`crate::process::visibility`]).
 pub fn notes(blind_spots: &[String], total_allocs: u64, sample_rate: Option<u64>) -> Vec<String> {
     let mut notes = blind_spots.to_vec();
     if total_allocs == 0 {

@@ -53,13 +53,13 @@ pub struct Target {
 
 impl Target {
     /// What the agent cannot see in this program, in words
-    /// ([`crate::target::visibility`]): read from its files at the first
+    /// ([`crate::process::visibility`]): read from its files at the first
     /// call (while it runs) and kept, so that repeated snapshots (watch,
     /// top, serve) do not read them again, and a final snapshot after it
     /// exited still says it.
     pub fn blind_spots(&self) -> &[String] {
         self.blind_spots
-            .get_or_init(|| crate::target::visibility::inspect_process(self.pid).described())
+            .get_or_init(|| crate::process::visibility::inspect_process(self.pid).described())
     }
 
     /// The process-wide counters in the allocations header.
