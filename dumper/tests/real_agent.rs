@@ -508,7 +508,8 @@ fn a_stripped_program_is_symbolized_from_its_separate_debug_file() {
         exe.as_os_str(),
         stripped.as_os_str(),
     ]);
-    let id = heapdump::symbolization::maps::read_build_id(&stripped).expect("build ID");
+    let id = heapdump::symbolization::maps::read_build_id(std::fs::File::open(&stripped).unwrap())
+        .expect("build ID");
     let root = dir.path("debug-root");
     let place = root.join(".build-id").join(&id[..2]);
     std::fs::create_dir_all(&place).unwrap();

@@ -102,9 +102,17 @@ pub struct ModuleFile {
 }
 
 impl ModuleFile {
-    /// Reads and parses the ELF file at `path`; `None` if it is not one.
-    pub fn read(path: &std::path::Path) -> Option<ModuleFile> {
-        let data = std::fs::read(path).ok()?;
+    /// Reads the whole file into private memory, within the read budget
+    /// of a target's file (see [`crate::process::target_files`]).
+    pub fn read(local: &crate::symbolization::maps::LocalFile) -> Option<ModuleFile> {
+        use crate::process::target_files;
+        let file = local.open().ok()?;
+        let data = target_files::read_capped(
+            &file,
+            target_files::max_file_read(),
+            std::path::Path::new(&local.key()),
+        )
+        .ok()?;
         let (eh_frame_hdr, eh_frame, loads, mut funcs) = {
             let obj = object::File::parse(&*data).ok()?;
             let section = |name: &str| {
@@ -264,12 +272,7 @@ impl Modules {
     pub fn file(&mut self, m: &Mapping) -> Option<Arc<ModuleFile>> {
         self.files
             .entry(m.path.clone())
-            .or_insert_with(|| {
-                m.local_path
-                    .as_deref()
-                    .and_then(ModuleFile::read)
-                    .map(Arc::new)
-            })
+            .or_insert_with(|| m.local.as_ref().and_then(ModuleFile::read).map(Arc::new))
             .clone()
     }
 }

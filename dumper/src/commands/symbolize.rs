@@ -51,6 +51,7 @@ pub fn command(a: SymbolizeArgs) -> Result<i32> {
             a.keep_allocator_frames,
             std::io::stderr().is_terminal(),
         );
+        snap.notes.extend(sym.take_notes());
         snap.symbolized = true;
     } else if !a.binaries.is_empty() {
         eprintln!(

@@ -588,7 +588,7 @@ pub fn from_json(j: &JsonSnapshot) -> Snapshot {
                 offset: parse_hex(&m.offset),
                 path: m.path.clone(),
                 build_id: m.build_id.clone(),
-                local_path: None,
+                local: None,
             })
             .collect(),
         partial: j.partial.clone(),
@@ -970,7 +970,7 @@ mod tests {
                 offset: 0,
                 path: "/bin/prog".into(),
                 build_id: Some("abcd".into()),
-                local_path: None,
+                local: None,
             }],
             partial: Some("1 record never read consistently".into()),
             request: Some(Request {

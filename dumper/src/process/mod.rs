@@ -5,4 +5,5 @@
 pub mod age;
 pub mod discovery;
 pub mod snapshot;
+pub mod target_files;
 pub mod visibility;

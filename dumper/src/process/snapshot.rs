@@ -515,6 +515,7 @@ pub fn symbolize_sites(
     let mut table: HashMap<u64, Vec<Frame>> = HashMap::with_capacity(unique.len());
     match symbolizer {
         Some(sym) => {
+            sym.begin();
             let bar = if progress && unique.len() > 200 {
                 let b = ProgressBar::new(unique.len() as u64);
                 b.set_style(
@@ -872,13 +873,15 @@ pub fn take(
 
     let t1 = Instant::now();
     let symbolized = opts.symbolizer.is_some();
+    let mut symbolizer = opts.symbolizer;
     let sites = symbolize_sites(
         sites,
         mappings,
-        opts.symbolizer,
+        symbolizer.as_deref_mut(),
         opts.keep_allocator_frames,
         opts.progress,
     );
+    let symbolizer_notes = symbolizer.map(|s| s.take_notes()).unwrap_or_default();
 
     let mut dropped = BTreeMap::new();
     for r in DroppedReason::ALL {
@@ -938,11 +941,15 @@ pub fn take(
             live_bytes: selected.0,
             live_blocks: selected.1,
         }),
-        notes: notes(
-            target.blind_spots(),
-            counters.total_allocs,
-            (rate != 0).then_some(rate),
-        ),
+        notes: {
+            let mut n = notes(
+                target.blind_spots(),
+                counters.total_allocs,
+                (rate != 0).then_some(rate),
+            );
+            n.extend(symbolizer_notes);
+            n
+        },
         unwinder: heapdump_table::header::read_unwinder(&target.allocations.view())
             .name()
             .to_string(),

@@ -6,9 +6,12 @@ use std::collections::HashMap;
 use std::fs::File;
 use std::io;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
-use object::{Object, ReadCache};
+use object::Object;
 use serde::{Deserialize, Serialize};
+
+use crate::process::target_files::{self, BoundedFile, TargetRoot};
 
 /// One executable, file-backed mapping.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -23,10 +26,70 @@ pub struct Mapping {
     pub path: String,
     /// GNU build ID of the file (lower-case hex), when it has one.
     pub build_id: Option<String>,
-    /// Where this process can read the file (through `/proc/PID/root` for
-    /// a target in another mount namespace). Not serialized.
+    /// How heapdump opens the file (see [`LocalFile`]). Not serialized.
     #[serde(skip)]
-    pub local_path: Option<PathBuf>,
+    pub local: Option<LocalFile>,
+}
+
+/// How heapdump reaches the file behind a mapping, under the rules of
+/// [`target_files`]: the mapped inode itself through
+/// `/proc/PID/map_files/START-END` where heapdump may open it (root), else
+/// the mapping's path resolved inside the target's root. The root is held
+/// open, so the file stays reachable after the target exited.
+#[derive(Clone, Debug)]
+pub struct LocalFile {
+    /// `/proc/PID/map_files/START-END`, when it could be opened.
+    pub map_file: Option<PathBuf>,
+    /// The root the path resolves in (the target's; heapdump's own for a
+    /// file the user named).
+    pub root: Arc<TargetRoot>,
+    /// The file's path inside `root` (`None` for a deleted file: its name
+    /// now names something else, or nothing).
+    pub path: Option<PathBuf>,
+}
+
+impl PartialEq for LocalFile {
+    fn eq(&self, other: &Self) -> bool {
+        self.key() == other.key()
+    }
+}
+
+impl Eq for LocalFile {}
+
+impl LocalFile {
+    /// A file of heapdump's own, named by the user (`--binaries`).
+    pub fn own(path: PathBuf, root: Arc<TargetRoot>) -> LocalFile {
+        LocalFile {
+            map_file: None,
+            root,
+            path: Some(path),
+        }
+    }
+
+    /// Opens the file for reading (a regular file only).
+    pub fn open(&self) -> io::Result<File> {
+        if let Some(m) = &self.map_file {
+            if let Ok(f) = target_files::open_regular(m) {
+                return Ok(f);
+            }
+        }
+        match &self.path {
+            Some(p) => self.root.open(p),
+            None => Err(io::Error::new(
+                io::ErrorKind::NotFound,
+                "the mapped file was deleted and cannot be opened through map_files",
+            )),
+        }
+    }
+
+    /// A name for caches and messages.
+    pub fn key(&self) -> String {
+        match (&self.map_file, &self.path) {
+            (Some(m), _) => m.display().to_string(),
+            (None, Some(p)) => format!("{:p}:{}", Arc::as_ptr(&self.root), p.display()),
+            (None, None) => String::new(),
+        }
+    }
 }
 
 impl Mapping {
@@ -48,34 +111,48 @@ pub fn find(maps: &[Mapping], addr: u64) -> Option<&Mapping> {
     maps.iter().find(|m| m.contains(addr))
 }
 
-/// Caches build IDs by file path, so a long-running dumper reads each
-/// file's notes once.
+/// Caches build IDs by file, so a long-running dumper reads each file's
+/// notes once.
 #[derive(Debug, Default)]
 pub struct BuildIds {
-    cache: HashMap<PathBuf, Option<String>>,
+    cache: HashMap<String, Option<String>>,
 }
 
 impl BuildIds {
-    /// The build ID of the ELF file at `path` (hex), if any.
-    pub fn get(&mut self, path: &Path) -> Option<String> {
+    /// The build ID of the ELF file `file` (hex), if any.
+    pub fn get(&mut self, file: &LocalFile) -> Option<String> {
         self.cache
-            .entry(path.to_path_buf())
-            .or_insert_with(|| read_build_id(path))
+            .entry(file.key())
+            .or_insert_with(|| read_build_id(file.open().ok()?))
             .clone()
     }
 }
 
-/// Reads the GNU build ID note of an ELF file, reading only the parts
-/// needed (`object::ReadCache`, no mapping of the whole file).
-pub fn read_build_id(path: &Path) -> Option<String> {
-    let file = File::open(path).ok()?;
-    let cache = ReadCache::new(file);
-    let obj = object::File::parse(&cache).ok()?;
+/// Most bytes read from a file while looking for its build ID: the ELF
+/// header, program and section headers, section names and the notes,
+/// each note at most [`target_files::MAX_NOTE_BYTES`].
+const BUILD_ID_READ_BUDGET: u64 = 8 << 20;
+
+/// Reads the GNU build ID note of an open ELF file, reading only the parts
+/// needed, within a small budget (a target's file with a 4 GiB note
+/// section costs the refusal, not 4 GiB).
+pub fn read_build_id(file: File) -> Option<String> {
+    let bounded = BoundedFile::new(file, BUILD_ID_READ_BUDGET).ok()?;
+    let obj = object::File::parse(&bounded).ok()?;
     build_id_of(&obj)
 }
 
 /// The GNU build ID of a parsed ELF file (hex), if it has one.
 pub fn build_id_of<'d, R: object::ReadRef<'d>>(obj: &object::File<'d, R>) -> Option<String> {
+    use object::ObjectSection;
+    // Notes are read whole: skip any note section larger than a build ID
+    // note could be before `object` reads it.
+    if obj
+        .sections()
+        .any(|s| s.kind() == object::SectionKind::Note && s.size() > target_files::MAX_NOTE_BYTES)
+    {
+        return None;
+    }
     let id = obj.build_id().ok()??;
     Some(id.iter().map(|b| format!("{b:02x}")).collect())
 }
@@ -95,6 +172,11 @@ pub fn locate_by_build_id(maps: &mut [Mapping], dirs: &[PathBuf]) -> Vec<String>
     let mut by_id: HashMap<String, PathBuf> = HashMap::new();
     let mut budget = MAX_INDEXED_FILES;
     let mut warnings = Vec::new();
+    let root = match TargetRoot::own() {
+        Ok(r) => Arc::new(r),
+        Err(e) => return vec![format!("cannot open the root directory: {e}")],
+    };
+    let id_of = |path: &Path| read_build_id(root.open(path).ok()?);
     for d in dirs {
         let mut stack = vec![d.clone()];
         while let Some(dir) = stack.pop() {
@@ -109,7 +191,7 @@ pub fn locate_by_build_id(maps: &mut [Mapping], dirs: &[PathBuf]) -> Vec<String>
                     stack.push(path);
                 } else if budget > 0 && (t.is_file() || t.is_symlink()) {
                     budget -= 1;
-                    if let Some(id) = read_build_id(&path) {
+                    if let Some(id) = id_of(&path) {
                         by_id.entry(id).or_insert(path);
                     }
                 }
@@ -122,14 +204,15 @@ pub fn locate_by_build_id(maps: &mut [Mapping], dirs: &[PathBuf]) -> Vec<String>
         ));
     }
     for m in maps.iter_mut() {
-        m.local_path = None;
+        m.local = None;
         let own = PathBuf::from(&m.path);
+        let file = |p: PathBuf| Some(LocalFile::own(p, root.clone()));
         match &m.build_id {
             Some(id) => {
                 if let Some(p) = by_id.get(id) {
-                    m.local_path = Some(p.clone());
-                } else if read_build_id(&own).as_ref() == Some(id) {
-                    m.local_path = Some(own);
+                    m.local = file(p.clone());
+                } else if id_of(&own).as_ref() == Some(id) {
+                    m.local = file(own);
                 } else {
                     warnings.push(format!(
                         "no file with build ID {id} for {} (pass its directory with --binaries)",
@@ -137,7 +220,7 @@ pub fn locate_by_build_id(maps: &mut [Mapping], dirs: &[PathBuf]) -> Vec<String>
                     ));
                 }
             }
-            None if own.is_file() => m.local_path = Some(own),
+            None if root.is_file(&own) => m.local = file(own),
             None => warnings.push(format!(
                 "{} is not here and recorded no build ID to find it by",
                 m.path
@@ -150,43 +233,32 @@ pub fn locate_by_build_id(maps: &mut [Mapping], dirs: &[PathBuf]) -> Vec<String>
     warnings
 }
 
-/// Whether `pid` sees the same root directory as this process (no
-/// container, no chroot).
-fn same_root(pid: u32) -> bool {
-    use std::os::unix::fs::MetadataExt;
-    match (
-        std::fs::metadata(format!("/proc/{pid}/root/")),
-        std::fs::metadata("/"),
-    ) {
-        (Ok(a), Ok(b)) => a.dev() == b.dev() && a.ino() == b.ino(),
-        _ => false,
+/// How to reach the file of mapping `m` of `pid` (see [`LocalFile`]): a
+/// deleted (or replaced, as a rebuild does) file only through
+/// `/proc/PID/map_files`, which still names the mapped inode; when that
+/// cannot be opened, it is left unsymbolized rather than symbolized
+/// against whatever now has its name.
+fn local_file(pid: u32, m: &Mapping, root: Option<&Arc<TargetRoot>>) -> Option<LocalFile> {
+    let map_file = PathBuf::from(format!("/proc/{pid}/map_files/{:x}-{:x}", m.start, m.end));
+    let map_file = target_files::open_regular(&map_file)
+        .is_ok()
+        .then_some(map_file);
+    let deleted = m.path.ends_with(" (deleted)");
+    let root = root?.clone();
+    if deleted && map_file.is_none() {
+        return None;
     }
+    Some(LocalFile {
+        map_file,
+        root,
+        path: (!deleted).then(|| PathBuf::from(&m.path)),
+    })
 }
 
-/// Where to read a file the target maps: the path itself when the target
-/// shares our root (so it still works after the target exited: `watch`'s
-/// final snapshot), else through `/proc/PID/root` (containers), else the
-/// path itself if it exists.
-///
-/// A file deleted (or replaced, as a rebuild does) since it was mapped is
-/// read through `/proc/PID/map_files/START-END`, which still names the
-/// mapped file; when that cannot be opened, it is left unsymbolized rather
-/// than symbolized against whatever now has its name.
-fn local_path(pid: u32, m: &Mapping, same_root: bool) -> Option<PathBuf> {
-    if m.path.ends_with(" (deleted)") {
-        let mapped = PathBuf::from(format!("/proc/{pid}/map_files/{:x}-{:x}", m.start, m.end));
-        return File::open(&mapped).is_ok().then_some(mapped);
-    }
-    let path = m.path.as_str();
-    let plain = PathBuf::from(path);
-    if same_root && plain.exists() {
-        return Some(plain);
-    }
-    let via_root = PathBuf::from(format!("/proc/{pid}/root{path}"));
-    if via_root.exists() {
-        return Some(via_root);
-    }
-    plain.exists().then_some(plain)
+/// A path as `/proc/PID/maps` shows it, unescaped: the kernel writes a
+/// newline in a file name as `\012` (and escapes nothing else).
+pub fn unescape_path(shown: &str) -> String {
+    shown.replace("\\012", "\n")
 }
 
 /// Parses the text of a `/proc/PID/maps` file, keeping executable,
@@ -218,13 +290,16 @@ pub fn parse_maps(text: &str) -> Vec<Mapping> {
         ) else {
             continue;
         };
+        if start >= end {
+            continue;
+        }
         out.push(Mapping {
             start,
             end,
             offset,
-            path: path.to_string(),
+            path: unescape_path(path),
             build_id: None,
-            local_path: None,
+            local: None,
         });
     }
     out
@@ -234,10 +309,10 @@ pub fn parse_maps(text: &str) -> Vec<Mapping> {
 pub fn read_maps(pid: u32, build_ids: &mut BuildIds) -> io::Result<Vec<Mapping>> {
     let text = std::fs::read_to_string(format!("/proc/{pid}/maps"))?;
     let mut maps = parse_maps(&text);
-    let same_root = same_root(pid);
+    let root = TargetRoot::of_process(pid).ok().map(Arc::new);
     for m in &mut maps {
-        m.local_path = local_path(pid, m, same_root);
-        m.build_id = m.local_path.as_deref().and_then(|p| build_ids.get(p));
+        m.local = local_file(pid, m, root.as_ref());
+        m.build_id = m.local.as_ref().and_then(|f| build_ids.get(f));
     }
     Ok(maps)
 }
@@ -262,5 +337,14 @@ mod tests {
         assert_eq!(m[1].path, "/lib/with space.so (deleted)");
         assert!(find(&m, 0x55d0c0a20010).is_some());
         assert!(find(&m, 0x55d0c0a00010).is_none());
+    }
+
+    #[test]
+    fn newlines_in_names_are_unescaped_as_the_kernel_escapes_them() {
+        let text = "7f0000002000-7f0000003000 r-xp 00001000 08:01 9 /tmp/lib\\012x.so\n";
+        let m = parse_maps(text);
+        assert_eq!(m[0].path, "/tmp/lib\nx.so");
+        // Garbage lines and empty ranges are skipped, never a panic.
+        assert!(parse_maps("x-y r-xp 0 0 0 /a\n5-5 r-xp 0 0 0 /b\n -\n\n").is_empty());
     }
 }

@@ -20,16 +20,35 @@
 //! else through its `.gnu_debuglink` (a file name and a CRC-32), looked for
 //! where GDB looks: next to the file, in `.debug/` next to it, and under
 //! each DIR followed by the file's directory; only a file with the recorded
-//! CRC is taken. Its segments still come from the mapped file.
+//! CRC is taken. Its segments still come from the mapped file. Split DWARF
+//! is read from a `.dwp` package beside the file, looked for only when the
+//! file's units ask for it; separate `.dwo` files (named by absolute paths
+//! of the build machine) are not opened.
+//!
+//! Every file is a target's, opened and read under the rules of
+//! [`crate::process::target_files`]: regular files only, resolved inside
+//! the target's root, read into private memory within a budget (no shared
+//! mapping a target could truncate under us), and the whole of one
+//! symbolization within a deadline, past which the remaining frames are
+//! addresses and the snapshot says why.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::fs::File;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
 
-use addr2line::Loader;
-use object::{Object, ObjectSegment, ObjectSymbol, ReadCache};
+use addr2line::{Context, LookupContinuation, LookupResult};
+use gimli::read::EndianArcSlice;
+use gimli::RunTimeEndian;
+use object::{Object, ObjectSection, ObjectSegment, ObjectSymbol};
 
-use crate::symbolization::maps::{self, Mapping};
+use crate::process::target_files::{self, BoundedFile, TargetRoot};
+use crate::symbolization::maps::{self, LocalFile, Mapping};
+
+/// The reader symbolization uses: sections copied out of the file.
+type Reader = EndianArcSlice<RunTimeEndian>;
 
 /// One symbolized frame. Inlined functions give several frames for one
 /// address, innermost first; all but the last of them have `inlined` set.
@@ -81,7 +100,10 @@ impl Frame {
 struct Module {
     /// PT_LOAD segments: (file offset, file size, virtual address).
     segments: Vec<(u64, u64, u64)>,
-    loader: Option<Loader>,
+    /// The DWARF of the file (or of its separate debug file).
+    dwarf: Option<Context<Reader>>,
+    /// Where a `.dwp` package would be, and the package once looked for.
+    dwp: Option<(LocalFile, OnceLock<Option<gimli::DwarfPackage<Reader>>>)>,
     /// Function symbols with their extents, for addresses DWARF does not
     /// name (see [`SymbolExtents`]).
     symbols: SymbolExtents,
@@ -119,18 +141,6 @@ impl SymbolExtents {
         SymbolExtents(out)
     }
 
-    /// The function symbols of the file at `path` (empty if unreadable).
-    fn read(path: &Path) -> SymbolExtents {
-        let Ok(file) = File::open(path) else {
-            return SymbolExtents::default();
-        };
-        let cache = ReadCache::new(file);
-        match object::File::parse(&cache) {
-            Ok(obj) => SymbolExtents::of(&obj),
-            Err(_) => SymbolExtents::default(),
-        }
-    }
-
     /// The name of the symbol whose extent holds `svma`, if one does.
     fn covering(&self, svma: u64) -> Option<&str> {
         let i = self.0.partition_point(|s| s.0 <= svma);
@@ -145,11 +155,69 @@ impl SymbolExtents {
     }
 }
 
+/// A section's bytes, decompressed, copied into private memory; empty
+/// when missing, unreadable, or over what is left of the file's budget.
+fn section_bytes<'d>(
+    obj: &object::File<'d, &'d BoundedFile>,
+    file: &'d BoundedFile,
+    name: &str,
+) -> Arc<[u8]> {
+    let Some(section) = obj.section_by_name(name) else {
+        return Arc::from(&[][..]);
+    };
+    let Ok(compressed) = section.compressed_data() else {
+        return Arc::from(&[][..]);
+    };
+    // The uncompressed size is the file's word: charge it before
+    // `object` sets memory aside for it.
+    if compressed.format != object::CompressionFormat::None
+        && !file.charge_extra(compressed.uncompressed_size)
+    {
+        return Arc::from(&[][..]);
+    }
+    match compressed.decompress() {
+        Ok(Cow::Borrowed(b)) => Arc::from(b),
+        Ok(Cow::Owned(v)) => Arc::from(v),
+        Err(_) => Arc::from(&[][..]),
+    }
+}
+
+fn endian_of<'d>(obj: &object::File<'d, &'d BoundedFile>) -> RunTimeEndian {
+    if obj.is_little_endian() {
+        RunTimeEndian::Little
+    } else {
+        RunTimeEndian::Big
+    }
+}
+
+/// The DWARF context of a parsed file, its sections copied out (the file
+/// may then be closed, truncated or gone).
+fn dwarf_context<'d>(
+    obj: &object::File<'d, &'d BoundedFile>,
+    file: &'d BoundedFile,
+) -> Option<Context<Reader>> {
+    let endian = endian_of(obj);
+    let dwarf = gimli::Dwarf::load(|id| {
+        Ok::<_, gimli::Error>(Reader::new(section_bytes(obj, file, id.name()), endian))
+    })
+    .ok()?;
+    Context::from_dwarf(dwarf).ok()
+}
+
+/// Opens a file of a target within the read budget, or `None`.
+fn bounded(file: File) -> Option<BoundedFile> {
+    BoundedFile::new(file, target_files::max_file_read()).ok()
+}
+
 impl Module {
-    fn open(path: &Path, debug_dirs: &[PathBuf]) -> Option<Module> {
-        let file = File::open(path).ok()?;
-        let cache = ReadCache::new(file);
-        let obj = object::File::parse(&cache).ok()?;
+    fn open(
+        opened: File,
+        local: &LocalFile,
+        debug_dirs: &[PathBuf],
+        deadline: Option<Instant>,
+    ) -> Option<Module> {
+        let file = bounded(opened)?;
+        let obj = object::File::parse(&file).ok()?;
         let segments = obj
             .segments()
             .map(|s| {
@@ -157,33 +225,88 @@ impl Module {
                 (off, size, s.address())
             })
             .collect();
+        let own_root = TargetRoot::own().ok();
         // No DWARF here: a separate debug file, if installed, has it (and
         // the full symbol table).
-        let separate = if obj.section_by_name(".debug_info").is_none() {
+        let separate: Option<BoundedFile> = if obj.section_by_name(".debug_info").is_none() {
             maps::build_id_of(&obj)
-                .and_then(|id| find_debug_file(&id, debug_dirs))
+                .and_then(|id| {
+                    let root = own_root.as_ref()?;
+                    let p = find_debug_file(&id, debug_dirs, root)?;
+                    bounded(root.open(&p).ok()?)
+                })
                 .or_else(|| {
                     let (name, crc) = obj.gnu_debuglink().ok()??;
-                    find_debuglink(path, name, crc, debug_dirs)
+                    find_debuglink(local, name, crc, debug_dirs, own_root.as_ref()?, deadline)
+                        .map(|(_, f)| f)
                 })
         } else {
             None
         };
+        let separate_obj = separate.as_ref().and_then(|f| object::File::parse(f).ok());
         // The separate debug file's full symbol table where it has one,
         // else this file's (parsed above).
-        let symbols = separate
-            .as_deref()
-            .map(SymbolExtents::read)
+        let symbols = separate_obj
+            .as_ref()
+            .map(SymbolExtents::of)
             .filter(|s| !s.0.is_empty())
             .unwrap_or_else(|| SymbolExtents::of(&obj));
-        let loader = separate
-            .and_then(|p| Loader::new(&p).ok())
-            .or_else(|| Loader::new(path).ok());
+        let dwarf = match (&separate_obj, &separate) {
+            (Some(o), Some(f)) => dwarf_context(o, f),
+            _ => None,
+        }
+        .or_else(|| dwarf_context(&obj, &file));
+        // A `.dwp` package sits beside the file, by the file's own name.
+        let dwp = local.path.as_ref().map(|p| {
+            let mut name = p.clone().into_os_string();
+            name.push(".dwp");
+            (
+                LocalFile {
+                    map_file: None,
+                    root: local.root.clone(),
+                    path: Some(PathBuf::from(name)),
+                },
+                OnceLock::new(),
+            )
+        });
         Some(Module {
             segments,
-            loader,
+            dwarf,
+            dwp,
             symbols,
         })
+    }
+
+    /// The split-DWARF unit `load` asks for, from the `.dwp` package
+    /// beside the file (read once, the first time a unit asks).
+    fn split_unit(
+        &self,
+        load: &addr2line::SplitDwarfLoad<Reader>,
+    ) -> Option<Arc<gimli::Dwarf<Reader>>> {
+        let (file, package) = self.dwp.as_ref()?;
+        let package = package
+            .get_or_init(|| {
+                let f = bounded(file.open().ok()?)?;
+                let obj = object::File::parse(&f).ok()?;
+                let endian = endian_of(&obj);
+                gimli::DwarfPackage::load(
+                    |id| {
+                        Ok::<_, gimli::Error>(Reader::new(
+                            id.dwo_name()
+                                .map(|n| section_bytes(&obj, &f, n))
+                                .unwrap_or_else(|| Arc::from(&[][..])),
+                            endian,
+                        ))
+                    },
+                    Reader::new(Arc::from(&[][..]), endian),
+                )
+                .ok()
+            })
+            .as_ref()?;
+        package
+            .find_cu(load.dwo_id, &load.parent)
+            .ok()?
+            .map(Arc::new)
     }
 
     fn svma(&self, file_offset: u64) -> Option<u64> {
@@ -198,18 +321,37 @@ impl Module {
 /// debug information across calls (and across snapshots).
 #[derive(Default)]
 pub struct Symbolizer {
-    modules: HashMap<PathBuf, Option<Module>>,
+    /// Modules by the file's identity (device, inode, size, change time),
+    /// so one library is parsed once for every process that maps it.
+    modules: HashMap<FileIdentity, Option<Module>>,
+    /// Each mapping's file (by [`LocalFile::key`]) to its identity, or
+    /// `None` when it could not be opened.
+    opened: HashMap<String, Option<FileIdentity>>,
     /// Roots of separate debug files (`.build-id/` trees).
     debug_dirs: Vec<PathBuf>,
+    /// How long one symbolization may take ([`Symbolizer::begin`]).
+    time_limit: Duration,
+    /// When the current symbolization must end.
+    deadline: Option<Instant>,
+    /// What was given up, for the snapshot's notes.
+    notes: Vec<String>,
 }
+
+/// A file's identity: device, inode, size and change time.
+type FileIdentity = (u64, u64, i64, i64);
+
+/// How long one symbolization may take unless `HEAPDUMP_SYMBOLIZE_TIMEOUT`
+/// (seconds) says otherwise; the frames left are shown as addresses.
+pub const DEFAULT_SYMBOLIZE_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// Where separate debug files are looked for unless `HEAPDUMP_DEBUG_DIRS`
 /// says otherwise.
 pub const DEFAULT_DEBUG_DIR: &str = "/usr/lib/debug";
 
 /// The separate debug file of a file with build ID `id` under one of
-/// `dirs`: `DIR/.build-id/ab/cdef....debug`.
-pub fn find_debug_file(id: &str, dirs: &[PathBuf]) -> Option<PathBuf> {
+/// `dirs`: `DIR/.build-id/ab/cdef....debug` (a regular file in `root`,
+/// heapdump's own).
+pub fn find_debug_file(id: &str, dirs: &[PathBuf], root: &TargetRoot) -> Option<PathBuf> {
     if id.len() < 3 || !id.bytes().all(|b| b.is_ascii_hexdigit()) {
         return None;
     }
@@ -219,66 +361,74 @@ pub fn find_debug_file(id: &str, dirs: &[PathBuf]) -> Option<PathBuf> {
                 .join(&id[..2])
                 .join(format!("{}.debug", &id[2..]))
         })
-        .find(|p| p.is_file())
+        .find(|p| root.is_file(p))
 }
 
-/// The debug file a `.gnu_debuglink` of the file at `path` names: `name`
-/// (a bare file name) next to it, in `.debug/` next to it, or under each of
-/// `dirs` followed by the file's directory (without a `/proc/PID/root`
-/// prefix), whichever comes first with CRC-32 `crc`.
-pub fn find_debuglink(path: &Path, name: &[u8], crc: u32, dirs: &[PathBuf]) -> Option<PathBuf> {
+/// The debug file a `.gnu_debuglink` of `file` names: `name` (a bare file
+/// name) next to it, in `.debug/` next to it (both inside the target's
+/// root), or under each of `dirs` (heapdump's own) followed by the file's
+/// directory, whichever comes first with CRC-32 `crc`. A candidate larger
+/// than the read budget is not read.
+pub fn find_debuglink(
+    file: &LocalFile,
+    name: &[u8],
+    crc: u32,
+    dirs: &[PathBuf],
+    own_root: &TargetRoot,
+    deadline: Option<Instant>,
+) -> Option<(PathBuf, BoundedFile)> {
     let name = std::str::from_utf8(name).ok()?;
     if name.is_empty() || name.contains('/') || name == "." || name == ".." {
         return None;
     }
+    let path = file.path.as_ref()?;
     let dir = path.parent()?;
-    // Inside a container's root, the debug directories' layout follows the
-    // file's own path there.
-    let own_dir = strip_proc_root(dir);
-    let mut candidates = vec![dir.join(name), dir.join(".debug").join(name)];
+    let mut candidates: Vec<(&TargetRoot, PathBuf)> = vec![
+        (&file.root, dir.join(name)),
+        (&file.root, dir.join(".debug").join(name)),
+    ];
     for d in dirs {
-        candidates.push(
-            d.join(own_dir.strip_prefix("/").unwrap_or(own_dir))
-                .join(name),
-        );
+        candidates.push((
+            own_root,
+            d.join(dir.strip_prefix("/").unwrap_or(dir)).join(name),
+        ));
     }
-    candidates
-        .into_iter()
-        .find(|c| c != path && c.is_file() && crc32_of(c) == Some(crc))
+    candidates.into_iter().find_map(|(root, c)| {
+        if c == *path {
+            return None;
+        }
+        let f = root.open(&c).ok()?;
+        (crc32_of(&f, deadline)? == crc).then_some(())?;
+        Some((c, bounded(f)?))
+    })
 }
 
-/// `/proc/PID/root/usr/bin` -> `/usr/bin`; other paths unchanged.
-fn strip_proc_root(dir: &Path) -> &Path {
-    let Some(rest) = dir.to_str().and_then(|s| s.strip_prefix("/proc/")) else {
-        return dir;
-    };
-    let Some((pid, tail)) = rest.split_once('/') else {
-        return dir;
-    };
-    if pid.is_empty() || !pid.bytes().all(|b| b.is_ascii_digit()) {
-        return dir;
+/// CRC-32 (the zlib polynomial, as `.gnu_debuglink` records it) of an
+/// open file, if it is within the read budget and read before `deadline`.
+fn crc32_of(f: &File, deadline: Option<Instant>) -> Option<u32> {
+    use std::os::unix::fs::FileExt;
+    let len = target_files::fstat(f).ok()?.st_size.max(0) as u64;
+    if len > target_files::max_file_read() {
+        return None;
     }
-    match tail.strip_prefix("root") {
-        Some("") => Path::new("/"),
-        Some(t) if t.starts_with('/') => Path::new(t),
-        _ => dir,
-    }
-}
-
-/// CRC-32 (the zlib polynomial, as `.gnu_debuglink` records it) of a file.
-fn crc32_of(path: &Path) -> Option<u32> {
-    use std::io::Read;
-    let mut f = File::open(path).ok()?;
     let mut crc = flate2::Crc::new();
     let mut buf = vec![0u8; 1 << 16];
-    loop {
-        match f.read(&mut buf) {
-            Ok(0) => return Some(crc.sum()),
-            Ok(n) => crc.update(&buf[..n]),
+    let mut at = 0u64;
+    while at < len {
+        if deadline.is_some_and(|d| Instant::now() > d) {
+            return None;
+        }
+        match f.read_at(&mut buf, at) {
+            Ok(0) => break,
+            Ok(n) => {
+                crc.update(&buf[..n]);
+                at += n as u64;
+            }
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
             Err(_) => return None,
         }
     }
+    Some(crc.sum())
 }
 
 impl std::fmt::Debug for Symbolizer {
@@ -318,22 +468,81 @@ impl Symbolizer {
     /// A symbolizer with an empty cache, looking for separate debug files
     /// under `dirs`.
     pub fn with_debug_dirs(dirs: Vec<PathBuf>) -> Self {
+        let time_limit = std::env::var("HEAPDUMP_SYMBOLIZE_TIMEOUT")
+            .ok()
+            .and_then(|v| v.trim().parse().ok())
+            .map(Duration::from_secs)
+            .unwrap_or(DEFAULT_SYMBOLIZE_TIMEOUT);
         Symbolizer {
-            modules: HashMap::new(),
             debug_dirs: dirs,
+            time_limit,
+            ..Symbolizer::default()
         }
     }
 
+    /// Starts one symbolization: from now, it has the time limit
+    /// (`HEAPDUMP_SYMBOLIZE_TIMEOUT`, default 60 s) to open files; past
+    /// it, the frames left are addresses and [`take_notes`](Self::take_notes)
+    /// says so.
+    pub fn begin(&mut self) {
+        self.deadline = Some(Instant::now() + self.time_limit);
+    }
+
+    /// What this symbolization gave up, in words (once each), emptied.
+    pub fn take_notes(&mut self) -> Vec<String> {
+        std::mem::take(&mut self.notes)
+    }
+
+    fn past_deadline(&mut self) -> bool {
+        let late = self.deadline.is_some_and(|d| Instant::now() > d);
+        if late {
+            let note = format!(
+                "symbolization stopped after {} s (HEAPDUMP_SYMBOLIZE_TIMEOUT): the frames left \
+                 are addresses",
+                self.time_limit.as_secs()
+            );
+            if !self.notes.contains(&note) {
+                self.notes.push(note);
+            }
+        }
+        late
+    }
+
+    /// The module of a mapping's file, opened and parsed on first use.
+    fn module(&mut self, local: &LocalFile) -> Option<&Module> {
+        let key = local.key();
+        let identity = match self.opened.get(&key) {
+            Some(id) => (*id)?,
+            None => {
+                if self.past_deadline() {
+                    return None;
+                }
+                let opened = local.open().ok();
+                let id = opened.as_ref().and_then(|f| {
+                    let st = target_files::fstat(f).ok()?;
+                    Some((st.st_dev, st.st_ino, st.st_size, st.st_ctime))
+                });
+                self.opened.insert(key, id);
+                let id = id?;
+                if !self.modules.contains_key(&id) {
+                    let module = opened
+                        .and_then(|f| Module::open(f, local, &self.debug_dirs, self.deadline));
+                    self.modules.insert(id, module);
+                }
+                id
+            }
+        };
+        self.modules.get(&identity)?.as_ref()
+    }
+
     /// Opens (and caches) the file of every mapping now, so that addresses
-    /// can still be symbolized after the target exited even where its
-    /// files were only reachable through `/proc/PID/root` (a container).
+    /// can still be symbolized after the target exited, whatever became of
+    /// its files.
     pub fn open_modules(&mut self, maps: &[Mapping]) {
+        self.begin();
         for m in maps {
-            if let Some(path) = &m.local_path {
-                let dirs = &self.debug_dirs;
-                self.modules
-                    .entry(path.clone())
-                    .or_insert_with(|| Module::open(path, dirs));
+            if let Some(local) = &m.local {
+                self.module(local);
             }
         }
     }
@@ -346,26 +555,30 @@ impl Symbolizer {
         let Some(m) = maps::find(maps, lookup) else {
             return vec![base];
         };
-        let Some(path) = m.local_path.clone() else {
+        let Some(local) = m.local.clone() else {
             return vec![base];
         };
-        let dirs = &self.debug_dirs;
-        let module = self
-            .modules
-            .entry(path.clone())
-            .or_insert_with(|| Module::open(&path, dirs));
-        let Some(module) = module.as_ref() else {
+        let Some(module) = self.module(&local) else {
             return vec![base];
         };
         let file_offset = lookup - m.start + m.offset;
         let Some(probe) = module.svma(file_offset) else {
             return vec![base];
         };
-        let Some(loader) = module.loader.as_ref() else {
-            return vec![base];
-        };
         let mut out = Vec::new();
-        if let Ok(mut frames) = loader.find_frames(probe) {
+        let found = module.dwarf.as_ref().map(|ctx| {
+            let mut lookup = ctx.find_frames(probe);
+            // Split DWARF: each unit asked for comes from the `.dwp`.
+            loop {
+                match lookup {
+                    LookupResult::Output(r) => break r,
+                    LookupResult::Load { load, continuation } => {
+                        lookup = continuation.resume(module.split_unit(&load));
+                    }
+                }
+            }
+        });
+        if let Some(Ok(mut frames)) = found {
             while let Ok(Some(f)) = frames.next() {
                 let function = f
                     .function
@@ -420,32 +633,20 @@ mod tests {
         std::fs::create_dir_all(&place).unwrap();
         std::fs::write(place.join("cdef01.debug"), b"x").unwrap();
         let dirs = [PathBuf::from("/nonexistent"), dir.clone()];
+        let root = TargetRoot::own().unwrap();
         assert_eq!(
-            find_debug_file("abcdef01", &dirs),
+            find_debug_file("abcdef01", &dirs, &root),
             Some(place.join("cdef01.debug"))
         );
-        assert_eq!(find_debug_file("abcdef02", &dirs), None);
+        assert_eq!(find_debug_file("abcdef02", &dirs, &root), None);
         // Not a build ID: never turned into a path.
-        assert_eq!(find_debug_file("ab", &dirs), None);
-        assert_eq!(find_debug_file("../../etc", &dirs), None);
+        assert_eq!(find_debug_file("ab", &dirs, &root), None);
+        assert_eq!(find_debug_file("../../etc", &dirs, &root), None);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
     fn debuglinks_are_found_where_gdb_looks_and_only_with_their_crc() {
-        assert_eq!(
-            strip_proc_root(Path::new("/proc/42/root/usr/bin")),
-            Path::new("/usr/bin")
-        );
-        assert_eq!(strip_proc_root(Path::new("/proc/42/root")), Path::new("/"));
-        assert_eq!(
-            strip_proc_root(Path::new("/proc/self/root/x")),
-            Path::new("/proc/self/root/x")
-        );
-        assert_eq!(
-            strip_proc_root(Path::new("/usr/bin")),
-            Path::new("/usr/bin")
-        );
         let base = std::env::temp_dir().join(format!("heapdump-debuglink-{}", std::process::id()));
         let bin_dir = base.join("opt/app");
         std::fs::create_dir_all(bin_dir.join(".debug")).unwrap();
@@ -461,17 +662,25 @@ mod tests {
         let under_root = root.join(bin_dir.strip_prefix("/").unwrap());
         std::fs::create_dir_all(&under_root).unwrap();
         let dirs = vec![root.clone()];
-        let find = |name: &[u8], crc| find_debuglink(&exe, name, crc, &dirs);
+        let own = Arc::new(TargetRoot::own().unwrap());
+        let file = LocalFile::own(exe.clone(), own.clone());
+        let find =
+            |name: &[u8], crc| find_debuglink(&file, name, crc, &dirs, &own, None).map(|(p, _)| p);
         // Under a debug root, following the file's own directory.
         std::fs::write(under_root.join("app.debug"), content).unwrap();
         assert_eq!(find(b"app.debug", crc), Some(under_root.join("app.debug")));
         // `.debug/` next to the file comes before it, the file's own
-        // directory first of all.
+        // directory first of all; a FIFO there is passed over, not
+        // waited on.
+        let fifo = std::ffi::CString::new(bin_dir.join("app.debug").to_str().unwrap()).unwrap();
+        // SAFETY: a valid path string.
+        assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o600) }, 0);
         std::fs::write(bin_dir.join(".debug/app.debug"), content).unwrap();
         assert_eq!(
             find(b"app.debug", crc),
             Some(bin_dir.join(".debug/app.debug"))
         );
+        std::fs::remove_file(bin_dir.join("app.debug")).unwrap();
         std::fs::write(bin_dir.join("app.debug"), content).unwrap();
         assert_eq!(find(b"app.debug", crc), Some(bin_dir.join("app.debug")));
         // Another CRC: none of them is the file the link names; a damaged
@@ -486,7 +695,7 @@ mod tests {
         for name in [&b"../app/app.debug"[..], b"", b".", b"..", b"/etc/passwd"] {
             assert_eq!(find(name, crc), None, "{name:?}");
         }
-        let crc_of_exe = crc32_of(&exe).unwrap();
+        let crc_of_exe = crc32_of(&File::open(&exe).unwrap(), None).unwrap();
         assert_eq!(find(b"app", crc_of_exe), None);
         std::fs::remove_dir_all(&base).unwrap();
     }

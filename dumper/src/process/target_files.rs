@@ -1,0 +1,541 @@
+//! Files of a target process, opened so that nothing the target controls
+//! decides what heapdump opens, how long it waits, or how much it reads.
+//!
+//! heapdump runs as root against processes it must not trust: a
+//! compromised service, another user's program, a container. The paths in
+//! `/proc/PID/maps`, the names in its ELF files (`.gnu_debuglink`, split
+//! DWARF), the files beside them and their sizes are all the target's to
+//! choose. Every file of a target is opened here, under these rules:
+//!
+//! - **Where.** A mapped file is opened through `/proc/PID/map_files/
+//!   START-END`, the very inode the process maps, never by its name when
+//!   that works. A name is resolved inside the target's root with
+//!   `openat2(RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS)` relative to a
+//!   descriptor of `/proc/PID/root`, so an absolute symbolic link in a
+//!   container points into the container, never at the host. On a kernel
+//!   without `openat2` (before 5.6) the name is walked one component at a
+//!   time with `O_NOFOLLOW`, and a symbolic link or `..` is refused.
+//! - **What.** Every open is first an `O_PATH` open, which has no side
+//!   effect (a FIFO does not block, a device is not opened, a terminal
+//!   does not become ours); it is `fstat`-ed and only a regular file is
+//!   reopened for reading, `O_RDONLY | O_NONBLOCK | O_NOCTTY | O_CLOEXEC`.
+//! - **How much.** Contents are read with `pread` into private memory,
+//!   never mapped: a target that truncates its file afterwards makes a
+//!   read come back short (an error, the file left unsymbolized) instead
+//!   of killing heapdump with SIGBUS. Every read is charged to the file's
+//!   [`ReadBudget`] *before* any memory is set aside for it, so a sparse
+//!   file with a 4 GiB section costs nothing but the refusal.
+
+use std::cell::{Cell, RefCell};
+use std::collections::HashSet;
+use std::ffi::CString;
+use std::fs::File;
+use std::io;
+use std::ops::Range;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::FileExt;
+use std::path::{Component, Path};
+
+use object::read::{ReadCache, ReadCacheOps, ReadRef};
+
+/// Most bytes read from one file of a target (its sections, symbol
+/// tables, debug information), unless `HEAPDUMP_MAX_FILE_READ` (bytes)
+/// says otherwise. Distributions' largest debug files (a browser's) are
+/// around this size; a target's file that asks for more is left
+/// unsymbolized.
+pub const DEFAULT_MAX_FILE_READ: u64 = 2 << 30;
+
+/// Most bytes of one note section or segment read while looking for a
+/// build ID (a real `.note.gnu.build-id` is 36 bytes).
+pub const MAX_NOTE_BYTES: u64 = 64 << 10;
+
+/// The per-file read budget in force (`HEAPDUMP_MAX_FILE_READ`, else
+/// [`DEFAULT_MAX_FILE_READ`]).
+pub fn max_file_read() -> u64 {
+    std::env::var("HEAPDUMP_MAX_FILE_READ")
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(DEFAULT_MAX_FILE_READ)
+}
+
+fn cstring(path: &Path) -> io::Result<CString> {
+    CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "a path with a NUL byte"))
+}
+
+fn check(ret: libc::c_int) -> io::Result<OwnedFd> {
+    if ret < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `ret` is a descriptor the kernel just returned to us; nothing
+    // else owns it.
+    Ok(unsafe { OwnedFd::from_raw_fd(ret) })
+}
+
+/// `open(path, O_PATH | O_CLOEXEC)`: following the final link (the magic
+/// links of `/proc/PID/map_files` and `/proc/PID/fd` are how those files
+/// are reached), with no side effect on what it names.
+fn open_path(path: &Path) -> io::Result<OwnedFd> {
+    let c = cstring(path)?;
+    // SAFETY: `c` is a valid NUL-terminated string for the call's duration.
+    check(unsafe { libc::open(c.as_ptr(), libc::O_PATH | libc::O_CLOEXEC) })
+}
+
+/// What `fd` is, in words, when it is not a regular file.
+fn not_regular(mode: libc::mode_t) -> Option<&'static str> {
+    match mode & libc::S_IFMT {
+        libc::S_IFREG => None,
+        libc::S_IFIFO => Some("a FIFO"),
+        libc::S_IFCHR => Some("a character device"),
+        libc::S_IFBLK => Some("a block device"),
+        libc::S_IFSOCK => Some("a socket"),
+        libc::S_IFDIR => Some("a directory"),
+        libc::S_IFLNK => Some("a symbolic link"),
+        _ => Some("not a regular file"),
+    }
+}
+
+/// `fstat` of a descriptor.
+pub fn fstat(fd: &impl AsRawFd) -> io::Result<libc::stat> {
+    // SAFETY: an all-zero `stat` is a valid value of the plain C struct.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: `fd` is an open descriptor and `st` a valid place to write.
+    if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(st)
+}
+
+/// Reopens an `O_PATH` descriptor for reading if, and only if, it names a
+/// regular file.
+fn reopen_regular(opath: OwnedFd, shown: &Path) -> io::Result<File> {
+    let st = fstat(&opath)?;
+    if let Some(what) = not_regular(st.st_mode) {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!(
+                "{} is {what}, not a regular file: not opened",
+                shown.display()
+            ),
+        ));
+    }
+    let via = cstring(Path::new(&format!("/proc/self/fd/{}", opath.as_raw_fd())))?;
+    // SAFETY: `via` is a valid NUL-terminated string; reopening our own
+    // O_PATH descriptor names the inode it holds, which is the regular
+    // file just checked (the descriptor pins it).
+    let fd = check(unsafe {
+        libc::open(
+            via.as_ptr(),
+            libc::O_RDONLY | libc::O_NONBLOCK | libc::O_NOCTTY | libc::O_CLOEXEC,
+        )
+    })?;
+    Ok(File::from(fd))
+}
+
+/// Opens `path` (a path of heapdump's own, such as a magic link under
+/// `/proc/PID/`) for reading only if it is a regular file, with no side
+/// effect on anything else: a FIFO swapped in by the target is refused,
+/// not waited on.
+pub fn open_regular(path: &Path) -> io::Result<File> {
+    reopen_regular(open_path(path)?, path)
+}
+
+/// The root directory a target's names are resolved in.
+#[derive(Debug)]
+pub struct TargetRoot {
+    fd: OwnedFd,
+}
+
+impl TargetRoot {
+    /// The root of process `pid` (`/proc/PID/root`), held open: it stays
+    /// usable after the process exits.
+    pub fn of_process(pid: u32) -> io::Result<TargetRoot> {
+        Self::open_dir(Path::new(&format!("/proc/{pid}/root")))
+    }
+
+    /// heapdump's own root (files named by the user, or a snapshot
+    /// symbolized later, elsewhere): the same rules on what is opened.
+    pub fn own() -> io::Result<TargetRoot> {
+        Self::open_dir(Path::new("/"))
+    }
+
+    fn open_dir(path: &Path) -> io::Result<TargetRoot> {
+        let c = cstring(path)?;
+        // SAFETY: `c` is a valid NUL-terminated string.
+        let fd = check(unsafe {
+            libc::open(
+                c.as_ptr(),
+                libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC,
+            )
+        })?;
+        Ok(TargetRoot { fd })
+    }
+
+    /// An `O_PATH` descriptor of `path` resolved inside this root
+    /// (symbolic links followed inside it, unless `no_symlinks`).
+    pub fn resolve(&self, path: &Path, no_symlinks: bool) -> io::Result<OwnedFd> {
+        let mut resolve = libc::RESOLVE_IN_ROOT | libc::RESOLVE_NO_MAGICLINKS;
+        if no_symlinks {
+            resolve |= libc::RESOLVE_NO_SYMLINKS;
+        }
+        let c = cstring(path)?;
+        // SAFETY: an all-zero `open_how` is valid (no flags, mode 0).
+        let mut how: libc::open_how = unsafe { std::mem::zeroed() };
+        how.flags = (libc::O_PATH | libc::O_CLOEXEC) as u64;
+        how.resolve = resolve;
+        // SAFETY: `c` and `how` are valid for the call; the size passed is
+        // the struct's.
+        let ret = unsafe {
+            libc::syscall(
+                libc::SYS_openat2,
+                self.fd.as_raw_fd(),
+                c.as_ptr(),
+                &how as *const libc::open_how,
+                std::mem::size_of::<libc::open_how>(),
+            )
+        };
+        if ret >= 0 {
+            return check(ret as libc::c_int);
+        }
+        let err = io::Error::last_os_error();
+        if err.raw_os_error() == Some(libc::ENOSYS) {
+            return self.walk_without_links(path);
+        }
+        Err(err)
+    }
+
+    /// The fallback of [`resolve`](Self::resolve) on kernels without
+    /// `openat2`: component by component from the root, `O_NOFOLLOW`
+    /// each, no `..`; a symbolic link anywhere is refused (`ELOOP`).
+    fn walk_without_links(&self, path: &Path) -> io::Result<OwnedFd> {
+        let mut dir: Option<OwnedFd> = None;
+        for c in path.components() {
+            let name = match c {
+                Component::RootDir | Component::CurDir => continue,
+                Component::Normal(n) => n,
+                _ => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::InvalidInput,
+                        format!("{} has a `..`: not resolved", path.display()),
+                    ))
+                }
+            };
+            let at = dir.as_ref().unwrap_or(&self.fd).as_raw_fd();
+            let c = CString::new(name.as_bytes()).map_err(|_| {
+                io::Error::new(io::ErrorKind::InvalidInput, "a path with a NUL byte")
+            })?;
+            // SAFETY: `at` is an open directory descriptor, `c` a valid
+            // string.
+            let fd = check(unsafe {
+                libc::openat(
+                    at,
+                    c.as_ptr(),
+                    libc::O_PATH | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+                )
+            })?;
+            if fstat(&fd)?.st_mode & libc::S_IFMT == libc::S_IFLNK {
+                return Err(io::Error::from_raw_os_error(libc::ELOOP));
+            }
+            dir = Some(fd);
+        }
+        // A path of the root itself: a descriptor of the root.
+        match dir {
+            Some(d) => Ok(d),
+            None => self.fd.try_clone(),
+        }
+    }
+
+    /// Opens `path`, resolved inside this root, for reading if it is a
+    /// regular file (see the module's rules).
+    pub fn open(&self, path: &Path) -> io::Result<File> {
+        reopen_regular(self.resolve(path, false)?, path)
+    }
+
+    /// Whether `path` inside this root is a regular file (resolved as
+    /// [`open`](Self::open) would, without opening it).
+    pub fn is_file(&self, path: &Path) -> bool {
+        self.resolve(path, false)
+            .and_then(|fd| fstat(&fd))
+            .is_ok_and(|st| st.st_mode & libc::S_IFMT == libc::S_IFREG)
+    }
+}
+
+/// How many bytes may still be read from one file.
+#[derive(Debug)]
+pub struct ReadBudget {
+    left: Cell<u64>,
+}
+
+impl ReadBudget {
+    /// A budget of `bytes`.
+    pub fn new(bytes: u64) -> Self {
+        ReadBudget {
+            left: Cell::new(bytes),
+        }
+    }
+
+    /// Takes `n` bytes from the budget; false (and nothing taken) if they
+    /// are not there.
+    pub fn take(&self, n: u64) -> bool {
+        match self.left.get().checked_sub(n) {
+            Some(rest) => {
+                self.left.set(rest);
+                true
+            }
+            None => false,
+        }
+    }
+}
+
+/// A target's file read with `pread` (so a file truncated under us gives
+/// short reads, never a fault), its length fixed when opened.
+struct PositionedFile {
+    file: File,
+    len: u64,
+    pos: u64,
+}
+
+impl ReadCacheOps for PositionedFile {
+    fn len(&mut self) -> Result<u64, ()> {
+        Ok(self.len)
+    }
+
+    fn seek(&mut self, pos: u64) -> Result<u64, ()> {
+        self.pos = pos;
+        Ok(pos)
+    }
+
+    fn read(&mut self, buf: &mut [u8]) -> Result<usize, ()> {
+        loop {
+            match self.file.read_at(buf, self.pos) {
+                Ok(n) => {
+                    self.pos += n as u64;
+                    return Ok(n);
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(_) => return Err(()),
+            }
+        }
+    }
+
+    fn read_exact(&mut self, mut buf: &mut [u8]) -> Result<(), ()> {
+        while !buf.is_empty() {
+            let n = self.read(buf)?;
+            if n == 0 {
+                // The file shrank since it was opened.
+                return Err(());
+            }
+            buf = &mut buf[n..];
+        }
+        Ok(())
+    }
+}
+
+/// A target's file as `object` reads it: pieces read on demand into
+/// private memory, each charged to the file's [`ReadBudget`] before
+/// anything is allocated for it (a piece read twice is charged once).
+pub struct BoundedFile {
+    cache: ReadCache<PositionedFile>,
+    len: u64,
+    budget: ReadBudget,
+    charged: RefCell<HashSet<(u64, u64)>>,
+}
+
+impl std::fmt::Debug for BoundedFile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BoundedFile")
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+impl BoundedFile {
+    /// Wraps an open file with a read budget of `budget` bytes.
+    pub fn new(file: File, budget: u64) -> io::Result<BoundedFile> {
+        let len = fstat(&file)?.st_size.max(0) as u64;
+        Ok(BoundedFile {
+            cache: ReadCache::new(PositionedFile { file, len, pos: 0 }),
+            len,
+            budget: ReadBudget::new(budget),
+            charged: RefCell::new(HashSet::new()),
+        })
+    }
+
+    /// The file's length when it was opened.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Whether the file was empty when opened.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Charges `n` bytes that `object` will set aside beyond what it reads
+    /// (a compressed section's uncompressed size); false if over budget.
+    pub fn charge_extra(&self, n: u64) -> bool {
+        self.budget.take(n)
+    }
+
+    fn charge(&self, offset: u64, size: u64) -> Result<(), ()> {
+        let end = offset.checked_add(size).ok_or(())?;
+        if end > self.len {
+            return Err(());
+        }
+        if self.charged.borrow().contains(&(offset, size)) {
+            return Ok(());
+        }
+        if !self.budget.take(size) {
+            return Err(());
+        }
+        self.charged.borrow_mut().insert((offset, size));
+        Ok(())
+    }
+}
+
+impl<'a> ReadRef<'a> for &'a BoundedFile {
+    fn len(self) -> Result<u64, ()> {
+        Ok(self.len)
+    }
+
+    fn read_bytes_at(self, offset: u64, size: u64) -> Result<&'a [u8], ()> {
+        if size == 0 {
+            return Ok(&[]);
+        }
+        self.charge(offset, size)?;
+        (&self.cache).read_bytes_at(offset, size)
+    }
+
+    fn read_bytes_at_until(self, range: Range<u64>, delimiter: u8) -> Result<&'a [u8], ()> {
+        // Strings: `ReadCache` reads these in small pieces until the
+        // delimiter; charge what came back.
+        let found = (&self.cache).read_bytes_at_until(range, delimiter)?;
+        if self.budget.take(found.len() as u64 + 1) {
+            Ok(found)
+        } else {
+            Err(())
+        }
+    }
+}
+
+/// Reads the whole of `file` (at most `cap` bytes, else an error) into
+/// private memory.
+pub fn read_capped(file: &File, cap: u64, shown: &Path) -> io::Result<Vec<u8>> {
+    let len = fstat(file)?.st_size.max(0) as u64;
+    if len > cap {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!(
+                "{} is {len} bytes, more than the {cap} read from a target's file",
+                shown.display()
+            ),
+        ));
+    }
+    let mut out = vec![0u8; len as usize];
+    let mut done = 0usize;
+    while done < out.len() {
+        match file.read_at(&mut out[done..], done as u64) {
+            Ok(0) => break,
+            Ok(n) => done += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    out.truncate(done);
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::symlink;
+
+    fn scratch(name: &str) -> std::path::PathBuf {
+        let d = std::env::temp_dir().join(format!("heapdump-tf-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    #[test]
+    fn fifos_and_devices_are_refused_without_being_opened() {
+        let d = scratch("fifo");
+        let fifo = d.join("prog.dwp");
+        let c = cstring(&fifo).unwrap();
+        // SAFETY: a valid path string.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        // Opening a FIFO for reading with no writer would block for ever;
+        // here it is refused at once.
+        let e = open_regular(&fifo).unwrap_err();
+        assert!(e.to_string().contains("a FIFO"), "{e}");
+        let root = TargetRoot::own().unwrap();
+        assert!(root.open(&fifo).is_err());
+        assert!(!root.is_file(&fifo));
+        let e = root.open(Path::new("/dev/null")).unwrap_err();
+        assert!(e.to_string().contains("character device"), "{e}");
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn absolute_links_resolve_inside_the_root() {
+        let d = scratch("root");
+        std::fs::create_dir_all(d.join("etc")).unwrap();
+        std::fs::write(d.join("etc/hostname"), b"inside").unwrap();
+        std::fs::create_dir_all(d.join("app")).unwrap();
+        // In the container, /app/link -> /etc/hostname is the container's.
+        symlink("/etc/hostname", d.join("app/link")).unwrap();
+        symlink("../../../../../../etc/hostname", d.join("app/up")).unwrap();
+        let root = TargetRoot::open_dir(&d).unwrap();
+        let read = |p: &str| {
+            let f = root.open(Path::new(p)).unwrap();
+            read_capped(&f, 1 << 20, Path::new(p)).unwrap()
+        };
+        assert_eq!(read("/app/link"), b"inside");
+        assert_eq!(read("/app/up"), b"inside");
+        assert!(root.resolve(Path::new("/app/link"), true).is_err());
+        assert!(root.walk_without_links(Path::new("/app/link")).is_err());
+        assert!(root.walk_without_links(Path::new("/etc/hostname")).is_ok());
+        assert!(root.walk_without_links(Path::new("/app/../etc")).is_err());
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn reads_are_refused_past_the_budget_before_memory_is_taken() {
+        let d = scratch("budget");
+        let p = d.join("sparse");
+        let f = File::create(&p).unwrap();
+        // 64 GiB of holes: reading it would cost 64 GiB.
+        f.set_len(64 << 30).unwrap();
+        drop(f);
+        let bf = BoundedFile::new(open_regular(&p).unwrap(), 1 << 20).unwrap();
+        assert_eq!(bf.len(), 64 << 30);
+        assert!((&bf).read_bytes_at(0, 32 << 30).is_err());
+        assert_eq!((&bf).read_bytes_at(0, 4096).unwrap().len(), 4096);
+        // Read again: charged once.
+        for _ in 0..1000 {
+            assert!((&bf).read_bytes_at(0, 4096).is_ok());
+        }
+        assert!((&bf).read_bytes_at(4096, 1 << 20).is_err());
+        assert!((&bf).read_bytes_at(u64::MAX - 1, 2).is_err());
+        let f = open_regular(&p).unwrap();
+        assert!(read_capped(&f, 1 << 20, &p).is_err());
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn a_file_truncated_after_opening_reads_short_instead_of_faulting() {
+        let d = scratch("trunc");
+        let p = d.join("lib.so");
+        std::fs::write(&p, vec![7u8; 1 << 16]).unwrap();
+        let bf = BoundedFile::new(open_regular(&p).unwrap(), 1 << 30).unwrap();
+        File::options()
+            .write(true)
+            .open(&p)
+            .unwrap()
+            .set_len(0)
+            .unwrap();
+        assert!((&bf).read_bytes_at(4096, 4096).is_err());
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+}
