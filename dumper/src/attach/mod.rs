@@ -11,5 +11,6 @@
 //! x86_64 Linux with glibc only.
 
 pub mod inject;
+pub mod library_placement;
 pub mod remote_unwind;
 pub mod safe_point;

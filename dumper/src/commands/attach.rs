@@ -6,7 +6,7 @@
 //! links an allocator under its own names); then [`crate::attach::inject`]
 //! runs the agent library's entry point in one of its threads.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
@@ -146,43 +146,6 @@ fn check_visibility(pid: u32) -> Result<()> {
     Ok(())
 }
 
-/// The library's path as the target sees it: ours when the target shares
-/// our file system view of it, else a copy placed inside the target's
-/// root (a container), whose path is returned with `Some(where)`.
-fn library_for(pid: u32, lib: &Path) -> Result<(String, Option<PathBuf>)> {
-    use std::os::unix::fs::MetadataExt;
-    let lib = lib.canonicalize().unwrap_or_else(|_| lib.to_path_buf());
-    let ours = std::fs::metadata(&lib).with_context(|| format!("{}", lib.display()))?;
-    let seen = std::fs::metadata(format!("/proc/{pid}/root{}", lib.display()));
-    if seen.is_ok_and(|m| m.dev() == ours.dev() && m.ino() == ours.ino()) {
-        return Ok((lib.display().to_string(), None));
-    }
-    // Another mount namespace: copy it in, under a name that tells its
-    // version apart (size and modification time), readable by anyone.
-    let dir = format!("/tmp/heapdump-agent-{}-{}", ours.size(), ours.mtime());
-    let inside = format!("{dir}/libheapdump_preload.so");
-    let host_dir = PathBuf::from(format!("/proc/{pid}/root{dir}"));
-    let host_file = host_dir.join("libheapdump_preload.so");
-    let present = std::fs::metadata(&host_file).is_ok_and(|m| m.size() == ours.size());
-    if !present {
-        std::fs::create_dir_all(&host_dir)
-            .with_context(|| format!("creating {} inside the target's root", dir))?;
-        let tmp = host_dir.join(format!(".libheapdump_preload.so.{}", std::process::id()));
-        std::fs::copy(&lib, &tmp).with_context(|| {
-            format!(
-                "copying {} into the target's root ({})",
-                lib.display(),
-                host_dir.display()
-            )
-        })?;
-        std::fs::rename(&tmp, &host_file)?;
-        use std::os::unix::fs::PermissionsExt;
-        let _ = std::fs::set_permissions(&host_dir, std::fs::Permissions::from_mode(0o755));
-        let _ = std::fs::set_permissions(&host_file, std::fs::Permissions::from_mode(0o755));
-    }
-    Ok((inside, Some(PathBuf::from(dir))))
-}
-
 /// The library path the target has loaded (for detach).
 fn loaded_library(pid: u32) -> Option<String> {
     let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).ok()?;
@@ -266,7 +229,8 @@ pub fn attach(a: AttachArgs) -> Result<i32> {
         );
     }
     let lib = find_preload(a.library.as_deref()).context("finding libheapdump_preload.so")?;
-    let (path, copied) = library_for(pid, &lib)?;
+    let placed = crate::attach::library_placement::place(pid, &lib)?;
+    let (path, copied) = (placed.path, placed.copied_to);
     let settings = settings_of(&a);
     let done =
         inject::inject(pid, &path, &Action::Attach { settings }).map_err(|e| explain(e, pid))?;
@@ -287,9 +251,8 @@ pub fn attach(a: AttachArgs) -> Result<i32> {
     }
     if let Some(dir) = &copied {
         eprintln!(
-            "heapdump: the process is in another mount namespace; the agent library was copied \
-             to {} inside it",
-            dir.display()
+            "heapdump: the agent library's own path is not one the process sees, or not one \
+             only root can change; it was copied to {dir} inside the process's root"
         );
     }
     let mode = match a.sample_rate {

@@ -405,7 +405,16 @@ pub fn open_target(pid: u32) -> Result<Target, DiscoveryError> {
     let mut first_err = None;
     let mut inherited = None;
     for source in &sources {
-        match RegionReader::open(&source.path, source.kind) {
+        // The target can swap another file (a FIFO, a device) onto the
+        // descriptor number between readlink and open: only a regular file
+        // is opened, and never waited on.
+        let opened = super::target_files::open_regular(&source.path)
+            .map_err(|source| TableError::Io {
+                what: "open region",
+                source,
+            })
+            .and_then(|f| RegionReader::from_file(f, source.kind));
+        match opened {
             Ok(r) if r.header().writer_pid == pid => match source.kind {
                 RegionKind::Resources => resources = Some(r),
                 RegionKind::Allocations => allocations = Some(r),

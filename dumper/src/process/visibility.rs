@@ -21,6 +21,8 @@ use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 
 use object::read::elf::{Dyn, ElfFile64, FileHeader, ProgramHeader};
+
+use super::target_files::{self, BoundedFile};
 use object::{Object, ObjectSymbol};
 
 /// One reason the agent may miss a program's allocations.
@@ -92,11 +94,19 @@ const ALLOCATOR_SYMBOLS: &[(&str, &str)] = &[
 /// Inspects the executable at `path` (and, for jemalloc, the libraries it
 /// needs, found as the dynamic linker would in the usual places).
 pub fn inspect_program(path: &Path) -> ProgramInfo {
+    inspect_elf(path, true)
+}
+
+/// Inspects the executable at `path`; follows its `DT_NEEDED` libraries
+/// (in heapdump's own root) only when `follow_needed` (a program about to
+/// be started, not a running target, whose mapped libraries say more and
+/// whose search paths are its own to choose).
+fn inspect_elf(path: &Path, follow_needed: bool) -> ProgramInfo {
     let mut info = ProgramInfo::default();
     let Some(data) = map_file(path) else {
         return info;
     };
-    let Ok(elf) = ElfFile64::<object::Endianness>::parse(&*data) else {
+    let Ok(elf) = ElfFile64::<object::Endianness, _>::parse(&data) else {
         return info;
     };
     let endian = elf.endian();
@@ -131,7 +141,9 @@ pub fn inspect_program(path: &Path) -> ProgramInfo {
             }
         }
     }
-    info.links_jemalloc = needs_library(path, &data, "libjemalloc.so");
+    if follow_needed {
+        info.links_jemalloc = needs_library(path, &data, "libjemalloc.so");
+    }
     info
 }
 
@@ -139,7 +151,7 @@ pub fn inspect_program(path: &Path) -> ProgramInfo {
 /// mapped, and its `LD_PRELOAD`.
 pub fn inspect_process(pid: u32) -> ProgramInfo {
     let exe = PathBuf::from(format!("/proc/{pid}/exe"));
-    let mut info = inspect_program(&exe);
+    let mut info = inspect_elf(&exe, false);
     if let Ok(maps) = std::fs::read_to_string(format!("/proc/{pid}/maps")) {
         info.links_jemalloc = maps.lines().any(|l| l.contains("/libjemalloc.so"));
     }
@@ -185,14 +197,13 @@ const MAX_FILES: usize = 200;
 
 /// True when the object in `data` (at `path`) or a library it needs,
 /// transitively, has a `DT_NEEDED` entry starting with `prefix`.
-fn needs_library(path: &Path, data: &[u8], prefix: &str) -> bool {
-    let mut queue: Vec<(PathBuf, Option<memmap2::Mmap>, usize)> =
-        vec![(path.to_path_buf(), None, 0)];
+fn needs_library(path: &Path, data: &BoundedFile, prefix: &str) -> bool {
+    let mut queue: Vec<(PathBuf, Option<BoundedFile>, usize)> = vec![(path.to_path_buf(), None, 0)];
     let mut visited = HashSet::new();
     while let Some((path, mapped, depth)) = queue.pop() {
-        let data: &[u8] = match &mapped {
+        let data: &BoundedFile = match &mapped {
             None => data,
-            Some(m) => &m[..],
+            Some(m) => m,
         };
         let Some((needed, search)) = dynamic_entries(&path, data) else {
             continue;
@@ -220,8 +231,8 @@ fn needs_library(path: &Path, data: &[u8], prefix: &str) -> bool {
 /// `DT_NEEDED` names and the directories to search for them
 /// (`DT_RUNPATH` or `DT_RPATH` with `$ORIGIN` expanded, then
 /// `LD_LIBRARY_PATH`).
-fn dynamic_entries(path: &Path, data: &[u8]) -> Option<(Vec<String>, Vec<PathBuf>)> {
-    let elf = ElfFile64::<object::Endianness>::parse(data).ok()?;
+fn dynamic_entries(path: &Path, data: &BoundedFile) -> Option<(Vec<String>, Vec<PathBuf>)> {
+    let elf = ElfFile64::<object::Endianness, _>::parse(data).ok()?;
     let endian = elf.endian();
     let header = elf.elf_header();
     let sections = header.sections(endian, data).ok()?;
@@ -242,7 +253,8 @@ fn dynamic_entries(path: &Path, data: &[u8]) -> Option<(Vec<String>, Vec<PathBuf
         ) {
             continue;
         }
-        let Ok(value) = d.string(endian, strings) else {
+        let offset: u64 = d.d_val(endian).into();
+        let Some(value) = u32::try_from(offset).ok().and_then(|o| strings.get(o).ok()) else {
             continue;
         };
         let value = String::from_utf8_lossy(value).into_owned();
@@ -274,18 +286,13 @@ fn find_library(name: &str, search: &[PathBuf]) -> Option<PathBuf> {
         .find(|p| p.is_file())
 }
 
-/// A read-only private mapping of the file at `path` (executables can be
-/// hundreds of MiB; only the pages parsed are read).
-fn map_file(path: &Path) -> Option<memmap2::Mmap> {
-    let f = std::fs::File::open(path).ok()?;
-    if !f.metadata().ok()?.is_file() {
-        return None;
-    }
-    // SAFETY: a private read-only mapping; the file may change under it
-    // (another process rewriting an executable in place), which `object`
-    // tolerates as malformed input: every offset it follows is checked
-    // against the slice length.
-    unsafe { memmap2::Mmap::map(&f) }.ok()
+/// The file at `path` (a regular file only, never waited on), read on
+/// demand into private memory within the read budget of a target's file:
+/// a target may truncate its executable while it is read, which a mapping
+/// would turn into SIGBUS.
+fn map_file(path: &Path) -> Option<BoundedFile> {
+    let f = target_files::open_regular(path).ok()?;
+    BoundedFile::new(f, target_files::max_file_read()).ok()
 }
 
 /// Finds `prog` as `execvp` would: a path with a slash as is, else the
