@@ -253,7 +253,7 @@ fn dynamic_entries(path: &Path, data: &BoundedFile) -> Option<(Vec<String>, Vec<
         ) {
             continue;
         }
-        let offset: u64 = d.d_val(endian).into();
+        let offset: u64 = d.d_val(endian);
         let Some(value) = u32::try_from(offset).ok().and_then(|o| strings.get(o).ok()) else {
             continue;
         };
