@@ -1,8 +1,12 @@
 //! Configuration from environment variables, read once at start-up.
 //!
 //! Invariant: reading the configuration never allocates (it uses
-//! `getenv`, which returns a pointer into the environment block), so it is
-//! safe inside the first `malloc` of a process.
+//! `secure_getenv`, which returns a pointer into the environment block), so
+//! it is safe inside the first `malloc` of a process. `secure_getenv`
+//! reads nothing in a process started set-user-ID, set-group-ID or with
+//! file capabilities (`AT_SECURE`): the day the agent is preloaded
+//! system-wide, an unprivileged user cannot steer it inside a privileged
+//! program through the environment.
 
 use std::ffi::CStr;
 
@@ -147,11 +151,12 @@ fn env(name: &CStr) -> Option<&'static [u8]> {
     if let Some(v) = overridden(name) {
         return Some(v);
     }
-    // SAFETY: getenv is given a NUL-terminated name; the returned pointer,
-    // if non-null, points at a NUL-terminated string in the environment
-    // block, which lives for the process (we never call setenv).
+    // SAFETY: secure_getenv is given a NUL-terminated name; the returned
+    // pointer, if non-null, points at a NUL-terminated string in the
+    // environment block, which lives for the process (we never call
+    // setenv).
     unsafe {
-        let p = libc::getenv(name.as_ptr());
+        let p = libc::secure_getenv(name.as_ptr());
         if p.is_null() {
             None
         } else {
@@ -173,6 +178,31 @@ fn truthy(v: &[u8]) -> bool {
 /// real-time offset (`SIGRTMIN+3`); `0`/`none`/`off` disables. `None` if
 /// unrecognised.
 pub fn parse_signal(v: &[u8]) -> Option<libc::c_int> {
+    parse_any_signal(v).filter(|&n| !REFUSED_SIGNALS.contains(&n))
+}
+
+/// Signals the agent never takes for snapshot requests: the faults
+/// (a handler that returns would re-run the faulting instruction for
+/// ever instead of letting the process crash), those that cannot be
+/// caught, and job control (the shell's, not ours).
+pub const REFUSED_SIGNALS: &[libc::c_int] = &[
+    libc::SIGSEGV,
+    libc::SIGBUS,
+    libc::SIGILL,
+    libc::SIGFPE,
+    libc::SIGABRT,
+    libc::SIGTRAP,
+    libc::SIGSYS,
+    libc::SIGKILL,
+    libc::SIGSTOP,
+    libc::SIGTSTP,
+    libc::SIGTTIN,
+    libc::SIGTTOU,
+    libc::SIGCONT,
+    libc::SIGCHLD,
+];
+
+fn parse_any_signal(v: &[u8]) -> Option<libc::c_int> {
     let s = std::str::from_utf8(v).ok()?.trim();
     if let Ok(n) = s.parse::<libc::c_int>() {
         return (0..=libc::SIGRTMAX()).contains(&n).then_some(n);
@@ -349,5 +379,8 @@ mod tests {
         assert_eq!(parse_signal(b"SIGRTMIN+2"), Some(libc::SIGRTMIN() + 2));
         assert_eq!(parse_signal(b"SIGKILLME"), None);
         assert_eq!(parse_signal(b"999"), None);
+        for refused in [&b"11"[..], b"SIGSEGV", b"bus", b"7", b"4", b"8", b"6", b"9", b"19", b"20"] {
+            assert_eq!(parse_signal(refused), None, "{refused:?}");
+        }
     }
 }

@@ -115,7 +115,7 @@ fn report_warnings(w: &Warnings) {
         ),
         (
             w.bad_signal,
-            b"heapdump: ignoring invalid HEAPDUMP_SIGNAL\n",
+            b"heapdump: ignoring HEAPDUMP_SIGNAL: not a signal, or one the agent never takes (faults, SIGKILL, SIGSTOP, job control)\n",
         ),
         (
             w.bad_capacity,
