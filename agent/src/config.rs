@@ -147,6 +147,12 @@ pub fn overrides() -> &'static [u8] {
     unsafe { &(&*OVERRIDES.0.get())[..n] }
 }
 
+extern "C" {
+    /// glibc 2.17+: `getenv`, except that it returns NULL in a process
+    /// with `AT_SECURE` set (set-user-ID, set-group-ID, capabilities).
+    fn secure_getenv(name: *const libc::c_char) -> *mut libc::c_char;
+}
+
 fn env(name: &CStr) -> Option<&'static [u8]> {
     if let Some(v) = overridden(name) {
         return Some(v);
@@ -156,7 +162,7 @@ fn env(name: &CStr) -> Option<&'static [u8]> {
     // environment block, which lives for the process (we never call
     // setenv).
     unsafe {
-        let p = libc::secure_getenv(name.as_ptr());
+        let p = secure_getenv(name.as_ptr());
         if p.is_null() {
             None
         } else {
