@@ -385,7 +385,18 @@ mod tests {
         assert_eq!(parse_signal(b"SIGRTMIN+2"), Some(libc::SIGRTMIN() + 2));
         assert_eq!(parse_signal(b"SIGKILLME"), None);
         assert_eq!(parse_signal(b"999"), None);
-        for refused in [&b"11"[..], b"SIGSEGV", b"bus", b"7", b"4", b"8", b"6", b"9", b"19", b"20"] {
+        for refused in [
+            &b"11"[..],
+            b"SIGSEGV",
+            b"bus",
+            b"7",
+            b"4",
+            b"8",
+            b"6",
+            b"9",
+            b"19",
+            b"20",
+        ] {
             assert_eq!(parse_signal(refused), None, "{refused:?}");
         }
     }

@@ -168,10 +168,19 @@ pub fn render_text(d: &Diff, top: usize, depth: usize) -> String {
         for f in s.frames.iter().take(depth) {
             match f.location() {
                 Some(loc) => {
-                    let _ = writeln!(o, "       {}\n           at {loc}", f.display_name());
+                    let _ = writeln!(
+                        o,
+                        "       {}\n           at {}",
+                        crate::formats::escape_controls(&f.display_name()),
+                        crate::formats::escape_controls(&loc)
+                    );
                 }
                 None => {
-                    let _ = writeln!(o, "       {}", f.display_name());
+                    let _ = writeln!(
+                        o,
+                        "       {}",
+                        crate::formats::escape_controls(&f.display_name())
+                    );
                 }
             }
         }

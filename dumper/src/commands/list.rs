@@ -5,6 +5,7 @@
 //! snapshot computes it (each sampled block weighted), and marked `~`;
 //! the MODE column says which mode each process records in.
 
+use crate::formats::escape_controls;
 use std::io::Write;
 
 use anyhow::Result;
@@ -103,10 +104,22 @@ pub fn command() -> Result<i32> {
                     writeln!(
                         out,
                         "{:>8}  {:<16} {:>10} {:>12} {:>10} {:>8} {:>8}",
-                        e.pid, e.name, r.mode, r.live, r.blocks, r.threads, r.dropped
+                        e.pid,
+                        escape_controls(&e.name),
+                        r.mode,
+                        r.live,
+                        r.blocks,
+                        r.threads,
+                        r.dropped
                     )?
                 }
-                Err(err) => writeln!(out, "{:>8}  {:<16} ({err})", e.pid, e.name)?,
+                Err(err) => writeln!(
+                    out,
+                    "{:>8}  {:<16} ({})",
+                    e.pid,
+                    escape_controls(&e.name),
+                    escape_controls(&err.to_string())
+                )?,
             }
         }
         if sampled {
@@ -127,7 +140,7 @@ pub fn command() -> Result<i32> {
             if let Ok(r) = r {
                 let blind = visibility::inspect_process(e.pid).described();
                 for note in snapshot::notes(&blind, r.total_allocs, r.rate) {
-                    writeln!(out, "{:>8}: {note}", e.pid)?;
+                    writeln!(out, "{:>8}: {}", e.pid, escape_controls(&note))?;
                 }
             }
         }

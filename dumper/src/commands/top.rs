@@ -12,6 +12,7 @@
 //! - The regions stay open for the whole view, so when the target exits the
 //!   last report still shows its heap at exit.
 
+use crate::formats::escape_controls;
 use std::collections::HashMap;
 use std::fmt::Write;
 use std::time::{Duration, SystemTime};
@@ -97,9 +98,13 @@ fn frames_line(site: &Site, depth: usize) -> String {
         .map(|f| match (f.file.as_deref(), f.line) {
             (Some(file), Some(line)) => {
                 let base = file.rsplit('/').next().unwrap_or(file);
-                format!("{} ({base}:{line})", f.display_name())
+                format!(
+                    "{} ({}:{line})",
+                    escape_controls(&f.display_name()),
+                    escape_controls(base)
+                )
             }
-            _ => f.display_name(),
+            _ => escape_controls(&f.display_name()).into_owned(),
         })
         .collect();
     if parts.len() < frames.len() {
@@ -125,7 +130,8 @@ pub fn render(
     let _ = writeln!(
         o,
         "heapdump top: pid {} ({}) at {when}, report {seq}",
-        now.pid, now.process
+        now.pid,
+        escape_controls(&now.process)
     );
     let t = &now.totals;
     let rate = match previous {

@@ -8,7 +8,7 @@ use crate::symbolization::symbolizer::Frame;
 fn name(f: &Frame) -> String {
     // ';' separates frames and a trailing number is the value: keep both
     // out of names.
-    f.display_name().replace(';', ":").replace('\n', " ")
+    crate::formats::escape_controls(&f.display_name()).replace(';', ":")
 }
 
 /// Folded stacks of live bytes, one line per site with live blocks,
@@ -32,7 +32,11 @@ pub fn folded(s: &Snapshot) -> String {
 pub fn svg(s: &Snapshot) -> Vec<u8> {
     let folded = folded(s);
     let mut opts = inferno::flamegraph::Options::default();
-    opts.title = format!("heapdump: live heap of pid {} ({})", s.pid, s.process);
+    opts.title = format!(
+        "heapdump: live heap of pid {} ({})",
+        s.pid,
+        crate::formats::escape_controls(&s.process)
+    );
     opts.subtitle = Some(format!(
         "{} live bytes in {} blocks",
         s.totals.live_bytes, s.totals.live_blocks

@@ -94,6 +94,25 @@ pub fn render(s: &Snapshot, format: Format, opts: RenderOptions) -> Vec<u8> {
     }
 }
 
+/// `s` with every control character a target could have put in a name
+/// (C0, DEL, C1) written as `\xNN`, so that text output cannot move the
+/// cursor, retitle or clear a terminal, and XML stays well-formed.
+pub fn escape_controls(s: &str) -> std::borrow::Cow<'_, str> {
+    let is_control = |c: char| c.is_control();
+    if !s.chars().any(is_control) {
+        return std::borrow::Cow::Borrowed(s);
+    }
+    let mut out = String::with_capacity(s.len() + 8);
+    for c in s.chars() {
+        if is_control(c) {
+            out.push_str(&format!("\\x{:02x}", c as u32));
+        } else {
+            out.push(c);
+        }
+    }
+    std::borrow::Cow::Owned(out)
+}
+
 /// Writes `bytes` to `path`, creating it with mode 0600 (and tightening
 /// an existing file to 0600).
 pub fn write_private(path: &Path, bytes: &[u8]) -> io::Result<()> {
@@ -149,6 +168,15 @@ use std::os::unix::fs::DirBuilderExt;
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn control_characters_are_escaped() {
+        assert_eq!(escape_controls("plain name"), "plain name");
+        assert_eq!(
+            escape_controls("x\u{1b}]0;T\u{7}y\u{7f}\u{9b}z\n"),
+            "x\\x1b]0;T\\x07y\\x7f\\x9bz\\x0a"
+        );
+    }
 
     #[test]
     fn formats_from_names() {

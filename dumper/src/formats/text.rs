@@ -6,6 +6,7 @@ use std::time::SystemTime;
 
 use crate::process::age::human_age;
 
+use crate::formats::escape_controls as esc;
 use crate::process::snapshot::Snapshot;
 
 /// Formats a byte count with a binary unit (`1.5 MiB`).
@@ -56,7 +57,7 @@ pub fn render(s: &Snapshot, opts: TextOptions) -> String {
         o,
         "heapdump snapshot of pid {} ({}) at {when}, stacks by {}",
         s.pid,
-        s.process,
+        esc(&s.process),
         match s.unwinder.as_str() {
             "fp" => "frame pointers",
             "cfi" => "CFI",
@@ -105,7 +106,7 @@ pub fn render(s: &Snapshot, opts: TextOptions) -> String {
         );
     }
     if let Some(p) = &s.partial {
-        let _ = writeln!(o, "PARTIAL snapshot: {p}");
+        let _ = writeln!(o, "PARTIAL snapshot: {}", esc(p));
     }
     if let Some(rate) = s.sampling {
         let _ = writeln!(
@@ -115,7 +116,7 @@ pub fn render(s: &Snapshot, opts: TextOptions) -> String {
         );
     }
     for n in &s.notes {
-        let _ = writeln!(o, "note: {n}");
+        let _ = writeln!(o, "note: {}", esc(n));
     }
     if let Some(sel) = &s.selection {
         let mut range = Vec::new();
@@ -142,7 +143,7 @@ pub fn render(s: &Snapshot, opts: TextOptions) -> String {
                 "  {:>10}  {:>7} blocks  {} [{}]",
                 human_bytes(th.live_bytes),
                 th.live_blocks,
-                th.name,
+                esc(&th.name),
                 th.tid
             );
         }
@@ -194,17 +195,22 @@ pub fn render(s: &Snapshot, opts: TextOptions) -> String {
                 o,
                 "       ({lib} frame{} in the standard library or dependencies, from {})",
                 if lib == 1 { "" } else { "s" },
-                site.frames[0].display_name()
+                esc(&site.frames[0].display_name())
             );
         }
         for f in site.frames.iter().skip(lib).take(opts.depth) {
             let inl = if f.inlined { " (inlined)" } else { "" };
             match f.location() {
                 Some(loc) => {
-                    let _ = writeln!(o, "       {}{inl}\n           at {loc}", f.display_name());
+                    let _ = writeln!(
+                        o,
+                        "       {}{inl}\n           at {}",
+                        esc(&f.display_name()),
+                        esc(&loc)
+                    );
                 }
                 None => {
-                    let _ = writeln!(o, "       {}{inl}", f.display_name());
+                    let _ = writeln!(o, "       {}{inl}", esc(&f.display_name()));
                 }
             }
         }

@@ -218,10 +218,16 @@ fn kind_name(kind: RegionKind) -> &'static str {
     }
 }
 
-/// The process name from `/proc/PID/comm`, or `?`.
+/// The process name from `/proc/PID/comm` (the target's to choose: its
+/// control characters escaped as `\xNN`, so no message can carry them to a
+/// terminal), or `?`.
 pub fn process_name(pid: u32) -> String {
-    fs::read_to_string(format!("/proc/{pid}/comm"))
-        .map(|s| s.trim_end().to_string())
+    fs::read(format!("/proc/{pid}/comm"))
+        .map(|b| {
+            let s = String::from_utf8_lossy(&b);
+            let s = s.strip_suffix('\n').unwrap_or(&s);
+            crate::formats::escape_controls(s).into_owned()
+        })
         .unwrap_or_else(|_| "?".to_string())
 }
 
