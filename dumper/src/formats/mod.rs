@@ -2,9 +2,7 @@
 //! in it, and writing files privately (mode 0600: a heap snapshot can
 //! reveal a lot about a service). One module per format.
 
-use std::fs::{self, OpenOptions, Permissions};
 use std::io::{self, Write};
-use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::Path;
 
 use clap::ValueEnum;
@@ -14,7 +12,10 @@ pub mod flamegraph;
 pub mod html;
 pub mod json;
 pub mod pprof;
+pub mod private_output;
 pub mod text;
+
+use private_output::PrivateFile;
 
 use crate::formats::text::TextOptions;
 use crate::process::snapshot::Snapshot;
@@ -113,12 +114,12 @@ pub fn escape_controls(s: &str) -> std::borrow::Cow<'_, str> {
     std::borrow::Cow::Owned(out)
 }
 
-/// Writes `bytes` to `path`, creating it with mode 0600 (and tightening
-/// an existing file to 0600).
+/// Writes `bytes` to `path` privately (mode 0600, created without
+/// following links and renamed into place; see [`private_output`]).
 pub fn write_private(path: &Path, bytes: &[u8]) -> io::Result<()> {
-    let mut f = create_private(path)?;
-    f.write_all(bytes)?;
-    f.sync_all()
+    let mut f = PrivateFile::create(path)?;
+    f.file().write_all(bytes)?;
+    f.commit()
 }
 
 /// Writes `s` rendered in `format` to `path` as [`write_private`] does.
@@ -131,39 +132,19 @@ pub fn write_snapshot(
     format: Format,
     opts: RenderOptions,
 ) -> io::Result<()> {
-    let mut w = io::BufWriter::with_capacity(1 << 20, create_private(path)?);
-    match format {
-        Format::Json => crate::formats::json::write(s, &mut w)?,
-        _ => w.write_all(&render(s, format, opts))?,
+    let mut f = PrivateFile::create(path)?;
+    {
+        let mut w = io::BufWriter::with_capacity(1 << 20, f.file());
+        match format {
+            Format::Json => crate::formats::json::write(s, &mut w)?,
+            _ => w.write_all(&render(s, format, opts))?,
+        }
+        w.flush()?;
     }
-    w.into_inner().map_err(|e| e.into_error())?.sync_all()
+    f.commit()
 }
 
-/// Creates (or truncates) `path` with mode 0600, tightening an existing
-/// file to 0600.
-fn create_private(path: &Path) -> io::Result<fs::File> {
-    let f = OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(0o600)
-        .open(path)?;
-    f.set_permissions(Permissions::from_mode(0o600))?;
-    Ok(f)
-}
-
-/// Creates a directory for snapshots (mode 0700 when new).
-pub fn create_private_dir(dir: &Path) -> io::Result<()> {
-    if dir.is_dir() {
-        return Ok(());
-    }
-    fs::DirBuilder::new()
-        .recursive(true)
-        .mode(0o700)
-        .create(dir)
-}
-
-use std::os::unix::fs::DirBuilderExt;
+pub use private_output::create_private_dir;
 
 #[cfg(test)]
 mod tests {
