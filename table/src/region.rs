@@ -297,6 +297,11 @@ pub struct RegionReader {
 }
 
 impl RegionReader {
+    /// The region's memfd (kept open as long as the reader).
+    pub fn raw_fd(&self) -> std::os::fd::RawFd {
+        self._file.as_raw_fd()
+    }
+
     /// Opens a region by path (normally `/proc/PID/fd/N`).
     pub fn open(path: &Path, expected: RegionKind) -> Result<Self, TableError> {
         let file = File::open(path).map_err(|e| TableError::io("open region", e))?;

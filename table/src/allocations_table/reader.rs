@@ -5,7 +5,15 @@
 //! - Readers never write and never take a lock: the walk reads nodes and
 //!   the shards' counters only.
 //! - The walk is bounded by the node capacity of the validated layout and
-//!   by the high-water mark; a node that keeps changing is retried within
+//!   by the high-water mark, and reads only the pages of the node array
+//!   that hold data (`lseek(SEEK_DATA)` on the region's memfd): the
+//!   high-water mark is a word the target writes, and a forged one must not
+//!   make the reader fault in gigabytes of never-written shared memory
+//!   (each read fault of a memfd hole allocates a page, charged to the
+//!   reader). A page that was never written holds only free nodes, and a
+//!   swapped-out page still counts as data, so nothing live is skipped; a
+//!   block live for the whole walk was written, so its page is data, before
+//!   the walk looked. A node that keeps changing is retried within
 //!   a budget and a deadline ([`WALK_RETRY_BUDGET`], [`WALK_RETRY_TIME`]),
 //!   then the walk is reported partial: a target killed inside an update
 //!   leaves `seq` odd forever.
@@ -48,6 +56,8 @@ impl WalkStats {
 pub struct AllocationsReader<'a> {
     pub(super) view: SharedView,
     pub(super) layout: Layout,
+    /// The region's memfd, to skip its holes (`None`: read every node).
+    pub(super) fd: Option<std::os::fd::RawFd>,
     pub(super) _region: std::marker::PhantomData<&'a ()>,
 }
 
@@ -71,6 +81,7 @@ impl<'a> AllocationsReader<'a> {
         Ok(AllocationsReader {
             view: region.view(),
             layout,
+            fd: Some(region.raw_fd()),
             _region: std::marker::PhantomData,
         })
     }
@@ -85,6 +96,7 @@ impl<'a> AllocationsReader<'a> {
         Ok(AllocationsReader {
             view,
             layout,
+            fd: None,
             _region: std::marker::PhantomData,
         })
     }
@@ -181,7 +193,7 @@ impl<'a> AllocationsReader<'a> {
             ..Default::default()
         };
         let mut later = Vec::new();
-        for i in 0..n {
+        for i in self.written_nodes(n).into_iter().flatten() {
             match self.read_node_retrying(i, 16, u32::MAX, None).0 {
                 NodeRead::Free => {}
                 NodeRead::Live(r) => {
@@ -215,6 +227,47 @@ impl<'a> AllocationsReader<'a> {
             }
         }
         stats
+    }
+
+    /// The ranges of node numbers below `n` whose pages hold data (every
+    /// node when the region's file cannot say).
+    pub(super) fn written_nodes(&self, n: u64) -> Vec<std::ops::Range<u64>> {
+        let Some(fd) = self.fd else {
+            return vec![0..n];
+        };
+        let start = self.layout.nodes_off;
+        let end = start + n * NODE_SIZE;
+        let mut out = Vec::new();
+        let mut at = start;
+        while at < end {
+            // SAFETY: lseek on a descriptor the region keeps open for 'a;
+            // it moves only the file offset, which nothing else uses (the
+            // region is read through its mapping).
+            let data = unsafe { libc::lseek(fd, at as libc::off_t, libc::SEEK_DATA) };
+            if data < 0 {
+                if std::io::Error::last_os_error().raw_os_error() == Some(libc::ENXIO) {
+                    break; // No data past `at`.
+                }
+                return vec![0..n]; // The file cannot tell: read it all.
+            }
+            let data = data as u64;
+            if data >= end {
+                break;
+            }
+            // SAFETY: as above.
+            let hole = unsafe { libc::lseek(fd, data as libc::off_t, libc::SEEK_HOLE) };
+            let hole = if hole < 0 {
+                end
+            } else {
+                (hole as u64).min(end)
+            };
+            if hole <= data {
+                return vec![0..n];
+            }
+            out.push((data.max(start) - start) / NODE_SIZE..(hole - start).div_ceil(NODE_SIZE));
+            at = hole;
+        }
+        out
     }
 
     /// Collects every live record (see [`Self::walk`]).

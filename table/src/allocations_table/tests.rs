@@ -514,3 +514,35 @@ fn retries_on_a_node_that_never_settles_stop_at_the_deadline() {
     let stats = reader.walk(|_| {});
     assert_eq!((stats.reported, stats.unstable), (0, 1));
 }
+
+#[test]
+fn a_forged_high_water_mark_costs_the_reader_no_memory() {
+    // The target writes the node high-water mark itself: set to the
+    // capacity (here 4 M nodes, 128 MiB of node array), a walk that read
+    // every node would fault in 128 MiB of the memfd, charged to the
+    // reader. It reads only pages holding data.
+    let r = region(4 << 20, 4);
+    let w = AllocationsWriter::new(&r).unwrap();
+    for i in 0..1000u64 {
+        w.insert(&rec(0x7000_0000 + i * 32, 24)).unwrap();
+    }
+    let layout = w.layout;
+    // What a hostile target writes into its own header.
+    r.view()
+        .atomic_u64(W_NODE_HW)
+        .unwrap()
+        .store(layout.capacity, Ordering::Relaxed);
+    let rr = r.open_reader().unwrap();
+    let before = r.resident_bytes().unwrap();
+    let reader = AllocationsReader::new(&rr).unwrap();
+    let mut n = 0;
+    let stats = reader.walk(|_| n += 1);
+    let after = r.resident_bytes().unwrap();
+    assert_eq!(n, 1000);
+    assert_eq!(stats.nodes, layout.capacity);
+    assert!(
+        after - before < 1 << 20,
+        "the walk faulted in {} bytes",
+        after - before
+    );
+}
