@@ -233,7 +233,7 @@ impl<'a> AllocationsReader<'a> {
     /// node when the region's file cannot say).
     pub(super) fn written_nodes(&self, n: u64) -> Vec<std::ops::Range<u64>> {
         let Some(fd) = self.fd else {
-            return vec![0..n];
+            return std::iter::once(0..n).collect();
         };
         let start = self.layout.nodes_off;
         let end = start + n * NODE_SIZE;
@@ -248,7 +248,7 @@ impl<'a> AllocationsReader<'a> {
                 if std::io::Error::last_os_error().raw_os_error() == Some(libc::ENXIO) {
                     break; // No data past `at`.
                 }
-                return vec![0..n]; // The file cannot tell: read it all.
+                return std::iter::once(0..n).collect(); // The file cannot tell: read it all.
             }
             let data = data as u64;
             if data >= end {
@@ -262,7 +262,7 @@ impl<'a> AllocationsReader<'a> {
                 (hole as u64).min(end)
             };
             if hole <= data {
-                return vec![0..n];
+                return std::iter::once(0..n).collect();
             }
             out.push((data.max(start) - start) / NODE_SIZE..(hole - start).div_ceil(NODE_SIZE));
             at = hole;
