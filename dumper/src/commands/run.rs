@@ -240,6 +240,10 @@ pub fn command(a: RunArgs) -> anyhow::Result<i32> {
                 peak: false,
                 scan: Duration::from_secs(1),
                 max_total: None,
+                // The user's own program, started here: every request is
+                // answered as it comes.
+                min_request_interval: Duration::ZERO,
+                keep_requests: None,
             };
             Some(std::thread::spawn(move || -> anyhow::Result<()> {
                 crate::commands::watch::wait_instrumented(pid, Duration::from_secs(30))?;

@@ -74,8 +74,15 @@ pub struct WatchOptions {
     /// How often `all` looks for new instrumented processes.
     pub scan: Duration,
     /// Keep the snapshot files in the directory under this many bytes in
-    /// all, deleting the oldest first.
+    /// all, deleting the oldest of the target that holds the most first.
     pub max_total: Option<u64>,
+    /// Answer a target's requests at most once per this long; requests
+    /// made faster are answered together, by one snapshot, when it has
+    /// passed.
+    pub min_request_interval: Duration,
+    /// Keep only the newest this many snapshots answering requests of each
+    /// target, deleting older ones' files.
+    pub keep_requests: Option<usize>,
 }
 
 /// Why a snapshot was taken.
@@ -221,6 +228,12 @@ struct Watched {
     done: bool,
     /// Files of the periodic snapshots kept, oldest first.
     periodic: std::collections::VecDeque<Vec<PathBuf>>,
+    /// Files of the snapshots answering requests, oldest first.
+    answered: std::collections::VecDeque<Vec<PathBuf>>,
+    /// When the last request was answered.
+    last_answer: Option<Instant>,
+    /// Whether the log said this target asks too often.
+    told_rate: bool,
 }
 
 impl Watched {
@@ -229,13 +242,29 @@ impl Watched {
     fn rotate(&mut self, written: &mut Written, keep: Option<usize>) {
         let Some(keep) = keep else { return };
         self.periodic.push_back(written.paths.clone());
-        while self.periodic.len() > keep {
-            for p in self.periodic.pop_front().unwrap_or_default() {
-                match std::fs::remove_file(&p) {
-                    Ok(()) => written.removed.push(p),
-                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => written.removed.push(p),
-                    Err(e) => written.not_removed.push((p, e.to_string())),
-                }
+        rotate_queue(&mut self.periodic, written, keep);
+    }
+
+    /// The same for snapshots answering requests, beyond `keep`.
+    fn rotate_answered(&mut self, written: &mut Written, keep: Option<usize>) {
+        let Some(keep) = keep else { return };
+        self.answered.push_back(written.paths.clone());
+        rotate_queue(&mut self.answered, written, keep);
+    }
+}
+
+/// Deletes the files of the oldest entries of `queue` beyond `keep`.
+fn rotate_queue(
+    queue: &mut std::collections::VecDeque<Vec<PathBuf>>,
+    written: &mut Written,
+    keep: usize,
+) {
+    while queue.len() > keep {
+        for p in queue.pop_front().unwrap_or_default() {
+            match std::fs::remove_file(&p) {
+                Ok(()) => written.removed.push(p),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => written.removed.push(p),
+                Err(e) => written.not_removed.push((p, e.to_string())),
             }
         }
     }
@@ -244,17 +273,24 @@ impl Watched {
 /// Set by SIGINT/SIGTERM while watching.
 static STOP: AtomicBool = AtomicBool::new(false);
 
-extern "C" fn on_stop_signal(_: libc::c_int) {
-    STOP.store(true, Ordering::Relaxed);
+extern "C" fn on_stop_signal(sig: libc::c_int) {
+    if STOP.swap(true, Ordering::Relaxed) {
+        // A second signal: the clean stop is taking too long (or is stuck
+        // on a target); end now.
+        // SAFETY: _exit is async-signal-safe.
+        unsafe { libc::_exit(128 + sig) };
+    }
 }
 
 /// Makes SIGINT and SIGTERM end `watch` cleanly (with a final snapshot of
-/// each target) instead of killing the dumper.
+/// each target) instead of killing the dumper; a second one ends it at
+/// once. Without `SA_RESTART`, so a system call waiting when the signal
+/// comes returns instead of waiting on.
 pub fn install_stop_handlers() {
     use nix::sys::signal::{sigaction, SaFlags, SigAction, SigHandler, SigSet, Signal};
     let act = SigAction::new(
         SigHandler::Handler(on_stop_signal),
-        SaFlags::SA_RESTART,
+        SaFlags::empty(),
         SigSet::empty(),
     );
     for sig in [Signal::SIGINT, Signal::SIGTERM] {
@@ -474,7 +510,7 @@ impl Watcher {
                     match shoot(w, reason, &opts, symbolizer, build_ids) {
                         Ok(mut written) => {
                             if let Some(max) = opts.max_total {
-                                enforce_total(&opts.dir, max, &mut written);
+                                enforce_total_fairly(&opts.dir, max, &mut written);
                             }
                             Ok(Some(written))
                         }
@@ -491,10 +527,30 @@ impl Watcher {
             for w in self.watched.iter_mut().filter(|w| !w.done) {
                 let exited = w.exit.exited();
                 let req = read_request(&w.target.allocations.view());
-                if req.count > w.last_request {
+                let due = w
+                    .last_answer
+                    .is_none_or(|t| t.elapsed() >= opts.min_request_interval);
+                if req.count > w.last_request && !due {
+                    // Answered when the interval has passed, with every
+                    // request made meanwhile (its request.count says how
+                    // many).
+                    if !w.told_rate {
+                        w.told_rate = true;
+                        eprintln!(
+                            "heapdump: pid {} ({}) asks for snapshots more often than once per \
+                             {}: its requests are answered at most that often, several by one \
+                             snapshot",
+                            w.target.pid,
+                            w.target.name,
+                            humantime::format_duration(opts.min_request_interval)
+                        );
+                    }
+                } else if req.count > w.last_request {
                     w.last_request = req.count;
+                    w.last_answer = Some(Instant::now());
                     let name = req.name.unwrap_or_default();
-                    if let Some(written) = shoot_or_drop(w, Reason::Request(name))? {
+                    if let Some(mut written) = shoot_or_drop(w, Reason::Request(name))? {
+                        w.rotate_answered(&mut written, opts.keep_requests);
                         on_written(&written);
                     }
                 } else if let Some(iv) = opts.interval {
@@ -555,45 +611,89 @@ fn open_one(
         last_snapshot: Instant::now(),
         done: false,
         periodic: Default::default(),
+        answered: Default::default(),
+        last_answer: None,
+        told_rate: false,
     })
 }
 
-/// Deletes the oldest snapshot files (`heapdump-*`) in `dir` until their
-/// total size is at most `max` bytes, never the files just written;
-/// deletions go into `written` for the caller to report.
-fn enforce_total(dir: &std::path::Path, max: u64, written: &mut Written) {
+/// The pid a snapshot file of `watch` belongs to
+/// (`heapdump-PID-SEQ-...`).
+fn pid_of_file(name: &str) -> Option<u32> {
+    name.strip_prefix("heapdump-")?
+        .split('-')
+        .next()?
+        .parse()
+        .ok()
+}
+
+/// Deletes snapshot files (`heapdump-*`) in `dir` until their total size
+/// is at most `max` bytes, never the files just written, fairly: each time
+/// the oldest file of the target whose files take the most room, so one
+/// process that floods the directory deletes its own snapshots, never
+/// another's evidence while it holds less. Deletions go into `written`
+/// for the caller to report.
+fn enforce_total_fairly(dir: &std::path::Path, max: u64, written: &mut Written) {
     let Ok(entries) = std::fs::read_dir(dir) else {
         return;
     };
-    let mut files: Vec<(std::time::SystemTime, u64, PathBuf)> = entries
-        .flatten()
-        .filter(|e| e.file_name().to_string_lossy().starts_with("heapdump-"))
-        .filter_map(|e| {
-            let m = e.metadata().ok()?;
-            m.is_file().then(|| {
-                (
-                    m.modified().unwrap_or(std::time::UNIX_EPOCH),
-                    m.len(),
-                    e.path(),
-                )
-            })
-        })
-        .collect();
-    files.sort();
-    let mut total: u64 = files.iter().map(|f| f.1).sum();
-    for (_, len, path) in files {
-        if total <= max {
-            break;
-        }
-        if written.paths.contains(&path) {
+    // Per pid (0: files of no pid), oldest first.
+    let mut by_pid: std::collections::BTreeMap<u32, Vec<(std::time::SystemTime, u64, PathBuf)>> =
+        Default::default();
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if !name.starts_with("heapdump-") {
             continue;
         }
+        let Ok(m) = e.metadata() else { continue };
+        if !m.is_file() {
+            continue;
+        }
+        by_pid
+            .entry(pid_of_file(&name).unwrap_or(0))
+            .or_default()
+            .push((
+                m.modified().unwrap_or(std::time::UNIX_EPOCH),
+                m.len(),
+                e.path(),
+            ));
+    }
+    for files in by_pid.values_mut() {
+        files.sort();
+        files.reverse(); // Oldest last, to pop.
+        files.retain(|f| !written.paths.contains(&f.2));
+    }
+    let mut totals: std::collections::BTreeMap<u32, u64> = by_pid
+        .iter()
+        .map(|(p, f)| (*p, f.iter().map(|x| x.1).sum()))
+        .collect();
+    let just_written: u64 = written
+        .paths
+        .iter()
+        .filter_map(|p| std::fs::metadata(p).ok())
+        .map(|m| m.len())
+        .sum();
+    *totals.entry(written.pid).or_default() += just_written;
+    let mut total: u64 = totals.values().sum();
+    while total > max {
+        // The target holding the most that still has a file to delete.
+        let Some((&pid, _)) = totals
+            .iter()
+            .filter(|(p, _)| by_pid.get(p).is_some_and(|f| !f.is_empty()))
+            .max_by_key(|(_, t)| **t)
+        else {
+            break;
+        };
+        let Some((_, len, path)) = by_pid.get_mut(&pid).and_then(Vec::pop) else {
+            break;
+        };
         match std::fs::remove_file(&path) {
-            Ok(()) => {
-                total = total.saturating_sub(len);
-                written.removed.push(path);
-            }
+            Ok(()) => written.removed.push(path),
             Err(e) => written.not_removed.push((path, e.to_string())),
+        }
+        total = total.saturating_sub(len);
+        if let Some(t) = totals.get_mut(&pid) {
+            *t = t.saturating_sub(len);
         }
     }
 }
@@ -644,9 +744,21 @@ pub struct WatchArgs {
     #[arg(long, default_value = "1s", value_parser = humantime::parse_duration)]
     pub(crate) scan: Duration,
     /// Keep the snapshot files in the directory under SIZE bytes in all
-    /// (e.g. 2GiB, 500MiB), deleting the oldest first.
+    /// (e.g. 2GiB, 500MiB), deleting the oldest file of the process whose
+    /// files take the most room first (one process flooding requests
+    /// deletes its own snapshots, not another's).
     #[arg(long, value_name = "SIZE", value_parser = heapdump_table::byte_size::parse_byte_size)]
     pub(crate) max_total: Option<u64>,
+    /// Answer each process's snapshot requests at most once per DURATION;
+    /// requests made faster are answered together by one snapshot (its
+    /// request count says how many), and the log says so once.
+    #[arg(long, default_value = "1s", value_parser = humantime::parse_duration)]
+    pub(crate) min_request_interval: Duration,
+    /// Keep only the newest N snapshots answering each process's requests,
+    /// deleting older ones' files (default with --all: 100; otherwise all
+    /// are kept).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    pub(crate) keep_requests: Option<u64>,
     /// Directory for the snapshot files (created with mode 0700). Files are
     /// named heapdump-PID-SEQ-REASON-TIME.EXT.
     #[arg(short, long, default_value = ".")]
@@ -681,6 +793,10 @@ pub struct WatchArgs {
     #[command(flatten)]
     pub(crate) ages: AgeArgs,
 }
+
+/// How many snapshots answering requests `watch --all` keeps per process
+/// unless `--keep-requests` says otherwise.
+pub const DEFAULT_KEEP_REQUESTS_ALL: usize = 100;
 
 /// Prints what a watch wrote or removed (the lines scripts and tests read).
 pub fn print_written(w: &Written) {
@@ -720,6 +836,11 @@ pub fn command(a: WatchArgs) -> anyhow::Result<i32> {
         peak: a.peak,
         scan: a.scan,
         max_total: a.max_total,
+        min_request_interval: a.min_request_interval,
+        keep_requests: a
+            .keep_requests
+            .map(|n| n as usize)
+            .or(a.all.then_some(DEFAULT_KEEP_REQUESTS_ALL)),
     };
     let dir = opts.dir.clone();
     let watcher = Watcher::open(&a.pids, opts)?;
@@ -737,4 +858,54 @@ pub fn command(a: WatchArgs) -> anyhow::Result<i32> {
     std::io::stdout().flush()?;
     watcher.run(&AtomicBool::new(false), print_written)?;
     Ok(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_flooding_process_deletes_its_own_snapshots_not_anothers() {
+        let dir = std::env::temp_dir().join(format!("heapdump-fair-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = |pid: u32, seq: u32| dir.join(format!("heapdump-{pid}-{seq:04}-signal-x.json"));
+        // The evidence of pid 7: three snapshots, written first (oldest).
+        for seq in 1..=3 {
+            std::fs::write(file(7, seq), [0u8; 100]).unwrap();
+        }
+        // pid 9 floods: forty snapshots.
+        for seq in 1..=40 {
+            std::fs::write(file(9, seq), [0u8; 100]).unwrap();
+        }
+        let mut written = Written {
+            pid: 9,
+            seq: 40,
+            reason: Reason::Request(String::new()),
+            paths: vec![file(9, 40)],
+            live_bytes: 0,
+            partial: false,
+            removed: Vec::new(),
+            not_removed: Vec::new(),
+        };
+        enforce_total_fairly(&dir, 1000, &mut written);
+        for seq in 1..=3 {
+            assert!(file(7, seq).exists(), "pid 7's snapshot {seq} was deleted");
+        }
+        assert!(file(9, 40).exists(), "the file just written was deleted");
+        let left: u64 = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().metadata().unwrap().len())
+            .sum();
+        assert!(left <= 1000, "{left} bytes left");
+        assert_eq!(written.removed.len(), 33);
+        assert!(written.removed.iter().all(|p| p
+            .file_name()
+            .unwrap()
+            .to_string_lossy()
+            .starts_with("heapdump-9-")));
+        assert_eq!(pid_of_file("heapdump-123-0001-exit-x.pb.gz"), Some(123));
+        assert_eq!(pid_of_file("notes.txt"), None);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }
