@@ -99,7 +99,7 @@ fn usable_in_place(root: &TargetRoot, lib: &Path, ours: &libc::stat) -> bool {
 /// A name for the content (FNV-1a, 64 bits): not a security check (the
 /// bytes are compared in full), only so that one library version shares
 /// one directory.
-fn content_name(bytes: &[u8]) -> String {
+pub fn content_name(bytes: &[u8]) -> String {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     for b in bytes {
         h ^= u64::from(*b);

@@ -628,10 +628,11 @@ fn pid_of_file(name: &str) -> Option<u32> {
 }
 
 /// Deletes snapshot files (`heapdump-*`) in `dir` until their total size
-/// is at most `max` bytes, never the files just written, fairly: each time
-/// the oldest file of the target whose files take the most room, so one
-/// process that floods the directory deletes its own snapshots, never
-/// another's evidence while it holds less. Deletions go into `written`
+/// is at most `max` bytes, never the files just written nor any process's
+/// newest snapshot, fairly: each time the oldest file of the target whose
+/// files take the most room, so one process that floods the directory
+/// deletes its own snapshots, never another's last one, and another's
+/// older ones only while that one holds more. Deletions go into `written`
 /// for the caller to report.
 fn enforce_total_fairly(dir: &std::path::Path, max: u64, written: &mut Written) {
     let Ok(entries) = std::fs::read_dir(dir) else {
@@ -658,22 +659,22 @@ fn enforce_total_fairly(dir: &std::path::Path, max: u64, written: &mut Written) 
                 e.path(),
             ));
     }
-    for files in by_pid.values_mut() {
-        files.sort();
-        files.reverse(); // Oldest last, to pop.
-        files.retain(|f| !written.paths.contains(&f.2));
-    }
+    // What each process holds, every file counted.
     let mut totals: std::collections::BTreeMap<u32, u64> = by_pid
         .iter()
         .map(|(p, f)| (*p, f.iter().map(|x| x.1).sum()))
         .collect();
-    let just_written: u64 = written
-        .paths
-        .iter()
-        .filter_map(|p| std::fs::metadata(p).ok())
-        .map(|m| m.len())
-        .sum();
-    *totals.entry(written.pid).or_default() += just_written;
+    for (pid, files) in by_pid.iter_mut() {
+        files.sort();
+        let before = files.len();
+        files.retain(|f| !written.paths.contains(&f.2));
+        // Each process's newest snapshot is its evidence: never deleted
+        // for another's sake (the files just written are the writer's).
+        if *pid != written.pid || files.len() == before {
+            files.pop();
+        }
+        files.reverse(); // Oldest last, to pop.
+    }
     let mut total: u64 = totals.values().sum();
     while total > max {
         // The target holding the most that still has a file to delete.
@@ -870,10 +871,12 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         let file = |pid: u32, seq: u32| dir.join(format!("heapdump-{pid}-{seq:04}-signal-x.json"));
-        // The evidence of pid 7: three snapshots, written first (oldest).
+        // The evidence of pid 7: three snapshots, written first (oldest),
+        // and of pid 8: one, larger than any of the flooder's.
         for seq in 1..=3 {
             std::fs::write(file(7, seq), [0u8; 100]).unwrap();
         }
+        std::fs::write(file(8, 1), [0u8; 600]).unwrap();
         // pid 9 floods: forty snapshots.
         for seq in 1..=40 {
             std::fs::write(file(9, seq), [0u8; 100]).unwrap();
@@ -889,21 +892,29 @@ mod tests {
             not_removed: Vec::new(),
         };
         enforce_total_fairly(&dir, 1000, &mut written);
-        for seq in 1..=3 {
-            assert!(file(7, seq).exists(), "pid 7's snapshot {seq} was deleted");
-        }
+        assert!(file(7, 3).exists(), "pid 7's newest snapshot was deleted");
+        assert!(file(8, 1).exists(), "pid 8's only snapshot was deleted");
         assert!(file(9, 40).exists(), "the file just written was deleted");
         let left: u64 = std::fs::read_dir(&dir)
             .unwrap()
             .map(|e| e.unwrap().metadata().unwrap().len())
             .sum();
         assert!(left <= 1000, "{left} bytes left");
-        assert_eq!(written.removed.len(), 33);
-        assert!(written.removed.iter().all(|p| p
-            .file_name()
-            .unwrap()
-            .to_string_lossy()
-            .starts_with("heapdump-9-")));
+        let flooder_removed = written
+            .removed
+            .iter()
+            .filter(|p| {
+                p.file_name()
+                    .unwrap()
+                    .to_string_lossy()
+                    .starts_with("heapdump-9-")
+            })
+            .count();
+        // The flooder lost files while it held the most (down to 200
+        // bytes), then pid 7 its oldest, holding 300.
+        assert_eq!(flooder_removed, 38);
+        assert_eq!(written.removed.len(), 39);
+        assert!(!file(7, 1).exists());
         assert_eq!(pid_of_file("heapdump-123-0001-exit-x.pb.gz"), Some(123));
         assert_eq!(pid_of_file("notes.txt"), None);
         std::fs::remove_dir_all(&dir).unwrap();

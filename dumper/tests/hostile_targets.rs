@@ -1,0 +1,750 @@
+//! Root's heapdump against targets that try to steer, hang or kill it
+//! (issue 28; the rules are in docs/safety.md). Each target runs as
+//! `nobody` (`tests/c/hostile.c` under the preload agent, or bare for
+//! attach) and heapdump as root; every heapdump run is bounded by a hang
+//! guard, so a hang fails the test instead of stalling the suite.
+
+mod common;
+
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+
+use common::*;
+use heapdump_tests::{compile_c, preload_lib, real_dependency, Target};
+
+const NOBODY: u32 = 65534;
+
+fn is_root() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    unsafe { libc::geteuid() == 0 }
+}
+
+/// These tests need root (to be the root heapdump, and to run targets as
+/// another user); with HEAPDUMP_REQUIRE_REAL_PROGRAMS they fail without it.
+fn root_here(what: &str) -> bool {
+    real_dependency(
+        &format!("root and setpriv ({what})"),
+        is_root() && Path::new("/usr/bin/setpriv").exists(),
+    )
+}
+
+/// A directory of `nobody`'s inside `t` (mode 0755).
+fn nobody_dir(t: &TempDir, name: &str) -> PathBuf {
+    let d = t.path(name);
+    std::fs::create_dir_all(&d).unwrap();
+    chown_nobody(&d);
+    std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o755)).unwrap();
+    d
+}
+
+fn chown_nobody(p: &Path) {
+    std::os::unix::fs::lchown(p, Some(NOBODY), Some(NOBODY)).unwrap();
+}
+
+/// `exe` run as `nobody`.
+fn as_nobody(exe: &Path) -> Command {
+    let mut c = Command::new("/usr/bin/setpriv");
+    c.args([
+        "--reuid=65534",
+        "--regid=65534",
+        "--clear-groups",
+        "--inh-caps=-all",
+        "--",
+    ])
+    .arg(exe);
+    c.env_remove("LD_PRELOAD");
+    c
+}
+
+/// `exe` run as `nobody` under the preload agent.
+fn as_nobody_recorded(exe: &Path) -> Command {
+    let mut c = as_nobody(exe);
+    c.env("LD_PRELOAD", preload_lib());
+    c
+}
+
+/// Runs heapdump; a run that outlives the hang guard is killed and fails
+/// the test.
+fn bounded(args: &[&str]) -> Output {
+    let child = Command::new(bin())
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run heapdump");
+    let pid = child.id();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait_with_output());
+    });
+    match rx.recv_timeout(HANG_GUARD) {
+        Ok(out) => out.expect("wait heapdump"),
+        Err(_) => {
+            // SAFETY: kill takes a pid and a signal.
+            unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+            panic!("heapdump {args:?} hung (killed after {HANG_GUARD:?})");
+        }
+    }
+}
+
+fn ok(out: &Output) -> String {
+    assert!(
+        out.status.success(),
+        "heapdump failed: {}\n{}",
+        stderr(out),
+        stdout(out)
+    );
+    stdout(out)
+}
+
+fn mkfifo(p: &Path) {
+    let c = std::ffi::CString::new(p.as_os_str().as_encoded_bytes()).unwrap();
+    // SAFETY: a valid path string.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o666) }, 0, "{p:?}");
+    chown_nobody(p);
+}
+
+/// A copy of the hostile program, compiled with split DWARF (so the
+/// symbolizer has reason to look for `PROG.dwp`), at `dir/name`.
+fn hostile_copy(dir: &Path, name: &str) -> PathBuf {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/c/hostile.c");
+    let out = dir.join(name);
+    let status = Command::new("cc")
+        .args([
+            "-O1",
+            "-g",
+            "-gsplit-dwarf",
+            "-fno-omit-frame-pointer",
+            "-pthread",
+        ])
+        .arg("-o")
+        .arg(&out)
+        .arg(&src)
+        .arg("-ldl")
+        .current_dir(dir)
+        .status()
+        .unwrap();
+    assert!(status.success());
+    chown_nobody(&out);
+    out
+}
+
+#[test]
+fn fifos_beside_the_program_never_hang_snapshot_list_watch_or_attach() {
+    if !root_here("FIFO targets") {
+        return;
+    }
+    let t = TempDir::new("hostile-fifo");
+    let d = nobody_dir(&t, "app");
+    // A program whose name holds a newline: /proc/PID/maps shows it as
+    // `prog\012x`, and a FIFO has that literal name; FIFOs also wait
+    // where split DWARF packages and debug links are looked for.
+    let exe = hostile_copy(&d, "prog\nx");
+    for fifo in [
+        "prog\\012x",
+        "prog\nx.dwp",
+        "prog\\012x.dwp",
+        "prog\nx.debug",
+    ] {
+        mkfifo(&d.join(fifo));
+    }
+    let mut target = Target::spawn(as_nobody_recorded(&exe));
+    target.send("alloc");
+    target.wait_line("allocated");
+    let pid = target.pid().to_string();
+    let text = ok(&bounded(&["snapshot", &pid]));
+    assert!(text.contains("site_hostile"), "{text}");
+    ok(&bounded(&["snapshot", &pid, "--no-symbolize"]));
+    let json = t.str("s.json");
+    ok(&bounded(&["snapshot", &pid, "-o", &json]));
+    let j = read_json(Path::new(&json));
+    assert_eq!(live_by_leaf(&j).get("site_hostile"), Some(&(100, 30_000)));
+    let list = ok(&bounded(&["list"]));
+    assert!(list.contains(&pid), "{list}");
+
+    // The collector adopts it, keeps serving, and stops on SIGTERM.
+    let out_dir = t.path("collected");
+    let mut watch = Command::new(bin())
+        .args(["watch", "--all", "--scan", "100ms", "-f", "json", "-d"])
+        .arg(&out_dir)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let lines = Lines::new(watch.stdout.take().unwrap());
+    loop {
+        let l = lines.next();
+        if l == format!("watching {pid} (prog\\x0ax)") || l.starts_with(&format!("watching {pid} "))
+        {
+            break;
+        }
+    }
+    target.send("request");
+    target.wait_line("requested");
+    loop {
+        if lines.next().starts_with("wrote ") {
+            break;
+        }
+    }
+    // SAFETY: kill takes a pid and a signal.
+    unsafe { libc::kill(watch.id() as i32, libc::SIGTERM) };
+    let status = watch.wait().unwrap();
+    assert!(status.success(), "watch --all after SIGTERM: {status:?}");
+
+    // attach, on a copy of the program started bare.
+    let mut bare = Target::spawn(as_nobody(&exe));
+    let bpid = bare.pid().to_string();
+    let lib = preload_lib();
+    ok(&bounded(&[
+        "attach",
+        &bpid,
+        "--library",
+        lib.to_str().unwrap(),
+    ]));
+    bare.send("alloc");
+    bare.wait_line("allocated");
+    ok(&bounded(&["snapshot", &bpid]));
+    ok(&bounded(&["detach", &bpid]));
+    bare.send("quit");
+    target.send("quit");
+}
+
+#[test]
+fn a_planted_agent_library_is_never_loaded_nor_written_through() {
+    if !root_here("planted library")
+        || !real_dependency("unshare", Path::new("/usr/bin/unshare").exists())
+    {
+        return;
+    }
+    let t = TempDir::new("hostile-plant");
+    let lib = preload_lib();
+    let bytes = std::fs::read(&lib).unwrap();
+    let name = heapdump::attach::library_placement::content_name(&bytes);
+    let planted_dir = PathBuf::from(format!("/tmp/heapdump-agent-{name}"));
+    let marker = t.path("constructor-ran");
+    // nobody's shared object: its constructor writes the marker; padded
+    // to the agent's size, under the agent's name.
+    let evil_src = t.path("evil.c");
+    std::fs::write(
+        &evil_src,
+        format!(
+            "#include <stdio.h>\n__attribute__((constructor)) static void run(void) {{ \
+             FILE *f = fopen(\"{}\", \"w\"); if (f) fclose(f); }}\n",
+            marker.display()
+        ),
+    )
+    .unwrap();
+    let evil = t.path("evil.so");
+    assert!(Command::new("cc")
+        .args(["-shared", "-fPIC", "-o"])
+        .arg(&evil)
+        .arg(&evil_src)
+        .status()
+        .unwrap()
+        .success());
+    let mut evil_bytes = std::fs::read(&evil).unwrap();
+    evil_bytes.resize(bytes.len(), 0);
+    let hidden = t.path("lib");
+    std::fs::create_dir_all(&hidden).unwrap();
+    let our_lib = hidden.join("libheapdump_preload.so");
+    std::fs::copy(&lib, &our_lib).unwrap();
+    // The marker's directory must be writable by the target (nobody).
+    std::fs::set_permissions(&t.0, std::fs::Permissions::from_mode(0o777)).unwrap();
+
+    for variant in ["directory", "symlink"] {
+        let _ = std::fs::remove_dir_all(&planted_dir);
+        let _ = std::fs::remove_file(&planted_dir);
+        let nobodys = nobody_dir(&t, &format!("nobodys-{variant}"));
+        let planted_file = match variant {
+            "directory" => {
+                std::fs::create_dir(&planted_dir).unwrap();
+                chown_nobody(&planted_dir);
+                planted_dir.join("libheapdump_preload.so")
+            }
+            _ => {
+                std::os::unix::fs::symlink(&nobodys, &planted_dir).unwrap();
+                chown_nobody(&planted_dir);
+                nobodys.join("libheapdump_preload.so")
+            }
+        };
+        std::fs::write(&planted_file, &evil_bytes).unwrap();
+        chown_nobody(&planted_file);
+        let exe = compile_c("poll_single");
+        // The target, in its own mount namespace where the agent's own
+        // directory is hidden: attach must place a copy in its /tmp.
+        let mut cmd = Command::new("/usr/bin/unshare");
+        cmd.args(["-m", "--propagation", "private", "--", "sh", "-c"])
+            .arg(format!(
+                "mount -t tmpfs none {} && exec setpriv --reuid=65534 --regid=65534 \
+                 --clear-groups {}",
+                hidden.display(),
+                exe.display()
+            ))
+            .env_remove("LD_PRELOAD");
+        let mut target = Target::spawn(cmd);
+        let pid = target.last_line()["ready ".len()..].to_string();
+        let out = bounded(&["attach", &pid, "--library", our_lib.to_str().unwrap()]);
+        assert!(out.status.success(), "{variant}: {}", stderr(&out));
+        assert!(
+            !marker.exists(),
+            "{variant}: the planted library's constructor ran in the target"
+        );
+        assert_eq!(
+            std::fs::read(&planted_file).unwrap(),
+            evil_bytes,
+            "{variant}: the planted file was written"
+        );
+        assert_eq!(std::fs::metadata(&planted_file).unwrap().uid(), NOBODY);
+        let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap();
+        let loaded = maps
+            .lines()
+            .find(|l| l.contains("libheapdump_preload"))
+            .expect("the agent is mapped");
+        assert!(
+            loaded.contains(&format!("/tmp/heapdump-agent-{name}-")),
+            "{variant}: loaded from {loaded}"
+        );
+        target.send("alloc");
+        target.wait_line("allocated");
+        let text = ok(&bounded(&["snapshot", &pid]));
+        assert!(text.contains("site_poll"), "{text}");
+        ok(&bounded(&["detach", &pid]));
+        target.send("quit");
+        target.wait_line("eintr ");
+    }
+    let _ = std::fs::remove_dir_all(&planted_dir);
+    let _ = std::fs::remove_file(&planted_dir);
+}
+
+/// Builds `tests/c/attach_plugin.c` as a shared object at `out`.
+fn plugin_at(out: &Path, extra: &[&str]) {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/c/attach_plugin.c");
+    assert!(Command::new("cc")
+        .args(["-O1", "-g", "-shared", "-fPIC", "-fno-omit-frame-pointer"])
+        .args(extra)
+        .arg("-o")
+        .arg(out)
+        .arg(&src)
+        .status()
+        .unwrap()
+        .success());
+    chown_nobody(out);
+}
+
+#[test]
+fn watch_survives_a_truncated_mapped_library_and_writes_the_requested_snapshot() {
+    if !root_here("truncated library") {
+        return;
+    }
+    let t = TempDir::new("hostile-trunc");
+    let d = nobody_dir(&t, "app");
+    let plugin = d.join("libplugin.so");
+    plugin_at(&plugin, &[]);
+    let mut target = Target::spawn(as_nobody_recorded(&compile_c("hostile")));
+    target.send(&format!("plugin {}", plugin.display()));
+    assert_eq!(target.wait_line(""), "loaded");
+    let pid = target.pid().to_string();
+    let out_dir = t.path("snaps");
+    let mut watch = Command::new(bin())
+        .args(["watch", &pid, "-f", "json", "-d"])
+        .arg(&out_dir)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let lines = Lines::new(watch.stdout.take().unwrap());
+    assert!(lines.next().starts_with("watching "));
+    // watch has opened the plugin; now it shrinks to nothing.
+    target.send(&format!("truncate {}", plugin.display()));
+    target.wait_line("truncated");
+    target.send("request");
+    target.wait_line("requested");
+    let wrote = lines.next();
+    assert!(wrote.starts_with("wrote "), "{wrote}");
+    let j = read_json(Path::new(&wrote["wrote ".len()..]));
+    assert_eq!(
+        live_blocks_through(&j, "site_plugin"),
+        100,
+        "the plugin's blocks, symbolized from what was read before the truncation"
+    );
+    target.send("quit");
+    let status = watch.wait().unwrap();
+    assert!(status.success(), "watch died: {status:?}");
+}
+
+/// The sizes of every SHT_NOTE section of the ELF file `p` set to `size`
+/// (the file extended, sparse, to hold them).
+fn inflate_notes(p: &Path, size: u64) {
+    let mut b = std::fs::read(p).unwrap();
+    let u16_at = |b: &[u8], o: usize| u16::from_le_bytes(b[o..o + 2].try_into().unwrap()) as usize;
+    let u64_at = |b: &[u8], o: usize| u64::from_le_bytes(b[o..o + 8].try_into().unwrap());
+    let shoff = u64_at(&b, 0x28) as usize;
+    let (shentsize, shnum) = (u16_at(&b, 0x3a), u16_at(&b, 0x3c));
+    let mut end = 0;
+    for i in 0..shnum {
+        let h = shoff + i * shentsize;
+        if u32::from_le_bytes(b[h + 4..h + 8].try_into().unwrap()) == 7 {
+            b[h + 0x20..h + 0x28].copy_from_slice(&size.to_le_bytes());
+            end = end.max(u64_at(&b, h + 0x18) + size);
+        }
+    }
+    assert!(end > 0, "no note section");
+    std::fs::write(p, &b).unwrap();
+    std::fs::File::options()
+        .write(true)
+        .open(p)
+        .unwrap()
+        .set_len(end)
+        .unwrap();
+}
+
+/// The largest resident set of heapdump's children so far, in bytes.
+fn children_max_rss() -> u64 {
+    // SAFETY: an all-zero rusage is valid; getrusage fills it.
+    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: a valid rusage to write.
+    unsafe { libc::getrusage(libc::RUSAGE_CHILDREN, &mut u) };
+    u.ru_maxrss as u64 * 1024
+}
+
+#[test]
+fn a_sparse_4gib_note_and_a_1tib_debuglink_cost_little() {
+    if !root_here("sparse files") {
+        return;
+    }
+    let t = TempDir::new("hostile-sparse");
+    let d = nobody_dir(&t, "app");
+    // A library whose note sections claim 4 GiB (sparse on disk).
+    let notes = d.join("libnotes.so");
+    plugin_at(&notes, &[]);
+    inflate_notes(&notes, 4 << 30);
+    // A stripped library whose debug link names a 1 TiB sparse file.
+    let linked = d.join("liblinked.so");
+    plugin_at(&linked, &["-Wl,--build-id=none"]);
+    let debug = d.join("liblinked.debug");
+    std::fs::write(&debug, b"small").unwrap();
+    assert!(Command::new("objcopy")
+        .args(["--strip-debug", "--add-gnu-debuglink"])
+        .arg(&debug)
+        .arg(&linked)
+        .current_dir(&d)
+        .status()
+        .unwrap()
+        .success());
+    std::fs::File::options()
+        .write(true)
+        .open(&debug)
+        .unwrap()
+        .set_len(1 << 40)
+        .unwrap();
+    chown_nobody(&debug);
+    let mut target = Target::spawn(as_nobody_recorded(&compile_c("hostile")));
+    for lib in [&notes, &linked] {
+        target.send(&format!("plugin {}", lib.display()));
+        assert_eq!(target.wait_line(""), "loaded");
+    }
+    let pid = target.pid().to_string();
+    let started = std::time::Instant::now();
+    let json = t.str("s.json");
+    ok(&bounded(&["snapshot", &pid, "-o", &json]));
+    let took = started.elapsed();
+    let rss = children_max_rss();
+    // The benchmark line (docs/safety.md quotes it).
+    eprintln!(
+        "bench: snapshot of a target with a 4 GiB note and a 1 TiB debug link: {:.2} s, \
+         heapdump max RSS {} MiB",
+        took.as_secs_f64(),
+        rss >> 20
+    );
+    assert!(
+        rss < 512 << 20,
+        "heapdump used {} MiB reading the target's files",
+        rss >> 20
+    );
+    let j = read_json(Path::new(&json));
+    assert_eq!(live_blocks_through(&j, "site_plugin"), 200);
+    target.send("quit");
+}
+
+#[test]
+fn a_flooding_process_cannot_delete_another_processes_snapshots() {
+    if !root_here("flood") {
+        return;
+    }
+    let t = TempDir::new("hostile-flood");
+    let out_dir = t.path("collected");
+    let exe = compile_c("hostile");
+    let mut victim = Target::spawn(as_nobody_recorded(&exe));
+    let mut flooder = Target::spawn(as_nobody_recorded(&exe));
+    victim.send("alloc");
+    victim.wait_line("allocated");
+    let (vpid, fpid) = (victim.pid(), flooder.pid());
+    let mut watch = Command::new(bin())
+        .args([
+            "watch",
+            "--all",
+            "--scan",
+            "50ms",
+            "-f",
+            "json",
+            "--max-total",
+            "64KiB",
+            "-d",
+        ])
+        .arg(&out_dir)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let lines = Lines::new(watch.stdout.take().unwrap());
+    let (mut seen_v, mut seen_f) = (false, false);
+    while !(seen_v && seen_f) {
+        let l = lines.next();
+        seen_v |= l.starts_with(&format!("watching {vpid} "));
+        seen_f |= l.starts_with(&format!("watching {fpid} "));
+    }
+    victim.send("request");
+    victim.wait_line("requested");
+    let evidence = loop {
+        let l = lines.next();
+        if let Some(p) = l.strip_prefix("wrote ") {
+            break PathBuf::from(p);
+        }
+    };
+    flooder.send("flood 150");
+    flooder.wait_line("flooded");
+    // The flooder's last request is answered within the rate limit; wait
+    // for the collector to write it.
+    flooder.send("request");
+    flooder.wait_line("requested");
+    // At least two answers: the first request, and the last (made after
+    // the flood ended, so answered once the interval has passed).
+    let mut flooder_files = 0;
+    while flooder_files < 2 {
+        let l = lines.next();
+        if l.starts_with(&format!("wrote {}/heapdump-{fpid}-", out_dir.display())) {
+            flooder_files += 1;
+        }
+    }
+    assert!(evidence.exists(), "the victim's snapshot was deleted");
+    // SAFETY: kill takes a pid and a signal.
+    unsafe { libc::kill(watch.id() as i32, libc::SIGTERM) };
+    let out = watch.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains(&format!("pid {fpid} (")) && err.contains("asks for snapshots more often"),
+        "{err}"
+    );
+    // At the stop, each process's final snapshot is its newest: the
+    // victim still has one.
+    let victims = std::fs::read_dir(&out_dir)
+        .unwrap()
+        .filter(|e| {
+            e.as_ref()
+                .unwrap()
+                .file_name()
+                .to_string_lossy()
+                .starts_with(&format!("heapdump-{vpid}-"))
+        })
+        .count();
+    assert!(victims >= 1, "every snapshot of the victim was deleted");
+    victim.send("quit");
+    flooder.send("quit");
+}
+
+#[test]
+fn output_through_a_planted_link_or_into_a_planted_file_leaves_both_alone() {
+    if !root_here("planted output") {
+        return;
+    }
+    let t = TempDir::new("hostile-output");
+    // A shared directory (sticky, writable by all, as /tmp is).
+    let shared = t.path("shared");
+    std::fs::create_dir(&shared).unwrap();
+    std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o1777)).unwrap();
+    let precious = t.path("precious");
+    std::fs::write(&precious, b"root's file").unwrap();
+    let link = shared.join("heap.json");
+    std::os::unix::fs::symlink(&precious, &link).unwrap();
+    chown_nobody(&link);
+    let planted = shared.join("report.html");
+    std::fs::write(&planted, b"nobody's").unwrap();
+    chown_nobody(&planted);
+    std::fs::set_permissions(&planted, std::fs::Permissions::from_mode(0o666)).unwrap();
+    let mut target = Target::spawn(as_nobody_recorded(&compile_c("hostile")));
+    let pid = target.pid().to_string();
+    let out = bounded(&["snapshot", &pid, "-o", link.to_str().unwrap()]);
+    assert!(!out.status.success());
+    assert!(stderr(&out).contains("symbolic link"), "{}", stderr(&out));
+    assert_eq!(std::fs::read(&precious).unwrap(), b"root's file");
+    assert!(std::fs::symlink_metadata(&link)
+        .unwrap()
+        .file_type()
+        .is_symlink());
+    let out = bounded(&["report", &pid, "-o", planted.to_str().unwrap()]);
+    assert!(!out.status.success());
+    assert_eq!(std::fs::read(&planted).unwrap(), b"nobody's");
+    assert_eq!(std::fs::metadata(&planted).unwrap().uid(), NOBODY);
+    // A directory another user can write (not sticky) is refused, and so
+    // is one of another user's for watch -d.
+    let open = t.path("open");
+    std::fs::create_dir(&open).unwrap();
+    std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let out = bounded(&[
+        "snapshot",
+        &pid,
+        "-o",
+        open.join("x.json").to_str().unwrap(),
+    ]);
+    assert!(
+        stderr(&out).contains("writable by other users"),
+        "{}",
+        stderr(&out)
+    );
+    let theirs = nobody_dir(&t, "theirs");
+    let out = bounded(&["watch", &pid, "-d", theirs.to_str().unwrap()]);
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains("choose another with -d"),
+        "{}",
+        stderr(&out)
+    );
+    target.send("quit");
+}
+
+#[test]
+fn control_characters_in_names_are_escaped_in_text_and_the_svg_is_well_formed() {
+    if !root_here("names") {
+        return;
+    }
+    let t = TempDir::new("hostile-names");
+    let mut target = Target::spawn(as_nobody_recorded(&compile_c("hostile")));
+    target.send("name x\\e]0;T\\ay\\e[2J");
+    target.wait_line("named");
+    let pid = target.pid().to_string();
+    let text = ok(&bounded(&["snapshot", &pid]));
+    assert!(!text.bytes().any(|b| b == 0x1b || b == 0x07), "{text:?}");
+    assert!(text.contains("x\\x1b]0;T\\x07y\\x1b[2J"), "{text}");
+    let list = ok(&bounded(&["list"]));
+    assert!(!list.bytes().any(|b| b == 0x1b || b == 0x07));
+    let svg = t.path("f.svg");
+    ok(&bounded(&[
+        "snapshot",
+        &pid,
+        "--per-thread",
+        "-o",
+        svg.to_str().unwrap(),
+    ]));
+    let bytes = std::fs::read(&svg).unwrap();
+    assert!(
+        !bytes
+            .iter()
+            .any(|&b| b < 0x20 && b != b'\n' && b != b'\r' && b != b'\t'),
+        "a control character in the SVG makes it ill-formed XML"
+    );
+    let svg_text = String::from_utf8(bytes).unwrap();
+    assert!(svg_text.contains("site_named"), "the flamegraph is empty");
+    target.send("quit");
+}
+
+#[test]
+fn the_agent_never_takes_a_fault_signal_for_requests() {
+    if !root_here("agent signals") {
+        return;
+    }
+    // HEAPDUMP_SIGNAL=11 would turn a null dereference into a handler
+    // that returns to the faulting instruction for ever: refused, the
+    // process dies of its fault.
+    let mut cmd = as_nobody_recorded(&compile_c("hostile"));
+    cmd.env("HEAPDUMP_SIGNAL", "11").stderr(Stdio::piped());
+    let mut target = Target::spawn(cmd);
+    target.send("crash");
+    let (tx, rx) = std::sync::mpsc::channel();
+    let mut child = std::mem::replace(&mut target.child, Command::new("true").spawn().unwrap());
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait());
+    });
+    let status = rx
+        .recv_timeout(HANG_GUARD)
+        .expect("the crash spun for ever")
+        .unwrap();
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(status.signal(), Some(libc::SIGSEGV), "{status:?}");
+}
+
+#[test]
+fn agent_settings_are_ignored_in_set_user_id_programs() {
+    if !root_here("setuid") {
+        return;
+    }
+    // A program linked with the agent (so it loads even where LD_PRELOAD
+    // is ignored), set-user-ID root, run by nobody with HEAPDUMP_SIGNAL:
+    // the setting is not taken (SIGUSR2 stays the request signal).
+    let t = TempDir::new("hostile-setuid");
+    std::fs::set_permissions(&t.0, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let lib = preload_lib();
+    let libdir = t.path("lib");
+    std::fs::create_dir(&libdir).unwrap();
+    std::fs::copy(&lib, libdir.join("libheapdump_preload.so")).unwrap();
+    let exe = t.path("suid");
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/c/hostile.c");
+    assert!(Command::new("cc")
+        .args(["-O1", "-g", "-pthread", "-o"])
+        .arg(&exe)
+        .arg(&src)
+        .arg(format!("-L{}", libdir.display()))
+        .arg("-l:libheapdump_preload.so")
+        .arg(format!("-Wl,-rpath,{}", libdir.display()))
+        .arg("-ldl")
+        .status()
+        .unwrap()
+        .success());
+    // (caught signals, AT_SECURE) of the program run by nobody.
+    let caught = |setuid: bool| -> (u64, bool) {
+        let mode = if setuid { 0o4755 } else { 0o755 };
+        std::fs::set_permissions(&exe, std::fs::Permissions::from_mode(mode)).unwrap();
+        let mut cmd = as_nobody(&exe);
+        cmd.env("HEAPDUMP_SIGNAL", "SIGUSR1");
+        let mut target = Target::spawn(cmd);
+        target.send("alloc");
+        target.wait_line("allocated");
+        let status = std::fs::read_to_string(format!("/proc/{}/status", target.pid())).unwrap();
+        let auxv = std::fs::read(format!("/proc/{}/auxv", target.pid())).unwrap();
+        let secure = auxv
+            .chunks_exact(16)
+            .map(|c| {
+                (
+                    u64::from_ne_bytes(c[..8].try_into().unwrap()),
+                    u64::from_ne_bytes(c[8..].try_into().unwrap()),
+                )
+            })
+            .any(|(k, v)| k == libc::AT_SECURE && v != 0);
+        target.send("quit");
+        let mask = status
+            .lines()
+            .find_map(|l| l.strip_prefix("SigCgt:"))
+            .unwrap()
+            .trim()
+            .to_string();
+        (u64::from_str_radix(&mask, 16).unwrap(), secure)
+    };
+    let bit = |sig: i32| 1u64 << (sig - 1);
+    let (plain, _) = caught(false);
+    assert!(
+        plain & bit(libc::SIGUSR1) != 0,
+        "the setting is honoured normally"
+    );
+    let (suid, secure) = caught(true);
+    if !real_dependency(
+        "a file system that honours set-user-ID (not nosuid)",
+        secure,
+    ) {
+        return;
+    }
+    assert!(
+        suid & bit(libc::SIGUSR1) == 0 && suid & bit(libc::SIGUSR2) != 0,
+        "HEAPDUMP_SIGNAL was taken in a set-user-ID program (SigCgt {suid:x})"
+    );
+}

@@ -1,0 +1,120 @@
+/* A target that does what a hostile (or merely strange) process can do to
+ * the root-run dumper reading it (dumper/tests/hostile_targets.rs). Runs
+ * as any user. Prints "ready PID" first; then commands on stdin, one per
+ * line, each answered by one line:
+ *   "alloc"            -> 100 x malloc(300) at site_hostile; "allocated"
+ *   "plugin PATH"      -> dlopen(PATH), calls its plugin_alloc(100); "loaded"
+ *                         (or "dlopen failed: ...")
+ *   "truncate PATH"    -> truncate(PATH, 0); "truncated"
+ *   "request"          -> raise(SIGUSR2) (a snapshot request); "requested"
+ *   "flood N"          -> N requests, one every 20 ms; "flooded"
+ *   "name STRING"      -> a thread named STRING (escapes \e and \a written
+ *                         as such) allocates 10 x 555 at site_named and
+ *                         stays, and the main thread takes the name too
+ *                         (the process's name); "named"
+ *   "crash"            -> a null dereference; the process must die of it
+ *   "quit"             -> exit 0 */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <time.h>
+#include <unistd.h>
+
+void *kept[1000];
+int used;
+
+__attribute__((noinline)) void site_hostile(void) {
+    for (int i = 0; i < 100 && used < 1000; i++) kept[used++] = malloc(300);
+}
+
+static char thread_name[64];
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t cv = PTHREAD_COND_INITIALIZER;
+static int named_done;
+
+__attribute__((noinline)) void site_named(void) {
+    for (int i = 0; i < 10 && used < 1000; i++) kept[used++] = malloc(555);
+}
+
+static void *named_thread(void *arg) {
+    (void)arg;
+    prctl(PR_SET_NAME, thread_name, 0, 0, 0);
+    site_named();
+    pthread_mutex_lock(&mu);
+    named_done = 1;
+    pthread_cond_signal(&cv);
+    pthread_mutex_unlock(&mu);
+    for (;;) pause();
+    return NULL;
+}
+
+/* "\e" -> ESC, "\a" -> BEL, other bytes as they are. */
+static void unescape(const char *in, char *out, size_t cap) {
+    size_t o = 0;
+    for (size_t i = 0; in[i] && o + 1 < cap; i++) {
+        if (in[i] == '\\' && in[i + 1] == 'e') { out[o++] = 27; i++; }
+        else if (in[i] == '\\' && in[i + 1] == 'a') { out[o++] = 7; i++; }
+        else out[o++] = in[i];
+    }
+    out[o] = 0;
+}
+
+int main(void) {
+    char line[4096];
+    printf("ready %d\n", (int)getpid());
+    fflush(stdout);
+    while (fgets(line, sizeof line, stdin)) {
+        line[strcspn(line, "\n")] = 0;
+        if (!strcmp(line, "alloc")) {
+            site_hostile();
+            printf("allocated\n");
+        } else if (!strncmp(line, "plugin ", 7)) {
+            void *h = dlopen(line + 7, RTLD_NOW);
+            if (!h) {
+                printf("dlopen failed: %s\n", dlerror());
+            } else {
+                void (*f)(int) = (void (*)(int))dlsym(h, "plugin_alloc");
+                if (f) f(100);
+                printf("loaded\n");
+            }
+        } else if (!strncmp(line, "truncate ", 9)) {
+            printf(truncate(line + 9, 0) == 0 ? "truncated\n" : "truncate failed\n");
+        } else if (!strcmp(line, "request")) {
+            raise(SIGUSR2);
+            printf("requested\n");
+        } else if (!strncmp(line, "flood ", 6)) {
+            int n = atoi(line + 6);
+            struct timespec ts = {0, 20 * 1000 * 1000};
+            for (int i = 0; i < n; i++) {
+                raise(SIGUSR2);
+                nanosleep(&ts, NULL);
+            }
+            printf("flooded\n");
+        } else if (!strncmp(line, "name ", 5)) {
+            unescape(line + 5, thread_name, 16);
+            pthread_t t;
+            pthread_create(&t, NULL, named_thread, NULL);
+            pthread_mutex_lock(&mu);
+            while (!named_done) pthread_cond_wait(&cv, &mu);
+            pthread_mutex_unlock(&mu);
+            prctl(PR_SET_NAME, thread_name, 0, 0, 0);
+            printf("named\n");
+        } else if (!strcmp(line, "crash")) {
+            fflush(stdout);
+            volatile int *p = NULL;
+            *p = 1;
+            printf("survived\n");
+        } else if (!strcmp(line, "quit")) {
+            return 0;
+        } else {
+            printf("unknown %s\n", line);
+        }
+        fflush(stdout);
+    }
+    return 0;
+}
