@@ -185,6 +185,13 @@ enum Rule {
 impl ModuleFile {
     /// The rule for file virtual address `addr`, if the CFI gives one this
     /// unwinder evaluates.
+    /// Evaluates the CFI rule of `addr` and reports only whether there is
+    /// one (fuzzing: any bytes read as a module must never crash or hang).
+    #[doc(hidden)]
+    pub fn has_rule(&self, addr: u64) -> bool {
+        self.rule(addr).is_some()
+    }
+
     fn rule(&self, addr: u64) -> Option<Rule> {
         let (hdr_addr, hdr_range) = self.eh_frame_hdr.clone()?;
         let (eh_addr, eh_range) = self.eh_frame.clone()?;
