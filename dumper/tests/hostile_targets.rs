@@ -748,3 +748,89 @@ fn agent_settings_are_ignored_in_set_user_id_programs() {
         "HEAPDUMP_SIGNAL was taken in a set-user-ID program (SigCgt {suid:x})"
     );
 }
+
+#[test]
+fn links_in_a_containers_root_resolve_inside_it_never_on_the_host() {
+    if !root_here("chroot")
+        || !real_dependency("unshare, chroot", Path::new("/usr/bin/unshare").exists())
+    {
+        return;
+    }
+    // A container: a root of its own (the host's /usr bound in), a
+    // stripped program whose debug link `prog.debug` is a symbolic link.
+    // The debug file exists on the host at the link's absolute target; in
+    // the container that path is nothing. Resolved inside the container's
+    // root, the link leads nowhere and the program stays unsymbolized;
+    // resolved on the host (as `/proc/PID/root/app/prog.debug` would be),
+    // root would read a host file the container chose.
+    let t = TempDir::new("hostile-container");
+    std::fs::set_permissions(&t.0, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let root = t.path("root");
+    let app = root.join("app");
+    std::fs::create_dir_all(&app).unwrap();
+    std::fs::create_dir_all(root.join("usr")).unwrap();
+    for (l, to) in [
+        ("lib", "usr/lib"),
+        ("lib64", "usr/lib64"),
+        ("bin", "usr/bin"),
+    ] {
+        std::os::unix::fs::symlink(to, root.join(l)).unwrap();
+    }
+    let prog = hostile_copy(&app, "prog");
+    let debug = t.path("prog.debug");
+    assert!(Command::new("objcopy")
+        .arg("--only-keep-debug")
+        .arg(&prog)
+        .arg(&debug)
+        .status()
+        .unwrap()
+        .success());
+    assert!(Command::new("objcopy")
+        .args(["--strip-all", "--add-gnu-debuglink"])
+        .arg(&debug)
+        .arg(&prog)
+        .status()
+        .unwrap()
+        .success());
+    std::fs::copy(preload_lib(), app.join("libheapdump_preload.so")).unwrap();
+    let start = |link_to: &Path| -> (Target, String) {
+        let link = app.join("prog.debug");
+        let _ = std::fs::remove_file(&link);
+        std::os::unix::fs::symlink(link_to, &link).unwrap();
+        let mut cmd = Command::new("/usr/bin/unshare");
+        cmd.args(["-m", "--propagation", "private", "--", "sh", "-c"])
+            .arg(format!(
+                "mount --bind /usr {}/usr && exec chroot {} /usr/bin/setpriv --reuid=65534 \
+                 --regid=65534 --clear-groups env LD_PRELOAD=/app/libheapdump_preload.so \
+                 /app/prog",
+                root.display(),
+                root.display()
+            ))
+            .env_remove("LD_PRELOAD");
+        let mut target = Target::spawn(cmd);
+        let pid = target.last_line()["ready ".len()..].to_string();
+        target.send("alloc");
+        target.wait_line("allocated");
+        (target, pid)
+    };
+    let symbolized = |pid: &str| ok(&bounded(&["snapshot", pid])).contains("site_hostile");
+    // The control: the debug file inside the container, the link absolute
+    // within it: found.
+    std::fs::create_dir_all(app.join("debug")).unwrap();
+    std::fs::copy(&debug, app.join("debug/prog.debug")).unwrap();
+    let (mut inside, pid) = start(Path::new("/app/debug/prog.debug"));
+    assert!(
+        symbolized(&pid),
+        "an absolute link inside the root is followed there"
+    );
+    inside.send("quit");
+    std::fs::remove_dir_all(app.join("debug")).unwrap();
+    // The link to the host's file: never read.
+    let (mut pointing_out, pid) = start(&debug);
+    assert!(
+        !symbolized(&pid),
+        "the container's link was resolved on the host: root read {}",
+        debug.display()
+    );
+    pointing_out.send("quit");
+}

@@ -238,7 +238,12 @@ pub fn locate_by_build_id(maps: &mut [Mapping], dirs: &[PathBuf]) -> Vec<String>
 /// `/proc/PID/map_files`, which still names the mapped inode; when that
 /// cannot be opened, it is left unsymbolized rather than symbolized
 /// against whatever now has its name.
-fn local_file(pid: u32, m: &Mapping, root: Option<&Arc<TargetRoot>>) -> Option<LocalFile> {
+fn local_file(
+    pid: u32,
+    m: &Mapping,
+    root: Option<&Arc<TargetRoot>>,
+    root_seen_at: Option<&Path>,
+) -> Option<LocalFile> {
     let map_file = PathBuf::from(format!("/proc/{pid}/map_files/{:x}-{:x}", m.start, m.end));
     let map_file = target_files::open_regular(&map_file)
         .is_ok()
@@ -251,8 +256,24 @@ fn local_file(pid: u32, m: &Mapping, root: Option<&Arc<TargetRoot>>) -> Option<L
     Some(LocalFile {
         map_file,
         root,
-        path: (!deleted).then(|| PathBuf::from(&m.path)),
+        path: (!deleted).then(|| path_in_root(&m.path, root_seen_at)),
     })
+}
+
+/// A path as `/proc/PID/maps` shows it, made relative to the target's
+/// root: the kernel writes paths as the *reader* sees them, so a chrooted
+/// target's `/app/prog` reads `/srv/jail/app/prog` when its root
+/// (`/proc/PID/root`, seen from here at `root_seen_at`) is reachable from
+/// ours; a file outside its root stays as shown.
+fn path_in_root(shown: &str, root_seen_at: Option<&Path>) -> PathBuf {
+    let path = Path::new(shown);
+    match root_seen_at {
+        Some(r) if r != Path::new("/") => match path.strip_prefix(r) {
+            Ok(rest) => Path::new("/").join(rest),
+            Err(_) => path.to_path_buf(),
+        },
+        _ => path.to_path_buf(),
+    }
 }
 
 /// A path as `/proc/PID/maps` shows it, unescaped: the kernel writes a
@@ -310,8 +331,9 @@ pub fn read_maps(pid: u32, build_ids: &mut BuildIds) -> io::Result<Vec<Mapping>>
     let text = std::fs::read_to_string(format!("/proc/{pid}/maps"))?;
     let mut maps = parse_maps(&text);
     let root = TargetRoot::of_process(pid).ok().map(Arc::new);
+    let root_seen_at = std::fs::read_link(format!("/proc/{pid}/root")).ok();
     for m in &mut maps {
-        m.local = local_file(pid, m, root.as_ref());
+        m.local = local_file(pid, m, root.as_ref(), root_seen_at.as_deref());
         m.build_id = m.local.as_ref().and_then(|f| build_ids.get(f));
     }
     Ok(maps)
@@ -337,6 +359,24 @@ mod tests {
         assert_eq!(m[1].path, "/lib/with space.so (deleted)");
         assert!(find(&m, 0x55d0c0a20010).is_some());
         assert!(find(&m, 0x55d0c0a00010).is_none());
+    }
+
+    #[test]
+    fn paths_are_made_relative_to_a_chrooted_targets_root() {
+        let jail = Path::new("/srv/jail");
+        assert_eq!(
+            path_in_root("/srv/jail/app/prog", Some(jail)),
+            Path::new("/app/prog")
+        );
+        assert_eq!(
+            path_in_root("/srv/jailbreak/x", Some(jail)),
+            Path::new("/srv/jailbreak/x")
+        );
+        assert_eq!(
+            path_in_root("/usr/lib/x.so", Some(Path::new("/"))),
+            Path::new("/usr/lib/x.so")
+        );
+        assert_eq!(path_in_root("/app/prog", None), Path::new("/app/prog"));
     }
 
     #[test]
