@@ -507,10 +507,13 @@ fn a_flooding_process_cannot_delete_another_processes_snapshots() {
     }
     victim.send("request");
     victim.wait_line("requested");
+    // (The collector also adopts other tests' processes: only the
+    // victim's and the flooder's files matter here.)
+    let victim_prefix = format!("wrote {}/heapdump-{vpid}-", out_dir.display());
     let evidence = loop {
         let l = lines.next();
-        if let Some(p) = l.strip_prefix("wrote ") {
-            break PathBuf::from(p);
+        if l.starts_with(&victim_prefix) {
+            break PathBuf::from(&l["wrote ".len()..]);
         }
     };
     flooder.send("flood 150");
