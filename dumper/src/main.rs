@@ -152,6 +152,20 @@ fn error_chain(e: &anyhow::Error) -> String {
 
 fn main() {
     let cli = Cli::parse();
+    // Rust ignores SIGPIPE, so a closed stdout (`heapdump list | head`)
+    // makes the next print panic with a backtrace. Commands that only
+    // print end quietly by SIGPIPE instead, as Unix tools do; those with a
+    // promise to keep when their output goes away (attach --for detaches,
+    // watch and serve go on collecting, run waits for its program) keep
+    // SIGPIPE ignored and write without panicking.
+    if !matches!(
+        cli.cmd,
+        Cmd::Attach(_) | Cmd::Detach(_) | Cmd::Watch(_) | Cmd::Serve(_) | Cmd::Run(_)
+    ) {
+        // SAFETY: restoring a signal's default action before any thread
+        // is started.
+        unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+    }
     let code = match dispatch(cli) {
         Ok(code) => code,
         Err(e) => {

@@ -618,3 +618,80 @@ fn a_library_dlopened_after_the_attach_is_recorded_once_the_agent_has_seen_it() 
     assert_eq!(seen.1, seen.0 * 1234);
     quit_without_eintr(t);
 }
+
+/// Whether process `pid` blocks signal `sig` (`SigBlk` of its status).
+fn blocks(pid: u32, sig: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("SigBlk:"))
+                .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
+        })
+        .is_some_and(|m| m & (1u64 << (sig - 1)) != 0)
+}
+
+#[test]
+fn attach_for_detaches_after_its_output_closed_and_on_sigterm_or_sighup() {
+    // `heapdump attach PID --for 1h | head -1`: the reader goes away, and
+    // the user (or a service manager) ends heapdump with SIGTERM or
+    // SIGHUP. Whatever it was printing, it must detach: the target ends
+    // bare, not recording.
+    for sig in [libc::SIGTERM, libc::SIGHUP] {
+        let mut t = start();
+        let pid = t.pid();
+        let lib = preload_lib();
+        let mut h = Command::new(bin())
+            .args(["attach", &pid.to_string(), "--for", "1h", "--library"])
+            .arg(&lib)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        // Nobody reads its output: every line it prints hits a closed pipe.
+        drop(h.stdout.take());
+        // Once it holds the ending signals (it does so first of all), the
+        // signal waits until the attach is done and then ends the wait.
+        let guard = std::time::Instant::now();
+        while !blocks(h.id(), sig) {
+            assert!(guard.elapsed() < HANG_GUARD, "heapdump never blocked {sig}");
+            std::thread::yield_now();
+        }
+        // SAFETY: kill takes a pid and a signal.
+        unsafe { libc::kill(h.id() as i32, sig) };
+        let out = h.wait_with_output().unwrap();
+        assert!(out.status.success(), "signal {sig}: {}", stderr(&out));
+        assert!(!stderr(&out).contains("panicked"), "{}", stderr(&out));
+        let again = heapdump(&["detach", &pid.to_string()]);
+        assert!(
+            stderr(&again).contains("detached already"),
+            "signal {sig}: the target was left recording: {}",
+            stderr(&again)
+        );
+        t.send("quit");
+    }
+}
+
+#[test]
+fn commands_that_print_end_quietly_when_their_reader_goes_away() {
+    let mut t = start();
+    attach_ok(t.pid(), &[]);
+    let pid = t.pid().to_string();
+    for args in [vec!["list"], vec!["snapshot", pid.as_str()]] {
+        let mut h = Command::new(bin())
+            .args(&args)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        drop(h.stdout.take());
+        let out = h.wait_with_output().unwrap();
+        assert!(
+            !stderr(&out).contains("panicked") && !stderr(&out).contains("Broken pipe"),
+            "{args:?}: {}",
+            stderr(&out)
+        );
+    }
+    detach_ok(t.pid());
+    t.send("quit");
+}

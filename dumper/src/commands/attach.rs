@@ -197,6 +197,15 @@ fn settings_of(a: &AttachArgs) -> String {
 
 /// `heapdump attach`.
 pub fn attach(a: AttachArgs) -> Result<i32> {
+    // Held from the start: taken by the wait of --for (which then
+    // detaches), or, without --for, delivered once the attach is done.
+    let _ = ending_signals().thread_block();
+    let result = attach_held(a);
+    let _ = ending_signals().thread_unblock();
+    result
+}
+
+fn attach_held(a: AttachArgs) -> Result<i32> {
     let pid = a.pid;
     check_process(pid)?;
     let name = crate::process::discovery::process_name(pid);
@@ -262,7 +271,7 @@ pub fn attach(a: AttachArgs) -> Result<i32> {
         ),
         _ => "exact mode".to_string(),
     };
-    println!(
+    say(&format!(
         "attached to {pid} ({name}): recording in {mode} from now on ({} relocation slots \
          redirected; thread {} ran the load, stopped {:.1} ms; other threads stopped at most \
          {:.1} ms)",
@@ -270,25 +279,42 @@ pub fn attach(a: AttachArgs) -> Result<i32> {
         done.thread,
         done.stopped.as_secs_f64() * 1e3,
         done.others_stopped.as_secs_f64() * 1e3
-    );
+    ));
     let Some(d) = a.duration else {
-        println!("heapdump snapshot {pid} shows what it allocates; heapdump detach {pid} stops recording");
+        say(&format!("heapdump snapshot {pid} shows what it allocates; heapdump detach {pid} stops recording"));
         return Ok(0);
     };
-    println!(
-        "recording for {}; Ctrl-C detaches sooner",
+    say(&format!(
+        "recording for {}; Ctrl-C, SIGTERM or SIGHUP detaches sooner",
         humantime::format_duration(d)
-    );
+    ));
     wait_or_interrupted(d);
     detach(DetachArgs { pid })
 }
 
-/// Sleeps for `d`, or until SIGINT/SIGTERM (then returns early).
-fn wait_or_interrupted(d: Duration) {
+/// SIGINT, SIGTERM and SIGHUP: the signals `attach` holds while it works
+/// (a signal that killed it with a thread of the target stopped, or before
+/// `--for` detaches, would break its promise).
+fn ending_signals() -> nix::sys::signal::SigSet {
     use nix::sys::signal::{SigSet, Signal};
     let mut set = SigSet::empty();
     set.add(Signal::SIGINT);
     set.add(Signal::SIGTERM);
+    set.add(Signal::SIGHUP);
+    set
+}
+
+/// Prints a line on stdout, never panicking: the reader may have gone
+/// (`attach --for 3s | head -1`), and the detach must still happen.
+fn say(line: &str) {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{line}").and_then(|()| out.flush());
+}
+
+/// Sleeps for `d`, or until SIGINT, SIGTERM or SIGHUP (then returns early).
+fn wait_or_interrupted(d: Duration) {
+    let set = ending_signals();
     let _ = set.thread_block();
     let ts = libc::timespec {
         tv_sec: d.as_secs() as libc::time_t,
@@ -327,12 +353,12 @@ pub fn detach(a: DetachArgs) -> Result<i32> {
     if done.result < 0 {
         bail!("heapdump is not attached to process {pid} ({name})");
     }
-    println!(
+    say(&format!(
         "detached from {pid} ({name}): {} relocation slots put back; what was recorded stays \
          readable (heapdump snapshot {pid}); thread {} stopped {:.1} ms",
         done.result,
         done.thread,
         done.stopped.as_secs_f64() * 1e3
-    );
+    ));
     Ok(0)
 }
