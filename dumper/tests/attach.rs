@@ -695,3 +695,74 @@ fn commands_that_print_end_quietly_when_their_reader_goes_away() {
     detach_ok(t.pid());
     t.send("quit");
 }
+
+/// The peak figures one JSON document gives: (totals.peak_bytes, the
+/// curve's highest point, peak.live_bytes, tolerance).
+fn peaks_of(j: &Value) -> (u64, u64, Option<u64>, u64) {
+    let curve_max = j["timeline"]
+        .as_array()
+        .expect("a curve")
+        .iter()
+        .map(|p| p["live_bytes"].as_u64().unwrap())
+        .max()
+        .unwrap();
+    (
+        j["totals"]["peak_bytes"].as_u64().unwrap(),
+        curve_max,
+        j["peak"]["live_bytes"].as_u64(),
+        j["totals"]["peak_tolerance"].as_u64().unwrap(),
+    )
+}
+
+#[test]
+fn the_peak_of_a_process_that_only_churns_since_the_attach_is_one_value_everywhere() {
+    // attach_target's threads make only short-lived blocks: the heap
+    // recorded since the attach stays near zero and the agent never moves
+    // its peak (a curve of two points). `--peak` answers anyway, and the
+    // curve line, the totals line, JSON and `--peak` give one peak.
+    let dir = TempDir::new("attach-churn-peak");
+    let t = start();
+    let pid = t.pid();
+    attach_ok(pid, &[]);
+    for phase in ["attached", "detached"] {
+        let file = dir.str(&format!("peak-{phase}.json"));
+        let out = heapdump(&["snapshot", &pid.to_string(), "--peak", "-o", &file]);
+        assert!(out.status.success(), "{phase}: --peak: {}", stderr(&out));
+        let j = read_json(std::path::Path::new(&file));
+        let (peak, curve_max, at_peak, tolerance) = peaks_of(&j);
+        assert_eq!(
+            peak, curve_max,
+            "{phase}: the curve's highest point is the peak"
+        );
+        let at_peak = at_peak.expect("a --peak document says when");
+        assert!(
+            at_peak <= peak && peak - at_peak <= tolerance,
+            "{phase}: --peak shows {at_peak}, the peak is {peak} (tolerance {tolerance})"
+        );
+        let j = snapshot_json(pid, &dir, phase);
+        let (peak, curve_max, _, _) = peaks_of(&j);
+        assert_eq!(peak, curve_max, "{phase}");
+        assert!(peak >= j["totals"]["live_bytes"].as_u64().unwrap());
+        let text = stdout(&heapdump(&["snapshot", &pid.to_string()]));
+        let curve_peak = text
+            .split(", peak ")
+            .nth(1)
+            .and_then(|r| r.split(" at ").next())
+            .unwrap_or_else(|| panic!("{text}"));
+        let totals_peak = text
+            .split("peak live: ")
+            .nth(1)
+            .and_then(|r| {
+                r.split([' ', '\n'])
+                    .take(2)
+                    .collect::<Vec<_>>()
+                    .join(" ")
+                    .into()
+            })
+            .unwrap_or_else(|| panic!("{text}"));
+        assert_eq!(curve_peak, totals_peak, "{phase}: {text}");
+        if phase == "attached" {
+            detach_ok(pid);
+        }
+    }
+}

@@ -410,6 +410,7 @@ mod tests {
                 alloc_bytes,
                 alloc_blocks: alloc_bytes / 100,
                 peak_bytes: live_bytes,
+                peak_tolerance: 0,
             },
             sites,
             ..Snapshot::default()

@@ -7,7 +7,8 @@
 //!   "format": "heapdump-snapshot", "schema_version": 1,
 //!   "pid": 1234, "process": "name", "cmdline": ["prog", "arg"],
 //!   "taken_at": "2024-01-01T12:00:00.123456Z",        // RFC 3339, UTC
-//!   "totals": {"live_bytes", "live_blocks", "alloc_bytes", "alloc_blocks", "peak_bytes"},
+//!   "totals": {"live_bytes", "live_blocks", "alloc_bytes", "alloc_blocks", "peak_bytes",
+//!              "peak_tolerance"},
 //!   "dropped": {"total": 0, "<reason>": n, ...},       // reasons with n > 0
 //!   "threads": [{"tid", "name", "live_bytes", "live_blocks"}],
 //!   "sites": [{"live_bytes", "live_blocks", "alloc_bytes", "alloc_blocks",
@@ -268,8 +269,13 @@ pub struct JsonTotals {
     pub alloc_bytes: u64,
     /// Blocks ever allocated.
     pub alloc_blocks: u64,
-    /// Peak live bytes.
+    /// Peak live bytes: the one figure every output gives (the highest of
+    /// the heap now, the heap rebuilt at the recorded peak, and the
+    /// curve's highest point).
     pub peak_bytes: u64,
+    /// How far the true high-water mark may lie above `peak_bytes`.
+    #[serde(default)]
+    pub peak_tolerance: u64,
 }
 
 /// One thread.
@@ -417,6 +423,7 @@ impl From<&Totals> for JsonTotals {
             alloc_bytes: t.alloc_bytes,
             alloc_blocks: t.alloc_blocks,
             peak_bytes: t.peak_bytes,
+            peak_tolerance: t.peak_tolerance,
         }
     }
 }
@@ -543,6 +550,7 @@ pub fn from_json(j: &JsonSnapshot) -> Snapshot {
             alloc_bytes: j.totals.alloc_bytes,
             alloc_blocks: j.totals.alloc_blocks,
             peak_bytes: j.totals.peak_bytes,
+            peak_tolerance: j.totals.peak_tolerance,
         },
         dropped,
         sites: j
@@ -925,6 +933,7 @@ mod tests {
                 alloc_bytes: 30,
                 alloc_blocks: 5,
                 peak_bytes: 20,
+                peak_tolerance: 0,
             },
             dropped: [
                 ("reentrant".to_string(), 3),

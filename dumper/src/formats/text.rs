@@ -84,7 +84,7 @@ pub fn render(s: &Snapshot, opts: TextOptions) -> String {
     }
     let _ = writeln!(
         o,
-        "live: {} in {} blocks | allocated since {}: {} in {} blocks | peak live: {}",
+        "live: {} in {} blocks | allocated since {}: {} in {} blocks | peak live: {}{}",
         human_bytes(t.live_bytes),
         t.live_blocks,
         if s.recording.is_some() {
@@ -94,7 +94,15 @@ pub fn render(s: &Snapshot, opts: TextOptions) -> String {
         },
         human_bytes(t.alloc_bytes),
         t.alloc_blocks,
-        human_bytes(t.peak_bytes)
+        human_bytes(t.peak_bytes),
+        if s.peak.is_none() && t.peak_tolerance > 0 {
+            format!(
+                " (the true high-water mark may be up to {} higher)",
+                human_bytes(t.peak_tolerance)
+            )
+        } else {
+            String::new()
+        }
     );
     if s.dropped_total() > 0 {
         let detail: Vec<String> = s.dropped.iter().map(|(k, v)| format!("{k} {v}")).collect();

@@ -29,6 +29,10 @@ pub struct Totals {
     pub alloc_blocks: u64,
     /// Highest live bytes seen (header counter).
     pub peak_bytes: u64,
+    /// How far the true high-water mark may lie above `peak_bytes`: 1/64
+    /// of it (a smaller rise does not move the recorded peak) plus the
+    /// writers' running-total lag (64 KiB per thread).
+    pub peak_tolerance: u64,
 }
 
 /// Live use of one thread (the thread that allocated each live block).
@@ -255,23 +259,18 @@ impl Timeline {
     }
 }
 
-/// Whether the target's regions record a peak (`snapshot --peak` needs
-/// one): an error in words when not.
+/// Whether the target's agent records the heap's peak (`snapshot --peak`
+/// needs one of format 1.4 or later): an error in words when not. A
+/// process whose heap never rose enough to move the peak has its peak now.
 pub fn peak_recorded(target: &Target) -> Result<(), String> {
-    if heapdump_table::peak::read(&target.allocations.view()).is_some() {
+    if heapdump_table::timeline::kept_by(target.allocations.header().version_minor) {
         return Ok(());
     }
-    if !heapdump_table::timeline::kept_by(target.allocations.header().version_minor) {
-        return Err(format!(
-            "pid {}'s agent (format 1.{}) does not record the heap's peak: it needs an agent of \
-             format 1.4 or later",
-            target.pid,
-            target.allocations.header().version_minor
-        ));
-    }
     Err(format!(
-        "pid {} has no peak recorded yet (nothing allocated since recording started)",
-        target.pid
+        "pid {}'s agent (format 1.{}) does not record the heap's peak: it needs an agent of \
+         format 1.4 or later",
+        target.pid,
+        target.allocations.header().version_minor
     ))
 }
 
@@ -659,13 +658,12 @@ pub fn take(
     // rate beyond any sane setting is a damaged header: refused.
     let (raw_rate, rate) = sample_rate(target);
     let weigh = |size: u64| weigh(size, rate);
-    // (Callers check that a peak is recorded: see `peak_recorded`.)
-    let peak = if opts.peak {
-        heapdump_table::peak::read(&target.allocations.view())
-    } else {
-        None
-    };
+    // The recorded peak: its moment, and (rebuilt below, in every
+    // snapshot) the heap then. `--peak` rebuilds the heap at it.
+    let recorded = heapdump_table::peak::read(&target.allocations.view());
+    let peak = if opts.peak { recorded } else { None };
     let before_peak = |t_us: u64| peak.is_none_or(|p| t_us <= p.time_us);
+    let before_recorded = |t_us: u64| recorded.is_some_and(|p| t_us <= p.time_us);
 
     // Aggregate during the walk: per (stack key, thread key). A walk that
     // met records being modified throughout (a writer preempted mid-update
@@ -673,16 +671,22 @@ pub fn take(
     // partial; a target killed mid-update stays partial. Blocks outside the
     // age bounds count in the totals only.
     let mut attempt = 0;
-    let (per_key, live_bytes, live_blocks, selected, stats, now_live) = loop {
+    let (per_key, live_bytes, live_blocks, selected, stats, now_live, mut at_recorded) = loop {
         let mut per_key: HashMap<(ResourceKey, ResourceKey), KeyStats> = HashMap::new();
         let (mut live_bytes, mut live_blocks) = (0f64, 0f64);
         let mut selected = (0f64, 0f64);
         // The heap now (differs from the totals in a `--peak` snapshot).
         let mut now_live = (0f64, 0f64);
+        // The blocks still live that were allocated by the recorded peak.
+        let mut at_recorded = (0f64, 0f64);
         let stats = allocs.walk(|r| {
             let (bytes, blocks) = weigh(r.size);
             now_live.0 += bytes;
             now_live.1 += blocks;
+            if before_recorded(r.timestamp_us) {
+                at_recorded.0 += bytes;
+                at_recorded.1 += blocks;
+            }
             if !before_peak(r.timestamp_us) {
                 // Allocated after the peak: not part of the heap then.
                 return;
@@ -701,13 +705,21 @@ pub fn take(
         });
         attempt += 1;
         if stats.unstable == 0 || attempt >= WALK_ATTEMPTS {
-            break (per_key, live_bytes, live_blocks, selected, stats, now_live);
+            break (
+                per_key,
+                live_bytes,
+                live_blocks,
+                selected,
+                stats,
+                now_live,
+                at_recorded,
+            );
         }
     };
     let walk_time = t0.elapsed();
     let (mut per_key, mut live_bytes, mut live_blocks) = (per_key, live_bytes, live_blocks);
     let mut peak_partial = None;
-    if let Some(p) = &peak {
+    if let Some(p) = &recorded {
         // The blocks freed since the peak that were allocated before it,
         // per stack (their threads are not recorded).
         let (freed, why) = resources.peak_freed(p.generation);
@@ -721,6 +733,11 @@ pub fn take(
                 count as f64 / 1024.0
             };
             let bytes = bytes as f64;
+            at_recorded.0 += bytes;
+            at_recorded.1 += blocks;
+            if peak.is_none() {
+                continue;
+            }
             live_bytes += bytes;
             live_blocks += blocks;
             let e = per_key
@@ -729,6 +746,26 @@ pub fn take(
             e.bytes += bytes;
             e.blocks += blocks;
         }
+    }
+    if opts.peak && peak.is_none_or(|_| now_live.0 > live_bytes) {
+        // No rise was ever recorded (a server whose requests allocate and
+        // free: the live heap never moved a writer's batch), or the heap
+        // is higher now than at the recorded peak: the heap at its peak
+        // is the heap now.
+        let mut snap = take(
+            target,
+            mappings,
+            Options {
+                peak: false,
+                ..opts
+            },
+        )?;
+        snap.peak = Some(PeakInfo {
+            time: snap.taken_at.unwrap_or(taken_at),
+            live_bytes: snap.totals.live_bytes,
+            tolerance: snap.totals.peak_tolerance,
+        });
+        return Ok(snap);
     }
     // Estimates are summed exactly (f64) and rounded once, per key and in
     // total; in exact mode every sum is an integer below 2^53, so exact.
@@ -753,7 +790,7 @@ pub fn take(
     if let Some(p) = threads_partial {
         partial.push(format!("thread list: {p}"));
     }
-    if let Some(p) = peak_partial {
+    if let Some(p) = peak_partial.filter(|_| peak.is_some()) {
         partial.push(format!("peak blocks: {p}"));
     }
 
@@ -907,13 +944,14 @@ pub fn take(
                 live_blocks,
                 alloc_bytes: counters.total_bytes.max(live_bytes),
                 alloc_blocks: counters.total_allocs.max(live_blocks),
-                peak_bytes: counters.peak_live_bytes.max(live_bytes),
+                // Set below, with the curve: one figure everywhere.
+                peak_bytes: live_bytes,
+                peak_tolerance: 0,
             }
         } else {
             // The header counts the sampled blocks themselves; the
             // per-stack counters count each sampled allocation as the
-            // (randomly rounded) number it stands for. The peak of the
-            // estimate is not tracked: the live estimate stands in.
+            // (randomly rounded) number it stands for.
             let alloc_bytes = sites.iter().map(|s| s.alloc_bytes).sum::<u64>();
             let alloc_blocks = sites.iter().map(|s| s.alloc_blocks).sum::<u64>();
             Totals {
@@ -922,6 +960,7 @@ pub fn take(
                 alloc_bytes: alloc_bytes.max(live_bytes),
                 alloc_blocks: alloc_blocks.max(live_blocks),
                 peak_bytes: live_bytes,
+                peak_tolerance: 0,
             }
         },
         sampling: (rate != 0).then_some(rate),
@@ -959,16 +998,17 @@ pub fn take(
             nodes: stats.nodes,
         },
     };
+    let threads_seen = snap.threads.len().max(1) as u64;
+    let tolerance_of = |bytes: u64| {
+        bytes / heapdump_table::peak::TOLERANCE_DIV
+            + threads_seen * heapdump_table::allocations_table::LIVE_BATCH as u64
+    };
     if let Some(p) = &peak {
-        let threads_seen = snap.threads.len().max(1) as u64;
         snap.peak = Some(PeakInfo {
             time: clock.wall_of(p.time_us).unwrap_or(taken_at),
             live_bytes: snap.totals.live_bytes,
-            tolerance: snap.totals.live_bytes / heapdump_table::peak::TOLERANCE_DIV
-                + threads_seen * heapdump_table::allocations_table::LIVE_BATCH as u64,
+            tolerance: 0,
         });
-        // The heap's high-water mark is the peak now.
-        snap.totals.peak_bytes = snap.totals.peak_bytes.max(snap.totals.live_bytes);
     }
     // The curve ends at the heap now (a `--peak` snapshot's totals are the
     // heap at the peak; the exact counters give now).
@@ -989,6 +1029,53 @@ pub fn take(
         }
     };
     snap.timeline = timeline(target, Some(last));
+    // One peak, shown alike in the totals, the curve, JSON, pprof and the
+    // report: the highest of the heap now, the heap rebuilt at the
+    // recorded peak, and the curve's highest point (a running total, up
+    // to the writers' batches off).
+    let mut candidates = vec![(last.live_bytes, last.live_blocks, taken_at)];
+    if let Some(p) = &recorded {
+        candidates.push((
+            at_recorded.0.round() as u64,
+            at_recorded.1.round() as u64,
+            clock.wall_of(p.time_us).unwrap_or(taken_at),
+        ));
+    }
+    if let Some(tl) = &snap.timeline {
+        if let Some(pt) = tl.peak() {
+            candidates.push((pt.live_bytes, pt.live_blocks, pt.time));
+        }
+    }
+    let (peak_bytes, peak_blocks, peak_time) = candidates
+        .into_iter()
+        .max_by_key(|c| c.0)
+        .expect("the heap now is a candidate");
+    snap.totals.peak_bytes = peak_bytes;
+    snap.totals.peak_tolerance = tolerance_of(peak_bytes);
+    if let Some(p) = &mut snap.peak {
+        p.tolerance = snap.totals.peak_tolerance;
+    }
+    if let Some(tl) = &mut snap.timeline {
+        if tl.peak().is_none_or(|pt| pt.live_bytes < peak_bytes) {
+            // The rebuilt peak lies between two points of the curve: put
+            // it there, so the curve's highest point is the peak.
+            let at = tl.points.partition_point(|p| p.time <= peak_time);
+            let alloc_bytes = at
+                .checked_sub(1)
+                .map(|i| tl.points[i].alloc_bytes)
+                .unwrap_or(0)
+                .max(peak_bytes);
+            tl.points.insert(
+                at,
+                TimelinePoint {
+                    time: peak_time,
+                    live_bytes: peak_bytes,
+                    live_blocks: peak_blocks,
+                    alloc_bytes,
+                },
+            );
+        }
+    }
     Ok(snap)
 }
 
