@@ -538,6 +538,9 @@ pub fn inject(pid: u32, library: &str, action: &Action) -> Result<Injected, Inje
         )
     })?;
     let danger = Danger::of(&mut modules);
+    // Everything read from the target's files is read before the first
+    // thread stops (CFI and symbols of every module).
+    modules.read_all();
     let mem =
         Memory::open(pid).map_err(|e| InjectError::Permission(format!("/proc/{pid}/mem: {e}")))?;
     let mut passed_over: Vec<(u32, String)> = Vec::new();
