@@ -209,7 +209,8 @@ fn attach_held(a: AttachArgs) -> Result<i32> {
     let pid = a.pid;
     check_process(pid)?;
     let name = crate::process::discovery::process_name(pid);
-    match agent_state(pid) {
+    let state = agent_state(pid);
+    match state {
         AgentState::Preloaded => bail!(
             "process {pid} ({name}) was started under the agent (heapdump run or LD_PRELOAD): \
              it is recorded since it started; nothing to attach (heapdump snapshot {pid})"
@@ -231,7 +232,10 @@ fn attach_held(a: AttachArgs) -> Result<i32> {
              libdl.so.2), so the agent cannot be loaded into it"
         );
     }
-    if a.signal.is_none() && catches(pid, libc::SIGUSR2) {
+    // A process attached before and detached catches SIGUSR2 with the
+    // agent's own handler (it stays installed): only a first attach can
+    // tell the program's handler.
+    if a.signal.is_none() && state == AgentState::None && catches(pid, libc::SIGUSR2) {
         eprintln!(
             "heapdump: note: process {pid} handles SIGUSR2 itself, so the agent leaves it alone \
              and snapshot requests by signal are off (--signal SIGNAL chooses another)"
