@@ -194,7 +194,11 @@ fn twenty_attach_and_detach_cycles_leave_the_busy_process_unharmed() {
         // never taken for the program's.
         let out = attach(pid, &[]);
         assert!(out.status.success(), "{}", stderr(&out));
-        assert!(!stderr(&out).contains("handles SIGUSR2"), "{}", stderr(&out));
+        assert!(
+            !stderr(&out).contains("handles SIGUSR2"),
+            "{}",
+            stderr(&out)
+        );
         detach_ok(pid);
     }
     t.send("alloc");

@@ -837,3 +837,62 @@ fn links_in_a_containers_root_resolve_inside_it_never_on_the_host() {
     );
     pointing_out.send("quit");
 }
+
+#[test]
+fn frames_without_lines_print_their_offset_and_jit_code_is_named_from_the_perf_map() {
+    if !root_here("sites") {
+        return;
+    }
+    // A library built without debug information whose one function
+    // allocates at two places: two sites, told apart by the offset in the
+    // function (`two_places+0x..`), as perf and gdb name such frames.
+    let t = TempDir::new("hostile-sites");
+    let d = nobody_dir(&t, "app");
+    let src = t.path("two.c");
+    std::fs::write(
+        &src,
+        "#include <stdlib.h>\nvoid *keep[20];\n\
+         void plugin_alloc(int n) { (void)n;\n\
+         for (int i = 0; i < 5; i++) keep[i] = malloc(1111);\n\
+         for (int i = 0; i < 5; i++) keep[5 + i] = malloc(2222); }\n",
+    )
+    .unwrap();
+    let lib = d.join("libtwo.so");
+    assert!(Command::new("cc")
+        .args(["-O0", "-fno-omit-frame-pointer", "-shared", "-fPIC", "-o"])
+        .arg(&lib)
+        .arg(&src)
+        .status()
+        .unwrap()
+        .success());
+    let mut target = Target::spawn(as_nobody_recorded(&compile_c("hostile")));
+    target.send(&format!("plugin {}", lib.display()));
+    assert_eq!(target.wait_line(""), "loaded");
+    target.send("jit");
+    target.wait_line("jitted");
+    let pid = target.pid();
+    let text = ok(&bounded(&["snapshot", &pid.to_string()]));
+    let mut places: Vec<&str> = text
+        .lines()
+        .map(str::trim)
+        .filter(|l| l.starts_with("plugin_alloc+0x"))
+        .collect();
+    places.sort();
+    places.dedup();
+    assert_eq!(
+        places.len(),
+        2,
+        "two sites in one function print alike: {text}"
+    );
+    // The JIT frame, named as the runtime's perf map names it.
+    let json = t.str("s.json");
+    ok(&bounded(&["snapshot", &pid.to_string(), "-o", &json]));
+    let j = read_json(Path::new(&json));
+    assert_eq!(
+        live_blocks_through(&j, "LazyCompile:*jsAllocate app.js:12"),
+        10,
+        "{text}"
+    );
+    let _ = std::fs::remove_file(format!("/tmp/perf-{pid}.map"));
+    target.send("quit");
+}

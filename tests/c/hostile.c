@@ -12,6 +12,10 @@
  *                         as such) allocates 10 x 555 at site_named and
  *                         stays, and the main thread takes the name too
  *                         (the process's name); "named"
+ *   "jit"              -> code written at run time (an anonymous executable
+ *                         mapping) calls malloc(4242) 10 times, named in
+ *                         /tmp/perf-PID.map as a JIT runtime names it;
+ *                         "jitted"
  *   "crash"            -> a null dereference; the process must die of it
  *   "quit"             -> exit 0 */
 #define _GNU_SOURCE
@@ -21,6 +25,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/prctl.h>
 #include <time.h>
 #include <unistd.h>
@@ -104,6 +109,27 @@ int main(void) {
             pthread_mutex_unlock(&mu);
             prctl(PR_SET_NAME, thread_name, 0, 0, 0);
             printf("named\n");
+        } else if (!strcmp(line, "jit")) {
+            /* push rbp; mov rbp, rsp; movabs rax, malloc; call rax;
+             * pop rbp; ret: a frame like a JIT's, with a frame pointer. */
+            unsigned char t[] = {0x55, 0x48, 0x89, 0xe5, 0x48, 0xb8, 0, 0, 0, 0, 0, 0, 0, 0,
+                                 0xff, 0xd0, 0x5d, 0xc3};
+            void *(*m)(size_t) = malloc;
+            memcpy(t + 6, &m, 8);
+            unsigned char *code = mmap(NULL, 4096, PROT_READ | PROT_WRITE | PROT_EXEC,
+                                       MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+            memcpy(code, t, sizeof t);
+            char path[64];
+            snprintf(path, sizeof path, "/tmp/perf-%d.map", (int)getpid());
+            FILE *f = fopen(path, "w");
+            if (f) {
+                fprintf(f, "%lx %zx LazyCompile:*jsAllocate app.js:12\n", (unsigned long)code,
+                        sizeof t);
+                fclose(f);
+            }
+            void *(*jitted)(size_t) = (void *(*)(size_t))code;
+            for (int i = 0; i < 10 && used < 1000; i++) kept[used++] = jitted(4242);
+            printf("jitted\n");
         } else if (!strcmp(line, "crash")) {
             fflush(stdout);
             volatile int *p = NULL;

@@ -343,6 +343,10 @@ pub struct JsonFrame {
     /// how a frame without a covering symbol is named).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub module_offset: Option<String>,
+    /// Offset of the return address in `function`, hex, for a frame named
+    /// from a symbol table without a line (`function+0x...` in text).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub function_offset: Option<String>,
     /// Inlined into the next frame.
     #[serde(default)]
     pub inlined: bool,
@@ -396,6 +400,7 @@ impl From<&Frame> for JsonFrame {
             line: f.line,
             module: f.module.clone(),
             module_offset: f.module_offset.map(hex),
+            function_offset: f.function_offset.map(hex),
             inlined: f.inlined,
         }
     }
@@ -410,6 +415,7 @@ impl From<&JsonFrame> for Frame {
             line: f.line,
             module: f.module.clone(),
             module_offset: f.module_offset.as_deref().map(parse_hex),
+            function_offset: f.function_offset.as_deref().map(parse_hex),
             inlined: f.inlined,
         }
     }
@@ -869,7 +875,7 @@ mod view {
     impl Serialize for FrameView<'_> {
         fn serialize<S: Serializer>(&self, ser: S) -> Result<S::Ok, S::Error> {
             let f = self.0;
-            let mut m = ser.serialize_struct("JsonFrame", 7)?;
+            let mut m = ser.serialize_struct("JsonFrame", 8)?;
             m.serialize_field("address", &Hex(f.address))?;
             m.serialize_field("function", &f.function)?;
             m.serialize_field("file", &f.file)?;
@@ -879,6 +885,11 @@ mod view {
                 m.serialize_field("module_offset", &Hex(off))?;
             } else {
                 m.skip_field("module_offset")?;
+            }
+            if let Some(off) = f.function_offset {
+                m.serialize_field("function_offset", &Hex(off))?;
+            } else {
+                m.skip_field("function_offset")?;
             }
             m.serialize_field("inlined", &f.inlined)?;
             m.end()
@@ -916,6 +927,7 @@ mod tests {
             line: function.map(|_| 42),
             module: Some("/bin/prog".to_string()),
             module_offset: function.is_none().then_some(address % 0x1000),
+            function_offset: None,
             inlined,
         }
     }

@@ -911,6 +911,9 @@ pub fn take(
     let t1 = Instant::now();
     let symbolized = opts.symbolizer.is_some();
     let mut symbolizer = opts.symbolizer;
+    if let Some(sym) = symbolizer.as_deref_mut() {
+        sym.use_perf_map(target.pid);
+    }
     let sites = symbolize_sites(
         sites,
         mappings,

@@ -67,6 +67,10 @@ pub struct Frame {
     /// Offset of the address in that file (`module+0x...`, as perf and
     /// pprof name a frame no symbol covers).
     pub module_offset: Option<u64>,
+    /// Offset of the return address in its function, for a frame named
+    /// from a symbol table with no line (`deflateInit2_+0x7c`), so that
+    /// two call sites in one function never print alike.
+    pub function_offset: Option<u64>,
     /// This frame was inlined into the next one (same address).
     pub inlined: bool,
 }
@@ -76,7 +80,10 @@ impl Frame {
     /// return address's offset in the module's file), or the address.
     pub fn display_name(&self) -> String {
         match (&self.function, &self.module, self.module_offset) {
-            (Some(f), _, _) => f.clone(),
+            (Some(f), _, _) => match (self.line, self.function_offset) {
+                (None, Some(off)) => format!("{f}+{off:#x}"),
+                _ => f.clone(),
+            },
             (None, Some(m), Some(off)) => {
                 format!("{}+{off:#x}", m.rsplit('/').next().unwrap_or(m))
             }
@@ -141,8 +148,9 @@ impl SymbolExtents {
         SymbolExtents(out)
     }
 
-    /// The name of the symbol whose extent holds `svma`, if one does.
-    fn covering(&self, svma: u64) -> Option<&str> {
+    /// The start and name of the symbol whose extent holds `svma`, if one
+    /// does.
+    fn covering(&self, svma: u64) -> Option<(u64, &str)> {
         let i = self.0.partition_point(|s| s.0 <= svma);
         // Nested or overlapping symbols (aliases of one function share an
         // address): look back a few entries for one that covers.
@@ -151,7 +159,7 @@ impl SymbolExtents {
             .rev()
             .take(8)
             .find(|(a, size, _)| svma < a.saturating_add(*size))
-            .map(|(_, _, n)| n.as_str())
+            .map(|(a, _, n)| (*a, n.as_str()))
     }
 }
 
@@ -335,6 +343,32 @@ pub struct Symbolizer {
     deadline: Option<Instant>,
     /// What was given up, for the snapshot's notes.
     notes: Vec<String>,
+    /// Code a runtime compiled (JIT), named by its perf map: (start,
+    /// size, name), sorted by start.
+    jit: Vec<(u64, u64, String)>,
+}
+
+/// Largest perf map read (node's with `--perf-basic-prof` grows by a line
+/// per compiled function; tens of MiB after days).
+const MAX_PERF_MAP: u64 = 256 << 20;
+
+/// The entries of a perf map (`START SIZE NAME` lines, hex numbers, as
+/// node's `--perf-basic-prof`, the JVM's `jcmd PID Compiler.perfmap` and
+/// perf's own documentation write them), sorted by start; unparsable
+/// lines skipped.
+pub fn parse_perf_map(text: &str) -> Vec<(u64, u64, String)> {
+    let mut out: Vec<(u64, u64, String)> = text
+        .lines()
+        .filter_map(|l| {
+            let mut it = l.splitn(3, ' ');
+            let start = u64::from_str_radix(it.next()?.trim_start_matches("0x"), 16).ok()?;
+            let size = u64::from_str_radix(it.next()?.trim_start_matches("0x"), 16).ok()?;
+            let name = it.next()?.trim();
+            (size > 0 && !name.is_empty()).then(|| (start, size, name.to_string()))
+        })
+        .collect();
+    out.sort_by_key(|e| e.0);
+    out
 }
 
 /// A file's identity: device, inode, size and change time.
@@ -488,6 +522,45 @@ impl Symbolizer {
         self.deadline = Some(Instant::now() + self.time_limit);
     }
 
+    /// Reads the perf map of process `pid` (`/tmp/perf-PID.map` inside its
+    /// root, PID as the process sees itself), naming the code its runtime
+    /// compiled; forgets any earlier one. A missing map names nothing.
+    pub fn use_perf_map(&mut self, pid: u32) {
+        self.jit.clear();
+        let own_pid = std::fs::read_to_string(format!("/proc/{pid}/status"))
+            .ok()
+            .and_then(|s| {
+                s.lines()
+                    .find_map(|l| l.strip_prefix("NSpid:"))
+                    .and_then(|v| v.split_whitespace().last()?.parse::<u32>().ok())
+            })
+            .unwrap_or(pid);
+        let Ok(root) = TargetRoot::of_process(pid) else {
+            return;
+        };
+        let path = PathBuf::from(format!("/tmp/perf-{own_pid}.map"));
+        let Some(bytes) = root
+            .open(&path)
+            .ok()
+            .and_then(|f| target_files::read_capped(&f, MAX_PERF_MAP, &path).ok())
+        else {
+            return;
+        };
+        self.jit = parse_perf_map(&String::from_utf8_lossy(&bytes));
+    }
+
+    /// The perf map's name for `address`, if its code is there.
+    fn jit_name(&self, address: u64) -> Option<&str> {
+        let i = self.jit.partition_point(|e| e.0 <= address);
+        // Later entries win (a runtime reuses code space): look back a few.
+        self.jit[..i]
+            .iter()
+            .rev()
+            .take(8)
+            .find(|(start, size, _)| address < start.saturating_add(*size))
+            .map(|(_, _, n)| n.as_str())
+    }
+
     /// What this symbolization gave up, in words (once each), emptied.
     pub fn take_notes(&mut self) -> Vec<String> {
         std::mem::take(&mut self.notes)
@@ -553,7 +626,14 @@ impl Symbolizer {
         let base = unsymbolized(address, maps);
         let lookup = address.wrapping_sub(1);
         let Some(m) = maps::find(maps, lookup) else {
-            return vec![base];
+            // Not in a mapped file: code a runtime compiled, if its perf
+            // map names it.
+            let function = self.jit_name(lookup).map(str::to_string);
+            return vec![Frame {
+                module: function.as_ref().map(|_| "[jit]".to_string()),
+                function,
+                ..base
+            }];
         };
         let Some(local) = m.local.clone() else {
             return vec![base];
@@ -604,9 +684,11 @@ impl Symbolizer {
                 .first()
                 .map(|f| (f.file.clone(), f.line))
                 .unwrap_or((None, None));
-            if let Some(sym) = module.symbols.covering(probe) {
+            if let Some((start, sym)) = module.symbols.covering(probe) {
                 out = vec![Frame {
                     function: Some(addr2line::demangle_auto(sym.into(), None).into_owned()),
+                    // The return address's offset (the probe is one less).
+                    function_offset: line.is_none().then_some(probe + 1 - start),
                     file,
                     line,
                     ..base.clone()
@@ -625,6 +707,28 @@ impl Symbolizer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn perf_maps_name_jit_code_by_its_extent() {
+        let map = "7f00aa001000 40 LazyCompile:*alloc app.js:3\n\
+                   7f00aa000000 100 Builtin:Foo\nnot a line\n7f00aa002000 0 empty\n";
+        let mut sym = Symbolizer::default();
+        sym.jit = parse_perf_map(map);
+        assert_eq!(sym.jit.len(), 2);
+        assert_eq!(
+            sym.jit_name(0x7f00aa001010),
+            Some("LazyCompile:*alloc app.js:3")
+        );
+        assert_eq!(sym.jit_name(0x7f00aa0000ff), Some("Builtin:Foo"));
+        assert_eq!(sym.jit_name(0x7f00aa001040), None);
+        assert_eq!(sym.jit_name(0x7f00a9ffffff), None);
+        let f = sym.symbolize(0x7f00aa001011, &[]);
+        assert_eq!(
+            f[0].function.as_deref(),
+            Some("LazyCompile:*alloc app.js:3")
+        );
+        assert_eq!(f[0].module.as_deref(), Some("[jit]"));
+    }
 
     #[test]
     fn debug_files_are_looked_up_by_build_id_only_for_plausible_ids() {
