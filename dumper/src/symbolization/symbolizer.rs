@@ -712,8 +712,10 @@ mod tests {
     fn perf_maps_name_jit_code_by_its_extent() {
         let map = "7f00aa001000 40 LazyCompile:*alloc app.js:3\n\
                    7f00aa000000 100 Builtin:Foo\nnot a line\n7f00aa002000 0 empty\n";
-        let mut sym = Symbolizer::default();
-        sym.jit = parse_perf_map(map);
+        let mut sym = Symbolizer {
+            jit: parse_perf_map(map),
+            ..Symbolizer::default()
+        };
         assert_eq!(sym.jit.len(), 2);
         assert_eq!(
             sym.jit_name(0x7f00aa001010),
