@@ -632,6 +632,8 @@ fn control_characters_in_names_are_escaped_in_text_and_the_svg_is_well_formed() 
     assert!(text.contains("x\\x1b]0;T\\x07y\\x1b[2J"), "{text}");
     let list = ok(&bounded(&["list"]));
     assert!(!list.bytes().any(|b| b == 0x1b || b == 0x07));
+    // Run as root, list never advises running as root.
+    assert!(!list.contains("run as root"), "{list}");
     let svg = t.path("f.svg");
     ok(&bounded(&[
         "snapshot",

@@ -200,7 +200,15 @@ pub fn attach(a: AttachArgs) -> Result<i32> {
     // Held from the start: taken by the wait of --for (which then
     // detaches), or, without --for, delivered once the attach is done.
     let _ = ending_signals().thread_block();
-    let result = attach_held(a);
+    let pid = a.pid;
+    let result = attach_held(a).map_err(|e| {
+        // Whatever failed, a process that is gone is the reason to give.
+        if std::path::Path::new(&format!("/proc/{pid}")).exists() {
+            e
+        } else {
+            anyhow::anyhow!("process {pid} exited while heapdump was attaching to it")
+        }
+    });
     let _ = ending_signals().thread_unblock();
     result
 }

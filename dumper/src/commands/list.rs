@@ -146,10 +146,20 @@ pub fn command() -> Result<i32> {
         }
     }
     if denied > 0 {
-        writeln!(
-            out,
-            "({denied} processes of other users could not be inspected; run as root to see them)"
-        )?;
+        // SAFETY: geteuid has no preconditions and cannot fail.
+        if unsafe { libc::geteuid() } == 0 {
+            writeln!(
+                out,
+                "({denied} processes refused even root the reading of their memory maps \
+                 (kernel threads, or a security module's rule); they are not listed)"
+            )?;
+        } else {
+            writeln!(
+                out,
+                "({denied} processes of other users could not be inspected; run as root to see \
+                 them)"
+            )?;
+        }
     }
     Ok(0)
 }
