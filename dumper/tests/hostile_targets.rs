@@ -898,3 +898,32 @@ fn frames_without_lines_print_their_offset_and_jit_code_is_named_from_the_perf_m
     let _ = std::fs::remove_file(format!("/tmp/perf-{pid}.map"));
     target.send("quit");
 }
+
+#[test]
+fn sites_are_named_past_the_programs_own_allocation_wrapper() {
+    if !root_here("wrappers") {
+        return;
+    }
+    // Two sites allocate through the program's wrapper (as redis's every
+    // site goes through zmalloc): each is named by the frames past it.
+    let t = TempDir::new("hostile-wrapped");
+    let mut target = Target::spawn(as_nobody_recorded(&compile_c("hostile")));
+    target.send("wrapped");
+    target.wait_line("wrapped");
+    let pid = target.pid().to_string();
+    let text = ok(&bounded(&["snapshot", &pid]));
+    for site in ["site_wrapped_a", "site_wrapped_b"] {
+        assert!(
+            text.contains(&format!("site: {site} ← main (via xmalloc_checked)")),
+            "{text}"
+        );
+    }
+    let html = t.path("r.html");
+    ok(&bounded(&["report", &pid, "-o", html.to_str().unwrap()]));
+    let page = std::fs::read_to_string(&html).unwrap();
+    assert!(
+        page.contains("site_wrapped_a ← main <small>via xmalloc_checked</small>"),
+        "the report names the site by its wrapper"
+    );
+    target.send("quit");
+}

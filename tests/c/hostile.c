@@ -16,6 +16,9 @@
  *                         mapping) calls malloc(4242) 10 times, named in
  *                         /tmp/perf-PID.map as a JIT runtime names it;
  *                         "jitted"
+ *   "wrapped"          -> site_wrapped_a and site_wrapped_b each allocate 7
+ *                         blocks through the program's own wrapper
+ *                         xmalloc_checked (as redis's zmalloc); "wrapped"
  *   "crash"            -> a null dereference; the process must die of it
  *   "quit"             -> exit 0 */
 #define _GNU_SOURCE
@@ -35,6 +38,20 @@ int used;
 
 __attribute__((noinline)) void site_hostile(void) {
     for (int i = 0; i < 100 && used < 1000; i++) kept[used++] = malloc(300);
+}
+
+__attribute__((noinline)) void *xmalloc_checked(size_t n) {
+    void *p = malloc(n);
+    if (!p) abort();
+    return p;
+}
+
+__attribute__((noinline)) void site_wrapped_a(void) {
+    for (int i = 0; i < 7 && used < 1000; i++) kept[used++] = xmalloc_checked(700);
+}
+
+__attribute__((noinline)) void site_wrapped_b(void) {
+    for (int i = 0; i < 7 && used < 1000; i++) kept[used++] = xmalloc_checked(800);
 }
 
 static char thread_name[64];
@@ -130,6 +147,10 @@ int main(void) {
             void *(*jitted)(size_t) = (void *(*)(size_t))code;
             for (int i = 0; i < 10 && used < 1000; i++) kept[used++] = jitted(4242);
             printf("jitted\n");
+        } else if (!strcmp(line, "wrapped")) {
+            site_wrapped_a();
+            site_wrapped_b();
+            printf("wrapped\n");
         } else if (!strcmp(line, "crash")) {
             fflush(stdout);
             volatile int *p = NULL;

@@ -13,6 +13,7 @@
 //!   last report still shows its heap at exit.
 
 use crate::formats::escape_controls;
+use crate::formats::site_names::Wrappers;
 use std::collections::HashMap;
 use std::fmt::Write;
 use std::time::{Duration, SystemTime};
@@ -74,13 +75,33 @@ impl Baseline {
     }
 }
 
+/// How many frames of `site` remain past its wrappers.
+fn name_frames(site: &Site, wrappers: &Wrappers) -> usize {
+    let via = wrappers
+        .name(site)
+        .via
+        .map_or(0, |v| v.split(" ← ").count());
+    site.frames.len() - via
+}
+
 /// One line's worth of frames: the first `depth` frames of the program's
 /// own code, leaving out those of the standard library and dependencies
 /// (iterator adapters, closures' plumbing; all frames if there are no
 /// others), joined with ` < ` (callee < caller).
-fn frames_line(site: &Site, depth: usize) -> String {
+fn frames_line(site: &Site, depth: usize, wrappers: &Wrappers) -> String {
     if site.frames.is_empty() {
         return "<no stack>".to_string();
+    }
+    // The program's own allocation wrappers (zmalloc, g_malloc) tell no
+    // site apart: the line starts past them.
+    let name = wrappers.name(site);
+    if name.via.is_some() {
+        let skip = site.frames.len() - name_frames(site, wrappers);
+        let rest = Site {
+            frames: site.frames[skip..].to_vec(),
+            ..Site::default()
+        };
+        return frames_line(&rest, depth, &Wrappers::default());
     }
     let own: Vec<&crate::symbolization::symbolizer::Frame> = site
         .frames
@@ -200,6 +221,7 @@ pub fn render(
         "{:>10} {:>11} {:>8} {:>8}  SITE (callee < caller)",
         "LIVE", "GROWTH", "BLOCKS", "OLDEST"
     );
+    let wrappers = Wrappers::of(now);
     for (site, growth) in rows.iter().take(opts.top) {
         let oldest = site
             .oldest_age(now.taken_at)
@@ -211,7 +233,7 @@ pub fn render(
             human_delta(*growth),
             site.live_blocks,
             oldest,
-            frames_line(site, opts.depth)
+            frames_line(site, opts.depth, &wrappers)
         );
     }
     if rows.len() > opts.top {
@@ -511,8 +533,9 @@ mod tests {
                 ..Frame::default()
             },
         );
-        assert_eq!(frames_line(&s, 1), "app::f (main.rs:7) < ...");
-        assert_eq!(frames_line(&s, 3), "app::f (main.rs:7) < main");
-        assert_eq!(frames_line(&Site::default(), 3), "<no stack>");
+        let w = Wrappers::default();
+        assert_eq!(frames_line(&s, 1, &w), "app::f (main.rs:7) < ...");
+        assert_eq!(frames_line(&s, 3, &w), "app::f (main.rs:7) < main");
+        assert_eq!(frames_line(&Site::default(), 3, &w), "<no stack>");
     }
 }

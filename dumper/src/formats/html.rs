@@ -12,6 +12,7 @@
 //! process names) is HTML-escaped; the page has no `src`/`href` to
 //! anything but itself and `data:` URLs.
 
+use crate::formats::site_names::Wrappers;
 use std::fmt::Write;
 use std::time::{Duration, SystemTime};
 
@@ -63,11 +64,10 @@ fn site_key(s: &Site) -> String {
         .join(" < ")
 }
 
-fn site_name(s: &Site) -> String {
-    s.frames
-        .first()
-        .map(|f| f.display_name())
-        .unwrap_or_else(|| "[no stack]".into())
+/// A site's name in words: the frames past its allocation wrappers (see
+/// [`crate::formats::site_names`]).
+fn site_name(s: &Site, w: &Wrappers) -> String {
+    w.name(s).to_string()
 }
 
 /// Leak suspects. With a series: sites whose live bytes never fell from
@@ -78,6 +78,7 @@ fn site_name(s: &Site) -> String {
 /// many live blocks as ever allocated (9 in 10).
 pub fn leak_suspects(now: &Snapshot, series: &[Snapshot]) -> Vec<Suspect> {
     let mut out = Vec::new();
+    let wrappers = Wrappers::of(now);
     if series.len() >= 2 {
         let mut all: Vec<&Snapshot> = series.iter().collect();
         all.push(now);
@@ -98,7 +99,7 @@ pub fn leak_suspects(now: &Snapshot, series: &[Snapshot]) -> Vec<Suspect> {
             let rises = values.windows(2).filter(|w| w[1] > w[0]).count();
             if never_fell && grew && rises * 2 >= values.len() - 1 {
                 out.push(Suspect {
-                    name: site_name(site),
+                    name: site_name(site, &wrappers),
                     frames: site.frames.iter().map(|f| f.display_name()).collect(),
                     live_bytes: site.live_bytes,
                     why: format!(
@@ -136,7 +137,7 @@ pub fn leak_suspects(now: &Snapshot, series: &[Snapshot]) -> Vec<Suspect> {
             && site.live_blocks * 10 >= site.alloc_blocks * 9
         {
             out.push(Suspect {
-                name: site_name(site),
+                name: site_name(site, &wrappers),
                 frames: site.frames.iter().map(|f| f.display_name()).collect(),
                 live_bytes: site.live_bytes,
                 why: format!(
@@ -244,10 +245,11 @@ fn stacked_svg(all: &[&Snapshot], top: usize) -> String {
         return String::new();
     }
     let last = all[all.len() - 1];
+    let wrappers = Wrappers::of(last);
     let mut keys: Vec<(String, String, u64)> = Vec::new();
     for s in &last.sites {
         if s.live_bytes > 0 {
-            keys.push((site_key(s), site_name(s), s.live_bytes));
+            keys.push((site_key(s), site_name(s, &wrappers), s.live_bytes));
         }
     }
     keys.sort_by_key(|k| std::cmp::Reverse(k.2));
@@ -338,6 +340,7 @@ fn stacked_svg(all: &[&Snapshot], top: usize) -> String {
 
 fn sites_table(s: &Snapshot, id: &str, top: usize) -> String {
     let shown = s.shown_live_bytes().max(1);
+    let wrappers = Wrappers::of(s);
     let mut o = format!(
         "<table id=\"{id}\" class=\"sites\"><thead><tr><th>#</th><th>live</th><th>%</th>\
          <th>blocks</th><th>allocated</th><th>site (stack, innermost first)</th></tr></thead><tbody>"
@@ -349,6 +352,7 @@ fn sites_table(s: &Snapshot, id: &str, top: usize) -> String {
         .take(top)
         .enumerate()
     {
+        let name = wrappers.name(site);
         let frames: String = site
             .frames
             .iter()
@@ -365,14 +369,18 @@ fn sites_table(s: &Snapshot, id: &str, top: usize) -> String {
         let _ = write!(
             o,
             "<tr><td>{}</td><td>{}</td><td>{:.1}</td><td>{}</td><td>{}</td>\
-             <td><details><summary class=\"site\">{}</summary><ol class=\"stack\">{frames}</ol>\
+             <td><details><summary class=\"site\">{}{}</summary><ol class=\"stack\">{frames}</ol>\
              </details></td></tr>",
             i + 1,
             esc(&human_bytes(site.live_bytes)),
             site.live_bytes as f64 * 100.0 / shown as f64,
             site.live_blocks,
             esc(&human_bytes(site.alloc_bytes)),
-            esc(&site_name(site)),
+            esc(&name.title),
+            name.via
+                .as_ref()
+                .map(|v| format!(" <small>via {}</small>", esc(v)))
+                .unwrap_or_default(),
         );
     }
     o.push_str("</tbody></table>");

@@ -170,6 +170,7 @@ pub fn render(s: &Snapshot, opts: TextOptions) -> String {
         total_sites
     );
     let shown_bytes = s.shown_live_bytes();
+    let wrappers = crate::formats::site_names::Wrappers::of(s);
     for (i, site) in shown.iter().enumerate() {
         let pct = if shown_bytes > 0 {
             site.live_bytes as f64 * 100.0 / shown_bytes as f64
@@ -189,6 +190,12 @@ pub fn render(s: &Snapshot, opts: TextOptions) -> String {
             human_bytes(site.alloc_bytes),
             site.alloc_blocks
         );
+        // Through the program's own allocation wrappers: named by the
+        // frames past them.
+        let name = wrappers.name(site);
+        if name.via.is_some() {
+            let _ = writeln!(o, "     site: {}", esc(&name.to_string()));
+        }
         // Leading frames inside Rust's standard library or a dependency
         // (inlined `Vec::with_capacity`, hash map growth...) are folded into
         // one line, so the frames shown start at the program's own code.
