@@ -124,7 +124,9 @@ fn a_report_of_a_live_process_opens_offline_with_its_chart_sites_and_leak_suspec
     );
     assert!(dom.contains("id=\"sites-peak\""), "no peak table");
     let suspects = dom.split("id=\"suspects\"").nth(1).expect("suspects");
-    let suspects = suspects.split("</div>").next().unwrap();
+    // The whole suspects section (it ends where the next heading starts),
+    // not its first suspect only.
+    let suspects = suspects.split("<h2").next().unwrap();
     assert!(suspects.contains("site_leak"), "the leak: {suspects}");
     assert!(
         !suspects.contains("site_steady"),

@@ -208,6 +208,22 @@ fn check_peak_composition(j: &Value, sampled: bool) {
     let live = peak["live_bytes"].as_u64().unwrap();
     assert_eq!(live, j["totals"]["live_bytes"].as_u64().unwrap());
     assert!(tolerance >= 320 * MIB / 64, "{peak}");
+    // One peak: the rebuilt heap is the document's peak figure within the
+    // tolerance, and the curve's highest point is that figure.
+    let figure = j["totals"]["peak_bytes"].as_u64().unwrap();
+    assert_eq!(j["totals"]["peak_tolerance"].as_u64().unwrap(), tolerance);
+    assert!(
+        live <= figure && figure - live <= tolerance,
+        "{live} vs {figure}"
+    );
+    let curve_max = j["timeline"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["live_bytes"].as_u64().unwrap())
+        .max()
+        .unwrap();
+    assert_eq!(curve_max, figure);
     let spike = sites.get("site_spike").map_or(0, |c| c.1);
     let keep = sites.get("site_keep").map_or(0, |c| c.1);
     let after = sites.get("site_after").map_or(0, |c| c.0);
@@ -241,7 +257,7 @@ fn the_heap_at_its_peak_shows_the_spike_the_kept_blocks_and_nothing_after() {
     let dir = TempDir::new("peak-live");
     peak_snapshot(&t, &dir, "p.json");
     check_peak_composition(&read_json(&dir.path("p.json")), false);
-    // The text report says which moment it shows; pprof loads.
+    // The text report says which moment it shows; pprof is written too.
     let text = stdout(&heapdump(&["snapshot", &t.pid().to_string(), "--peak"]));
     assert!(text.contains("THE HEAP AT ITS PEAK"), "{text}");
     peak_snapshot(&t, &dir, "p.pb.gz");

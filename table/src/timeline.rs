@@ -372,5 +372,13 @@ mod tests {
                 }
             });
         });
+        // With the writers done, a read succeeds, and holds points: the
+        // checks above ran on something (a reader that always failed
+        // would have passed them).
+        let c = read(&v).expect("a read with no writer succeeds");
+        assert!(!c.points.is_empty());
+        for p in &c.points {
+            assert_eq!(p.live_bytes, p.alloc_bytes);
+        }
     }
 }
