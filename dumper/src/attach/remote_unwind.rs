@@ -27,8 +27,8 @@ use std::os::unix::fs::FileExt;
 use std::sync::Arc;
 
 use gimli::{
-    BaseAddresses, CfaRule, EhFrame, EhFrameHdr, LittleEndian, Pointer, RegisterRule,
-    UnwindContext, UnwindSection, X86_64,
+    BaseAddresses, CfaRule, EhFrame, EhFrameHdr, EhFrameOffset, LittleEndian, Pointer,
+    RegisterRule, UnwindContext, UnwindSection, X86_64,
 };
 use object::{Object, ObjectSection, ObjectSegment, ObjectSymbol, SymbolKind};
 
@@ -206,9 +206,19 @@ impl ModuleFile {
         }
         let eh_frame = EhFrame::new(&self.data[eh_range], LittleEndian);
         let table = hdr.table()?;
-        let fde = table
-            .fde_for_address(&eh_frame, &bases, addr, EhFrame::cie_from_offset)
+        // gimli's `fde_for_address` subtracts the section's address from
+        // the table's pointer unchecked (a panic with overflow checks on
+        // a hostile table, found by fuzzing): the pointer is checked here.
+        let Pointer::Direct(fde_at) = table.lookup(addr, &bases).ok()? else {
+            return None;
+        };
+        let offset = usize::try_from(fde_at.checked_sub(eh_addr)?).ok()?;
+        let fde = eh_frame
+            .fde_from_offset(&bases, EhFrameOffset(offset), EhFrame::cie_from_offset)
             .ok()?;
+        if !fde.contains(addr) {
+            return None;
+        }
         if fde.is_signal_trampoline() {
             return Some(Rule::Signal);
         }
