@@ -774,3 +774,27 @@ fn the_peak_of_a_process_that_only_churns_since_the_attach_is_one_value_everywhe
         }
     }
 }
+
+#[test]
+fn the_agents_own_allocations_are_not_in_an_attached_processs_heap() {
+    // A single-threaded daemon that allocates nothing until asked: after
+    // the attach (which starts the agent's housekeeping thread from the
+    // borrowed thread) the recorded heap is empty, then exactly the
+    // program's 10 blocks.
+    let dir = TempDir::new("attach-own");
+    let mut cmd = Command::new(compile_c("poll_single"));
+    cmd.env_remove("LD_PRELOAD");
+    let mut t = Target::spawn(cmd);
+    let pid = t.pid();
+    attach_ok(pid, &[]);
+    let j = snapshot_json(pid, &dir, "idle");
+    assert_eq!(j["totals"]["live_blocks"], 0, "{}", j["sites"]);
+    t.send("alloc");
+    t.wait_line("allocated");
+    let j = snapshot_json(pid, &dir, "alloc");
+    assert_eq!(j["totals"]["live_blocks"], 10, "{}", j["sites"]);
+    assert_eq!(j["totals"]["live_bytes"], 7770);
+    detach_ok(pid);
+    t.send("quit");
+    assert_eq!(t.wait_line("eintr "), "eintr 0");
+}

@@ -105,7 +105,8 @@ pub unsafe extern "C" fn heapdump_attach(settings: *const c_char) -> c_int {
     state.recording = true;
     drop(state);
     if first {
-        start_housekeeping();
+        // What the spawn allocates is the agent's, not the program's.
+        forwarding(start_housekeeping);
     }
     n as c_int
 }
@@ -129,26 +130,43 @@ pub extern "C" fn heapdump_detach() -> c_int {
 /// slots of libraries `dlopen`ed since and stores the allocator's own
 /// whole-heap figure in the header.
 fn start_housekeeping() {
-    let spawned = std::thread::Builder::new()
-        .name("heapdump-attach".into())
-        .stack_size(256 << 10)
-        .spawn(|| loop {
+    // A bare pthread, not `std::thread`: std's spawn registers thread-local
+    // destructors (its spawn hooks) with `__cxa_thread_atexit_impl`, which
+    // allocates, in the spawning thread (the program's, borrowed by the
+    // injector) and in the new one; those blocks showed in every snapshot
+    // of an attached process as the program's heap. Here the thread's
+    // whole life runs inside `forwarding`, and the spawn allocates nothing.
+    extern "C" fn housekeeping(_: *mut libc::c_void) -> *mut libc::c_void {
+        heapdump_agent::recorder::forwarding(|| loop {
             {
                 let state = lock();
                 if let (true, Some(hooks)) = (state.recording, state.hooks.as_ref()) {
-                    heapdump_agent::recorder::forwarding(|| {
-                        slot_redirection::redirect_all(hooks);
-                        if let Some((source, bytes)) = allocator_heap() {
-                            heapdump_agent::recorder::set_allocator_heap(source, bytes);
-                        }
-                    });
+                    slot_redirection::redirect_all(hooks);
+                    if let Some((source, bytes)) = allocator_heap() {
+                        heapdump_agent::recorder::set_allocator_heap(source, bytes);
+                    }
                 }
             }
             std::thread::sleep(Duration::from_secs(1));
-        });
+        })
+    }
+    // SAFETY: plain pthread calls with valid pointers to locals; the
+    // attribute object is initialised before use and destroyed after.
     // Without the thread, later libraries are not redirected and no heap
     // figure is shown; recording goes on.
-    drop(spawned);
+    unsafe {
+        let mut attr: libc::pthread_attr_t = std::mem::zeroed();
+        if libc::pthread_attr_init(&mut attr) != 0 {
+            return;
+        }
+        libc::pthread_attr_setstacksize(&mut attr, 256 << 10);
+        libc::pthread_attr_setdetachstate(&mut attr, libc::PTHREAD_CREATE_DETACHED);
+        let mut t: libc::pthread_t = 0;
+        if libc::pthread_create(&mut t, &attr, housekeeping, std::ptr::null_mut()) == 0 {
+            libc::pthread_setname_np(t, c"heapdump-attach".as_ptr());
+        }
+        libc::pthread_attr_destroy(&mut attr);
+    }
 }
 
 /// The allocator's own figure for the bytes its program holds, from the
