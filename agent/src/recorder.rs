@@ -1275,6 +1275,10 @@ pub fn set_allocator_heap(source: heapdump_table::header::HeapSource, bytes: u64
         use heapdump_table::header::offsets;
         r.set_header_word(offsets::ALLOCATOR_HEAP, bytes);
         r.set_header_word(offsets::ALLOCATOR_HEAP_SOURCE, source.code());
+        r.set_header_word(
+            offsets::ALLOCATOR_HEAP_AT,
+            heapdump_table::region::clock_ns(libc::CLOCK_MONOTONIC),
+        );
     }
 }
 

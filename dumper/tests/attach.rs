@@ -117,16 +117,42 @@ fn an_attached_process_records_its_later_sites_exactly_and_never_its_earlier_blo
 
 #[test]
 fn the_allocators_own_figure_for_the_whole_heap_is_shown_beside_the_recorded_part() {
-    let mut t = start();
+    let t = start();
     let pid = t.pid();
     attach_ok(pid, &[]);
-    t.send("alloc");
-    t.wait_line("allocated");
     let dir = TempDir::new("attach-heap");
     let heap = allocator_heap(pid, &dir);
     assert_eq!(heap["source"], "glibc's mallinfo2");
-    // The heap holds at least what was recorded since the attach.
-    assert!(heap["bytes"].as_u64().unwrap() >= 55_000, "{heap:?}");
+    // The whole heap: the 1000 blocks from before the attach (599 500
+    // bytes, never recorded; "alloc" would free them) are in it; and when
+    // it was read is said.
+    assert!(heap["bytes"].as_u64().unwrap() >= 599_500, "{heap:?}");
+    assert!(heap["read_at"].is_string(), "{heap:?}");
+    quit_without_eintr(t);
+}
+
+#[test]
+fn tcmallocs_own_figure_for_the_whole_heap_is_shown() {
+    if !real_dependency(
+        "tcmalloc (libgoogle-perftools-dev)",
+        heapdump_tests::has_header("/usr/include/gperftools/malloc_extension_c.h"),
+    ) {
+        return;
+    }
+    let mut cmd = Command::new(compile_c_variant(
+        "attach_target",
+        "tcmalloc",
+        &["-ltcmalloc"],
+    ));
+    cmd.env_remove("LD_PRELOAD");
+    let t = Target::spawn(cmd);
+    let pid = t.pid();
+    attach_ok(pid, &[]);
+    let dir = TempDir::new("attach-heap-tc");
+    let heap = allocator_heap(pid, &dir);
+    assert_eq!(heap["source"], "tcmalloc's current_allocated_bytes");
+    assert!(heap["bytes"].as_u64().unwrap() >= 599_500, "{heap:?}");
+    detach_ok(pid);
     quit_without_eintr(t);
 }
 

@@ -142,6 +142,9 @@ pub mod offsets {
     /// Where [`ALLOCATOR_HEAP`] comes from ([`super::HeapSource`] as a
     /// number; 0: none). Format 1.3.
     pub const ALLOCATOR_HEAP_SOURCE: u64 = 568;
+    /// When [`ALLOCATOR_HEAP`] was read, monotonic ns (0: not recorded,
+    /// an agent before this word). Format 1.3, added later.
+    pub const ALLOCATOR_HEAP_AT: u64 = 576;
     /// First kind-specific dynamic word.
     pub const KIND_WORDS: u64 = 1024;
 }
@@ -258,6 +261,8 @@ pub struct AttachWords {
     pub detached_at: u64,
     /// The allocator's whole-heap figure, bytes, and its source.
     pub allocator_heap: Option<(HeapSource, u64)>,
+    /// When it was read, monotonic ns (0: unknown).
+    pub allocator_heap_at: u64,
 }
 
 /// The attach words of a region's header (any values are safe to read;
@@ -276,6 +281,7 @@ pub fn read_attach(view: &SharedView) -> AttachWords {
         },
         allocator_heap: HeapSource::from_code(w(offsets::ALLOCATOR_HEAP_SOURCE))
             .map(|s| (s, w(offsets::ALLOCATOR_HEAP))),
+        allocator_heap_at: w(offsets::ALLOCATOR_HEAP_AT),
     }
 }
 

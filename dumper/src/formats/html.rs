@@ -425,7 +425,10 @@ fn facts(s: &Snapshot) -> String {
         ("dropped events".into(), s.dropped_total().to_string()),
     ];
     if let Some(r) = &s.recording {
-        rows.push(("recording".into(), r.describe(s.totals.live_bytes)));
+        rows.push((
+            "recording".into(),
+            r.describe(s.totals.live_bytes, s.taken_at),
+        ));
     }
     if let Some(p) = &s.partial {
         rows.push(("PARTIAL".into(), p.clone()));

@@ -27,7 +27,7 @@
 //!   "unwinder": "cfi+fp" | "cfi" | "fp" | "unknown",
 //!   "sampling": null | {"rate_bytes": 524288, "estimated": true},
 //!   "recording": null | {"attached_at": "RFC 3339", "detached_at": null | "RFC 3339",
-//!                        "allocator_heap": null | {"source", "bytes"}},
+//!                        "allocator_heap": null | {"source", "bytes", "read_at"}},
 //!   "timeline": null | [{"time": "RFC 3339", "live_bytes", "live_blocks", "alloc_bytes"}],
 //!   "timeline_thinned": 0,
 //!   "peak": null | {"time": "RFC 3339", "live_bytes", "tolerance"}  // snapshot --peak
@@ -199,6 +199,9 @@ pub struct JsonAllocatorHeap {
     pub source: String,
     /// Bytes in use, blocks from before the attach included.
     pub bytes: u64,
+    /// RFC 3339: when the agent read it (null: unknown).
+    #[serde(default)]
+    pub read_at: Option<String>,
 }
 
 impl From<&crate::process::snapshot::Recording> for JsonRecording {
@@ -212,6 +215,7 @@ impl From<&crate::process::snapshot::Recording> for JsonRecording {
                 .map(|(source, bytes)| JsonAllocatorHeap {
                     source: source.clone(),
                     bytes: *bytes,
+                    read_at: r.allocator_heap_at.map(rfc3339),
                 }),
         }
     }
@@ -226,6 +230,10 @@ impl From<&JsonRecording> for crate::process::snapshot::Recording {
                 .allocator_heap
                 .as_ref()
                 .map(|h| (h.source.clone(), h.bytes)),
+            allocator_heap_at: j
+                .allocator_heap
+                .as_ref()
+                .and_then(|h| parse_time(h.read_at.as_deref())),
         }
     }
 }

@@ -314,13 +314,16 @@ pub struct Recording {
     /// The allocator's own figure for the bytes the whole heap holds,
     /// blocks from before the attach included: (where it was read, bytes).
     pub allocator_heap: Option<(String, u64)>,
+    /// When the agent read the allocator's figure (it does so about once
+    /// a second while recording, never after a detach).
+    pub allocator_heap_at: Option<SystemTime>,
 }
 
 impl Recording {
     /// One line for reports: "recording since heapdump attach at T: N
     /// recorded since the attach, of M in use according to glibc's
     /// mallinfo2".
-    pub fn describe(&self, recorded_live_bytes: u64) -> String {
+    pub fn describe(&self, recorded_live_bytes: u64, taken_at: Option<SystemTime>) -> String {
         use crate::formats::text::human_bytes;
         let at = self
             .attached_at
@@ -339,7 +342,26 @@ impl Recording {
         );
         match &self.allocator_heap {
             Some((source, bytes)) => {
-                line += &format!(", of {} in use according to {source}", human_bytes(*bytes))
+                line += &format!(", of {} in use according to {source}", human_bytes(*bytes));
+                // A figure read a while ago (after a detach, or under a
+                // stalled housekeeping thread) says so.
+                let age = self
+                    .allocator_heap_at
+                    .zip(taken_at)
+                    .and_then(|(read, now)| now.duration_since(read).ok());
+                match age {
+                    Some(d) if d >= Duration::from_secs(2) => {
+                        line += &format!(
+                            " (read {} before this snapshot)",
+                            humantime::format_duration(Duration::from_secs(d.as_secs()))
+                        )
+                    }
+                    Some(_) => {}
+                    None if self.allocator_heap_at.is_none() => {
+                        line += " (read at an unknown time)"
+                    }
+                    None => {}
+                }
             }
             None => line += "; blocks allocated before the attach are not shown",
         }
@@ -362,6 +384,9 @@ pub fn recording(target: &Target) -> Option<Recording> {
         allocator_heap: w
             .allocator_heap
             .map(|(src, bytes)| (src.describe().to_string(), bytes)),
+        allocator_heap_at: (w.allocator_heap_at != 0)
+            .then(|| wall_time(target, w.allocator_heap_at))
+            .flatten(),
     })
 }
 
