@@ -43,7 +43,7 @@ pub fn hook_name(name: &CStr) -> Option<&'static CStr> {
 /// `name` has one (its slots may then be redirected).
 pub fn bind() {
     for (i, name) in NAMES.iter().enumerate() {
-        let f = crate::slot_redirection::bound_definition(name).unwrap_or_else(|| {
+        let f = crate::bound_definitions::bound_definition(name).unwrap_or_else(|| {
             // SAFETY: dlsym with a NUL-terminated name (attach time, not a
             // hook).
             let f = unsafe { libc::dlsym(libc::RTLD_DEFAULT, name.as_ptr()) } as usize;

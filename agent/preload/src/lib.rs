@@ -24,6 +24,7 @@ use std::ffi::{c_char, c_int, c_void, CStr};
 
 pub mod attach;
 pub mod bootstrap_arena;
+pub mod bound_definitions;
 pub mod cxx;
 pub mod dlclose_hook;
 pub mod internal_api;

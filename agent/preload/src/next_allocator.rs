@@ -53,7 +53,7 @@ fn lookup(name: &CStr) -> usize {
         // allocate, which the hooks serve from the arena while BINDING.
         return unsafe { libc::dlsym(libc::RTLD_NEXT, name.as_ptr()) as usize };
     }
-    if let Some(f) = crate::slot_redirection::bound_definition(name) {
+    if let Some(f) = crate::bound_definitions::bound_definition(name) {
         return f;
     }
     // SAFETY: as above, with RTLD_DEFAULT.

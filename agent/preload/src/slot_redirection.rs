@@ -38,54 +38,7 @@
 use std::ffi::{c_int, c_void, CStr};
 use std::sync::atomic::Ordering;
 
-/// The entry points redirected: every name this library exports for the
-/// malloc family and C++ `new`/`delete`.
-const HOOKED: &[&CStr] = &[
-    c"malloc",
-    c"free",
-    c"calloc",
-    c"realloc",
-    c"reallocarray",
-    c"memalign",
-    c"posix_memalign",
-    c"aligned_alloc",
-    c"valloc",
-    c"pvalloc",
-    c"free_sized",
-    c"free_aligned_sized",
-    c"_Znwm",
-    c"_Znam",
-    c"_ZnwmRKSt9nothrow_t",
-    c"_ZnamRKSt9nothrow_t",
-    c"_ZnwmSt11align_val_t",
-    c"_ZnamSt11align_val_t",
-    c"_ZnwmSt11align_val_tRKSt9nothrow_t",
-    c"_ZnamSt11align_val_tRKSt9nothrow_t",
-    c"_ZdlPv",
-    c"_ZdaPv",
-    c"_ZdlPvm",
-    c"_ZdaPvm",
-    c"_ZdlPvRKSt9nothrow_t",
-    c"_ZdaPvRKSt9nothrow_t",
-    c"_ZdlPvSt11align_val_t",
-    c"_ZdaPvSt11align_val_t",
-    c"_ZdlPvmSt11align_val_t",
-    c"_ZdaPvmSt11align_val_t",
-    c"_ZdlPvSt11align_val_tRKSt9nothrow_t",
-    c"_ZdaPvSt11align_val_tRKSt9nothrow_t",
-    // Observed only (forwarded unchanged): a module's unloading, so the
-    // CFI unwinder drops its cached rules, and thread renames.
-    c"dlclose",
-    c"pthread_setname_np",
-    c"prctl",
-    // jemalloc's own calls, to hooks under our own names
-    // (`jemalloc_attached`), only where jemalloc defines them.
-    c"mallocx",
-    c"rallocx",
-    c"xallocx",
-    c"dallocx",
-    c"sdallocx",
-];
+use crate::bound_definitions::HOOKED;
 
 /// Our hook for each name of [`HOOKED`] (0: not exported here).
 pub struct Hooks {
@@ -267,24 +220,6 @@ fn for_each_slot(own_base: usize, visit: &mut dyn FnMut(usize, usize, Option<(us
     unsafe { libc::dl_iterate_phdr(Some(each_module), (&mut pass as *mut Pass).cast()) };
 }
 
-/// For each [`HOOKED`] name, the definition the program calls: the first
-/// slot value (in load order) that is the entry of a defined symbol outside
-/// this library; 0 where no slot is bound to one. Filled before any slot is
-/// redirected, read while binding (see [`bound_definition`]).
-static BOUND: [std::sync::atomic::AtomicUsize; HOOKED.len()] =
-    [const { std::sync::atomic::AtomicUsize::new(0) }; HOOKED.len()];
-
-/// The definition of `name` read from the program's bound slots, if it is
-/// a [`HOOKED`] name and one was found (what `next_allocator` binds to in
-/// attach mode).
-pub fn bound_definition(name: &CStr) -> Option<usize> {
-    let i = HOOKED.iter().position(|h| *h == name)?;
-    match BOUND[i].load(std::sync::atomic::Ordering::Relaxed) {
-        0 => None,
-        f => Some(f),
-    }
-}
-
 /// Stores `value` into the word at `slot`, making its page writable for
 /// the store when it lies in the module's RELRO range (and read-only
 /// again after). False if the page could not be made writable.
@@ -350,7 +285,8 @@ fn our_hooks() -> Option<Hooks> {
     })
 }
 
-/// Reads the definitions the program's bound slots hold into [`BOUND`].
+/// Reads the definitions the program's bound slots hold into
+/// [`crate::bound_definitions`].
 fn collect_bound(hooks: &Hooks) {
     let own = hooks.own_base;
     for_each_slot(own, &mut |i, slot, _| {
@@ -360,10 +296,10 @@ fn collect_bound(hooks: &Hooks) {
         let ours = crate::next_allocator::object_base_of(v) == own;
         if v != 0
             && !ours
-            && BOUND[i].load(Ordering::Relaxed) == 0
+            && crate::bound_definitions::get(i) == 0
             && crate::next_allocator::is_definition_entry(v)
         {
-            BOUND[i].store(v, Ordering::Relaxed);
+            crate::bound_definitions::set(i, v);
         }
     });
 }
