@@ -98,9 +98,10 @@ def instrumented(pid):
         return False
 
 
-def snapshot_all(root, work):
-    """Snapshots every instrumented process under `root`: (count, errors,
-    live bytes of the largest)."""
+def snapshot_all(root, work, peak=False):
+    """Snapshots every instrumented process under `root` (with `peak`, also
+    `snapshot --peak`, checked against it): (count, errors, live bytes of
+    the largest)."""
     pids = [p for p in descendants(root) if instrumented(p)]
     errors, largest = [], 0
     for pid in pids:
@@ -115,7 +116,30 @@ def snapshot_all(root, work):
         if s.get("partial"):
             errors.append(f"pid {pid}: partial: {s['partial']}")
         largest = max(largest, s["totals"]["live_bytes"])
+        if peak:
+            errors += peak_check(pid, work, s)
     return len(pids), errors, largest
+
+
+def peak_check(pid, work, now):
+    """`snapshot --peak` of `pid` answers, and gives the same one peak as
+    the snapshot just taken (within the stated tolerance): the errors."""
+    out = os.path.join(work, f"peak-{pid}.json")
+    p = subprocess.run([HEAPDUMP, "snapshot", str(pid), "--peak", "-o", out],
+                       capture_output=True, text=True, timeout=GUARD)
+    if p.returncode != 0:
+        return [f"pid {pid}: --peak: {p.stderr.strip()[:300]}"] if alive(pid) else []
+    s = json.load(open(out))
+    at, tol = s["peak"]["live_bytes"], s["peak"]["tolerance"]
+    figure = s["totals"]["peak_bytes"]
+    curve = max(pt["live_bytes"] for pt in s["timeline"])
+    errors = []
+    if not (at <= figure <= at + tol) or curve != figure:
+        errors.append(f"pid {pid}: --peak {at} (tolerance {tol}), peak {figure}, curve {curve}")
+    # The heap only grows between the two snapshots' peaks.
+    if figure + tol < now["totals"]["peak_bytes"]:
+        errors.append(f"pid {pid}: the peak fell from {now['totals']['peak_bytes']} to {figure}")
+    return errors
 
 
 def serving(proc):
@@ -341,12 +365,52 @@ def closefds(work, mode_env):
     return (code, "child socket ok" in log), None
 
 
+def haproxy(work, mode_env):
+    port = free_port()
+    conf = os.path.join(work, "haproxy.cfg")
+    with open(conf, "w") as f:
+        f.write("global\n  maxconn 256\n"
+                "defaults\n  mode http\n  timeout connect 5s\n  timeout client 30s\n"
+                "  timeout server 30s\n"
+                f"frontend web\n  bind 127.0.0.1:{port}\n"
+                "  http-request return status 200 content-type text/plain string hello\n")
+    # Master-worker mode: a master and a worker process, both attached.
+    p = start(["haproxy", "-W", "-db", "-f", conf], mode_env, work)
+    if not wait_port(port, p, "haproxy"):
+        return None, "exited before listening"
+    serving(p)
+    return ab(port, "/"), p
+
+
+def mariadb(work, mode_env):
+    data = os.path.join(work, "mariadb")
+    sock = os.path.join(work, "mariadb.sock")
+    if not os.path.exists(data):
+        subprocess.run(["mariadb-install-db", "--no-defaults", f"--datadir={data}", "--user=root",
+                        "--auth-root-authentication-method=normal", "--skip-test-db"],
+                       check=True, capture_output=True, timeout=GUARD)
+    port = free_port()
+    p = start(["mariadbd", "--no-defaults", f"--datadir={data}", f"--socket={sock}",
+               f"--port={port}", "--bind-address=127.0.0.1", "--user=root",
+               f"--pid-file={work}/mariadb.pid", "--skip-log-bin", "--innodb-buffer-pool-size=32M"],
+              mode_env, work)
+    if not wait_port(port, p, "mariadbd"):
+        return None, "exited before listening"
+    serving(p)
+    r = subprocess.run(["mariadb-slap", f"--socket={sock}", "--user=root", "--concurrency=4",
+                        "--iterations=2", "--number-of-queries=400", "--auto-generate-sql"],
+                       capture_output=True, text=True, timeout=GUARD)
+    return (r.returncode, "Average number of seconds" in r.stdout), p
+
+
 SERVICES = [
     ("varnish (ab through a backend)", varnish, "varnishd"),
     ("memcached (memcslap)", memcached, "memcached"),
     ("named (dig, test zone)", named, "named"),
     ("nginx (ab)", nginx, "nginx"),
     ("postgres (pgbench, user postgres)", postgres, "pgbench"),
+    ("haproxy (master and worker, ab)", haproxy, "haproxy"),
+    ("mariadb (mariadb-slap)", mariadb, "mariadbd"),
     ("closes every fd, then forks", closefds, "cc"),
 ]
 
@@ -380,7 +444,8 @@ def main():
                         if not ok:
                             detail = f"served {result}, bare {bare}"
                     if p is not None and mode_env is not None and result is not None:
-                        n, errors, largest = snapshot_all(p.pid, work)
+                        n, errors, largest = snapshot_all(p.pid, work,
+                                                          peak=mode_env is ATTACH)
                         snaps = f"{n} processes snapshotted, largest {largest / 2**20:.1f} MiB"
                         if n == 0 or errors:
                             ok = False
