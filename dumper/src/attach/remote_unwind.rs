@@ -134,7 +134,7 @@ impl ModuleFile {
                     if let Ok(name) = sym.name() {
                         funcs.push(Func {
                             start: sym.address(),
-                            end: sym.address() + sym.size().max(1),
+                            end: sym.address().saturating_add(sym.size().max(1)),
                             name: name.to_string(),
                         });
                     }
@@ -159,8 +159,8 @@ impl ModuleFile {
         let (vaddr, off, _) = self
             .loads
             .iter()
-            .find(|(_, off, size)| (*off..off + size.max(&1)).contains(&m.offset))?;
-        Some(m.start.wrapping_sub(vaddr + (m.offset - off)))
+            .find(|(_, off, size)| (*off..off.saturating_add(*size.max(&1))).contains(&m.offset))?;
+        Some(m.start.wrapping_sub(vaddr.wrapping_add(m.offset - off)))
     }
 }
 
@@ -394,7 +394,7 @@ pub fn walk(mem: &Memory, modules: &mut Modules, regs: Regs) -> Walk {
                     stop(&mut w, sp, "too many nested signal frames");
                     return w;
                 }
-                let greg = |i: u64| mem.read_u64(sp + UC_GREGS + i * 8);
+                let greg = |i: u64| mem.read_u64(sp.wrapping_add(UC_GREGS + i * 8));
                 let (Some(rbp), Some(rsp), Some(rip)) = (greg(10), greg(15), greg(16)) else {
                     stop(&mut w, sp, "an unreadable signal frame");
                     return w;

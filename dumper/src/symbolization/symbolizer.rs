@@ -321,7 +321,7 @@ impl Module {
         self.segments
             .iter()
             .find(|(off, size, _)| (*off..off.saturating_add(*size)).contains(&file_offset))
-            .map(|(off, _, vaddr)| file_offset - off + vaddr)
+            .map(|(off, _, vaddr)| (file_offset - off).wrapping_add(*vaddr))
     }
 }
 
