@@ -176,7 +176,10 @@ pub fn locate_by_build_id(maps: &mut [Mapping], dirs: &[PathBuf]) -> Vec<String>
         Ok(r) => Arc::new(r),
         Err(e) => return vec![format!("cannot open the root directory: {e}")],
     };
-    let id_of = |path: &Path| read_build_id(root.open(path).ok()?);
+    let id_of = |path: &Path| {
+        let path = std::path::absolute(path).ok()?;
+        read_build_id(root.open(&path).ok()?)
+    };
     for d in dirs {
         let mut stack = vec![d.clone()];
         while let Some(dir) = stack.pop() {
@@ -206,7 +209,12 @@ pub fn locate_by_build_id(maps: &mut [Mapping], dirs: &[PathBuf]) -> Vec<String>
     for m in maps.iter_mut() {
         m.local = None;
         let own = PathBuf::from(&m.path);
-        let file = |p: PathBuf| Some(LocalFile::own(p, root.clone()));
+        // Resolved from our root: a relative --binaries directory is made
+        // absolute against the working directory first.
+        let file = |p: PathBuf| {
+            let p = std::path::absolute(&p).unwrap_or(p);
+            Some(LocalFile::own(p, root.clone()))
+        };
         match &m.build_id {
             Some(id) => {
                 if let Some(p) = by_id.get(id) {
