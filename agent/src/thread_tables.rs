@@ -26,7 +26,9 @@
 //!   which makes the hooks pass such allocations through). A child of
 //!   `fork` starts with an empty, unlocked pool ([`after_fork_child`]).
 
-use std::cell::{Cell, UnsafeCell};
+use std::cell::Cell;
+#[cfg(target_arch = "x86_64")]
+use std::cell::UnsafeCell;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use crate::thread_state::{CacheSet, CACHE_SETS};

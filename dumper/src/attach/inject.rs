@@ -37,55 +37,7 @@ use nix::unistd::Pid;
 use crate::attach::remote_unwind::{Memory, Modules, Regs};
 use crate::attach::safe_point::{self, Danger, Verdict};
 
-/// Why an injection did not happen (in each case the target was left as
-/// it was).
-#[derive(Debug, thiserror::Error)]
-pub enum InjectError {
-    /// The process (or every thread tried) exited.
-    #[error("the process exited")]
-    Gone,
-    /// `ptrace` was refused.
-    #[error("cannot trace the process: {0}")]
-    Permission(String),
-    /// No thread was at a safe point in time.
-    #[error("no thread of the process was at a safe point ({0})")]
-    NoSafePoint(String),
-    /// The loader refused the library.
-    #[error("the process could not load the agent library: {0}")]
-    LoadFailed(String),
-    /// A call into the process failed.
-    #[error("{0}")]
-    CallFailed(String),
-    /// Something the injector needs is missing.
-    #[error("{0}")]
-    Unsupported(String),
-}
-
-/// What the chosen thread is asked to do.
-#[derive(Clone, Debug)]
-pub enum Action {
-    /// `dlopen(library)` then `heapdump_attach(settings)`.
-    Attach {
-        /// `HEAPDUMP_*=value` lines.
-        settings: String,
-    },
-    /// `dlopen(library, RTLD_NOLOAD)` then `heapdump_detach()`.
-    Detach,
-}
-
-/// What happened.
-#[derive(Clone, Debug)]
-pub struct Injected {
-    /// The entry point's result (`heapdump_attach`: slots redirected or a
-    /// refusal code; `heapdump_detach`: slots restored or -1).
-    pub result: i64,
-    /// The thread that ran the calls.
-    pub thread: u32,
-    /// How long that thread was stopped.
-    pub stopped: Duration,
-    /// The longest any other thread was stopped while being judged.
-    pub others_stopped: Duration,
-}
+pub use crate::attach::injection::{Action, InjectError, Injected};
 
 const RTLD_NOW: u64 = 2;
 const RTLD_NOLOAD: u64 = 4;

@@ -8,9 +8,16 @@
 //! - [`inject`]: stopping threads, running `dlopen` and the agent's entry
 //!   point in the chosen one, and putting every register back.
 //!
-//! x86_64 Linux with glibc only.
+//! x86_64 Linux with glibc only; elsewhere [`inject`] is a refusal
+//! (`inject_unsupported.rs`), so the rest of heapdump builds and runs on
+//! every architecture.
 
+#[cfg(target_arch = "x86_64")]
 pub mod inject;
+#[cfg(not(target_arch = "x86_64"))]
+#[path = "inject_unsupported.rs"]
+pub mod inject;
+pub mod injection;
 pub mod library_placement;
 pub mod remote_unwind;
 pub mod safe_point;

@@ -215,6 +215,7 @@ pub fn attach(a: AttachArgs) -> Result<i32> {
 
 fn attach_held(a: AttachArgs) -> Result<i32> {
     let pid = a.pid;
+    refuse_other_architectures()?;
     check_process(pid)?;
     let name = crate::process::discovery::process_name(pid);
     let state = agent_state(pid);
@@ -337,9 +338,22 @@ fn wait_or_interrupted(d: Duration) {
     unsafe { libc::sigtimedwait(set.as_ref(), std::ptr::null_mut(), &ts) };
 }
 
+/// On an architecture without an injector, the refusal, before anything is
+/// looked at.
+fn refuse_other_architectures() -> Result<()> {
+    if cfg!(target_arch = "x86_64") {
+        return Ok(());
+    }
+    Err(inject::inject(0, "", &Action::Detach)
+        .err()
+        .map(anyhow::Error::from)
+        .unwrap_or_else(|| anyhow::anyhow!("heapdump attach is not available here")))
+}
+
 /// `heapdump detach`.
 pub fn detach(a: DetachArgs) -> Result<i32> {
     let pid = a.pid;
+    refuse_other_architectures()?;
     check_process(pid)?;
     let name = crate::process::discovery::process_name(pid);
     match agent_state(pid) {
