@@ -824,3 +824,46 @@ fn the_agents_own_allocations_are_not_in_an_attached_processs_heap() {
     t.send("quit");
     assert_eq!(t.wait_line("eintr "), "eintr 0");
 }
+
+#[test]
+fn a_stopped_process_is_refused_and_runs_on_once_continued() {
+    let t = start();
+    let pid = t.pid();
+    // SAFETY: kill takes a pid and a signal.
+    unsafe { libc::kill(pid as i32, libc::SIGSTOP) };
+    // Stopped once /proc says so (a bounded poll of a state).
+    let guard = std::time::Instant::now();
+    while !std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .unwrap()
+        .rsplit_once(") ")
+        .is_some_and(|(_, r)| r.starts_with('T'))
+    {
+        assert!(guard.elapsed() < HANG_GUARD);
+        std::thread::yield_now();
+    }
+    let out = attach(pid, &[]);
+    assert!(!out.status.success());
+    assert!(stderr(&out).contains("is stopped"), "{}", stderr(&out));
+    assert!(stderr(&out).contains("kill -CONT"), "{}", stderr(&out));
+    // SAFETY: as above.
+    unsafe { libc::kill(pid as i32, libc::SIGCONT) };
+    // It runs on (a stop and continue may itself interrupt a wait with
+    // EINTR, which is not heapdump's doing: not counted here).
+    let mut t = t;
+    t.send("quit");
+    t.wait_line("eintr ");
+}
+
+#[test]
+fn a_process_instrumented_by_the_rust_agent_is_not_attached() {
+    // heapdump's own fake target records through heapdump_agent::Agent,
+    // its global allocator.
+    let t = FakeTarget::start(&[]);
+    let out = attach(t.pid(), &[]);
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains("instrumented by heapdump_agent::Agent"),
+        "{}",
+        stderr(&out)
+    );
+}
