@@ -270,6 +270,17 @@ fn redis_on_jemalloc_runs_under_the_agent_with_clean_snapshots_and_its_own_numbe
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Whether a client besides the one asking is connected (redis-benchmark
+/// still running).
+fn bench_running(redis: &Redis) -> bool {
+    redis
+        .cli(&["INFO", "clients"])
+        .lines()
+        .find_map(|l| l.strip_prefix("connected_clients:"))
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .is_some_and(|n| n > 1)
+}
+
 #[test]
 fn redis_started_bare_is_attached_under_load_records_what_follows_and_serves_on_after_detach() {
     if !real_dependency(
@@ -290,6 +301,25 @@ fn redis_started_bare_is_attached_under_load_records_what_follows_and_serves_on_
         .stderr(Stdio::piped())
         .spawn()
         .expect("run redis-benchmark");
+    // Attached under load: once redis-benchmark's commands arrive (a
+    // bounded poll of redis's own count, not a sleep).
+    let commands = || -> u64 {
+        redis
+            .cli(&["INFO", "stats"])
+            .lines()
+            .find_map(|l| l.strip_prefix("total_commands_processed:"))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(0)
+    };
+    let before = commands();
+    let guard = std::time::Instant::now();
+    while commands() < before + 20_000 {
+        assert!(
+            guard.elapsed() < heapdump_tests::HANG_GUARD,
+            "the load never started"
+        );
+        std::thread::yield_now();
+    }
     let lib = heapdump_tests::preload_lib();
     let out = common::heapdump(&[
         "attach",
@@ -334,6 +364,16 @@ fn redis_started_bare_is_attached_under_load_records_what_follows_and_serves_on_
         j["totals"]
     );
     assert!(j["recording"]["attached_at"].is_string());
+    // The load ran on while attached.
+    let attached = commands();
+    let guard = std::time::Instant::now();
+    while commands() < attached + 20_000 && bench_running(&redis) {
+        assert!(
+            guard.elapsed() < heapdump_tests::HANG_GUARD,
+            "the load stalled while attached"
+        );
+        std::thread::yield_now();
+    }
     let out = common::heapdump(&["detach", &pid.to_string()]);
     assert!(out.status.success(), "detach: {}", common::stderr(&out));
     assert_eq!(redis.cli(&["PING"]).trim(), "PONG");
