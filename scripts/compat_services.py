@@ -375,6 +375,11 @@ def haproxy(work, mode_env):
                 f"frontend web\n  bind 127.0.0.1:{port}\n"
                 "  http-request return status 200 content-type text/plain string hello\n")
     # Master-worker mode: a master and a worker process, both attached.
+    # haproxy's master takes SIGUSR2 (reload) and re-executes itself with
+    # it ignored: snapshot requests use another signal, as a user would
+    # choose (the agent says so when it finds the signal taken).
+    if mode_env is not None and mode_env is not ATTACH:
+        mode_env = dict(mode_env, HEAPDUMP_SIGNAL="SIGRTMIN+3")
     p = start(["haproxy", "-W", "-db", "-f", conf], mode_env, work)
     if not wait_port(port, p, "haproxy"):
         return None, "exited before listening"

@@ -29,10 +29,7 @@ pub(crate) fn install(sig: libc::c_int, quiet: bool) {
             return;
         }
         if old.sa_sigaction != libc::SIG_DFL {
-            // Ignored (SIG_IGN is inherited across exec: haproxy's master
-            // re-executes itself with it): the program's choice, left as
-            // it is, and nothing to tell; a handler of its own is said.
-            if !quiet && old.sa_sigaction != libc::SIG_IGN {
+            if !quiet {
                 let msg = b"heapdump: the program handles the snapshot signal itself; not installing heapdump's handler (set HEAPDUMP_SIGNAL to another signal)\n";
                 libc::write(2, msg.as_ptr().cast(), msg.len());
             }

@@ -528,3 +528,147 @@ fn size_flags_are_parsed_before_the_program_starts() {
         assert!(stderr(&out).contains("unknown unit"), "{}", stderr(&out));
     }
 }
+
+/// GET with extra request headers: (status line and headers, body).
+fn http_get_with(addr: &str, path: &str, headers: &str) -> (String, Vec<u8>) {
+    let mut s = TcpStream::connect(addr).expect("connect");
+    s.set_read_timeout(Some(HANG_GUARD)).unwrap();
+    write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n{headers}\r\n").unwrap();
+    let mut resp = Vec::new();
+    s.read_to_end(&mut resp).unwrap();
+    let split = resp
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .expect("header end");
+    let head = String::from_utf8_lossy(&resp[..split]).into_owned();
+    (head, resp[split + 4..].to_vec())
+}
+
+/// The value of the first sample of `metric` whose labels contain every
+/// one of `labels` (`name="value"` strings).
+fn sample(text: &str, metric: &str, labels: &[&str]) -> Option<f64> {
+    text.lines()
+        .filter(|l| l.starts_with(&format!("{metric}{{")))
+        .find(|l| labels.iter().all(|want| l.contains(want)))
+        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+}
+
+#[test]
+fn metrics_give_each_processs_heap_behind_a_token_and_end_with_the_process() {
+    let dir = TempDir::new("metrics");
+    let exe = heapdump_tests::compile_c("hostile");
+    let start = || {
+        let mut cmd = Command::new(&exe);
+        cmd.env("LD_PRELOAD", heapdump_tests::preload_lib());
+        let mut t = heapdump_tests::Target::spawn(cmd);
+        t.send("alloc");
+        t.wait_line("allocated");
+        t.send("wrapped");
+        t.wait_line("wrapped");
+        t
+    };
+    let a = start();
+    let mut b = start();
+    let (pa, pb) = (a.pid().to_string(), b.pid().to_string());
+    let token = dir.path("token");
+    std::fs::write(&token, "s3cret-token\n").unwrap();
+    let srv = Running::start(&[
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--token-file",
+        token.to_str().unwrap(),
+        &pa,
+        &pb,
+    ]);
+    let line = srv.lines.next();
+    let addr = line
+        .strip_prefix("listening on http://")
+        .unwrap()
+        .split('/')
+        .next()
+        .unwrap()
+        .to_string();
+    // No token, or a wrong one: refused, for every endpoint.
+    for h in ["", "Authorization: Bearer wrong\r\n"] {
+        for path in ["/metrics", "/debug/pprof/heap"] {
+            let (head, _) = http_get_with(&addr, path, h);
+            assert!(
+                head.starts_with("HTTP/1.0 401") || head.starts_with("HTTP/1.1 401"),
+                "{head}"
+            );
+        }
+    }
+    let auth = "Authorization: Bearer s3cret-token\r\n";
+    let (head, body) = http_get_with(&addr, "/metrics", auth);
+    assert!(head.contains("openmetrics-text"), "{head}");
+    let text = String::from_utf8(body).unwrap();
+    // Exact mode, quiescent programs: each one's figures are its
+    // snapshot's.
+    for pid in [&pa, &pb] {
+        let out = dir.str(&format!("{pid}.json"));
+        assert!(heapdump(&["snapshot", pid, "-o", &out]).status.success());
+        let j = read_json(std::path::Path::new(&out));
+        let l = format!("pid=\"{pid}\"");
+        assert_eq!(
+            sample(&text, "heapdump_live_bytes", &[&l, "mode=\"exact\""]),
+            Some(j["totals"]["live_bytes"].as_u64().unwrap() as f64),
+            "{text}"
+        );
+        assert_eq!(
+            sample(&text, "heapdump_live_blocks", &[&l]),
+            Some(j["totals"]["live_blocks"].as_u64().unwrap() as f64)
+        );
+        assert_eq!(
+            sample(&text, "heapdump_peak_bytes", &[&l]),
+            Some(j["totals"]["peak_bytes"].as_u64().unwrap() as f64)
+        );
+        // The top sites, named by the program's own functions (past its
+        // allocation wrapper).
+        assert_eq!(
+            sample(
+                &text,
+                "heapdump_site_live_bytes",
+                &[&l, "site=\"site_hostile ← main\""]
+            ),
+            Some(30_000.0),
+            "{text}"
+        );
+        assert_eq!(
+            sample(
+                &text,
+                "heapdump_site_live_bytes",
+                &[&l, "site=\"site_wrapped_a ← main\""]
+            ),
+            Some(4_900.0),
+            "{text}"
+        );
+        assert!(sample(&text, "heapdump_scrape_duration_seconds", &[&l]).is_some());
+    }
+    // A process that exits: its series end, and the collector says why.
+    b.send("quit");
+    let _ = b.child.wait();
+    let (_, body) = http_get_with(&addr, "/metrics", auth);
+    let text = String::from_utf8(body).unwrap();
+    assert!(!text.contains(&format!("pid=\"{pb}\"")), "{text}");
+    assert_eq!(
+        sample(&text, "heapdump_scrape_errors", &["reason=\"exited\""]),
+        Some(1.0),
+        "{text}"
+    );
+    assert!(sample(&text, "heapdump_live_bytes", &[&format!("pid=\"{pa}\"")]).is_some());
+    drop(a);
+}
+
+#[test]
+fn serve_refuses_an_address_off_loopback_without_a_token() {
+    let out = heapdump(&["serve", "--listen", "0.0.0.0:0"]);
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains("--token-file") && stderr(&out).contains("--insecure-listen"),
+        "{}",
+        stderr(&out)
+    );
+    let srv = Running::start(&["serve", "--listen", "0.0.0.0:0", "--insecure-listen"]);
+    assert!(srv.lines.next().starts_with("listening on http://"));
+}

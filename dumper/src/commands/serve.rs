@@ -40,6 +40,10 @@ pub struct ServeOptions {
     pub symbolize: bool,
     /// Keep allocator plumbing frames at the leaf end of stacks.
     pub keep_allocator_frames: bool,
+    /// Every request must carry `Authorization: Bearer TOKEN`.
+    pub token: Option<String>,
+    /// How many top sites `/metrics` gives per process.
+    pub metrics_sites: usize,
 }
 
 /// The age filter of a request: `older_than` and `newer_than` query
@@ -176,11 +180,105 @@ impl State {
         r.map_err(|e| text(500, format!("snapshot of pid {pid} failed: {e}\n")))
     }
 
+    /// `GET /metrics`: every served process's series (see
+    /// [`crate::formats::prometheus`]). Each process is walked as `top`
+    /// does, without symbolizing; only its top sites are symbolized (the
+    /// symbolizer caches every file it read).
+    fn metrics(&mut self) -> Reply {
+        use crate::formats::prometheus::{self, ProcessLabels, Scraped};
+        use crate::process::discovery::DiscoveryError;
+        let mut scraped = Vec::new();
+        let mut errors = Vec::new();
+        for pid in self.candidates() {
+            let t0 = std::time::Instant::now();
+            // A process that exited has no series (its regions may still be
+            // open here, from an earlier request: forgotten now).
+            if crate::commands::watch::ExitWatch::new(pid).exited() {
+                self.targets.remove(&pid);
+                errors.push((pid, "exited".to_string()));
+                continue;
+            }
+            if let std::collections::hash_map::Entry::Vacant(e) = self.targets.entry(pid) {
+                match open_target(pid) {
+                    Ok(t) => {
+                        e.insert(t);
+                    }
+                    Err(err) => {
+                        let why = match err {
+                            DiscoveryError::NoSuchProcess { .. } => "exited",
+                            DiscoveryError::PermissionDenied { .. } => "permission denied",
+                            DiscoveryError::NotInstrumented { .. } => "not instrumented",
+                            _ => "regions unreadable",
+                        };
+                        errors.push((pid, why.to_string()));
+                        continue;
+                    }
+                }
+            }
+            let maps = read_maps(pid, &mut self.build_ids).unwrap_or_default();
+            let target = &self.targets[&pid];
+            let taken = snapshot::take(
+                target,
+                &maps,
+                snapshot::Options {
+                    peak: false,
+                    symbolizer: None,
+                    progress: false,
+                    request: None,
+                    keep_allocator_frames: false,
+                    ages: AgeFilter::default(),
+                },
+            );
+            let cgroup = prometheus::cgroup_of(pid);
+            let name = target.name.clone();
+            if crate::commands::watch::ExitWatch::new(pid).exited() {
+                self.targets.remove(&pid);
+            }
+            let mut snap = match taken {
+                Ok(s) => s,
+                Err(_) => {
+                    errors.push((pid, "regions unreadable".to_string()));
+                    continue;
+                }
+            };
+            let mut top: Vec<snapshot::Site> = std::mem::take(&mut snap.sites)
+                .into_iter()
+                .filter(|x| x.live_bytes > 0)
+                .collect();
+            top.sort_by_key(|x| std::cmp::Reverse(x.live_bytes));
+            top.truncate(self.opts.metrics_sites);
+            snap.sites = if self.opts.symbolize {
+                snapshot::symbolize_sites(top, &maps, Some(&mut self.symbolizer), false, false)
+            } else {
+                top
+            };
+            scraped.push(Scraped {
+                labels: ProcessLabels {
+                    pid: pid.to_string(),
+                    process: name,
+                    mode: if snap.sampling.is_some() {
+                        "sampled"
+                    } else {
+                        "exact"
+                    }
+                    .to_string(),
+                    cgroup,
+                },
+                snapshot: snap,
+                took: t0.elapsed(),
+            });
+        }
+        Response::from_data(prometheus::render(&scraped, &errors).into_bytes()).with_header(
+            Header::from_bytes("Content-Type", prometheus::CONTENT_TYPE).expect("header"),
+        )
+    }
+
     fn handle(&mut self, req: &Request) -> Reply {
         let url = req.url().to_string();
         let path = url.split('?').next().unwrap_or("");
         let params = query_params(&url);
         match path {
+            "/metrics" => self.metrics(),
             "/debug/pprof/heap" | "/debug/pprof/allocs" | "/debug/pprof/heap.json" => {
                 let pid = match self.pick(&params) {
                     Ok(p) => p,
@@ -259,6 +357,7 @@ impl State {
                      GET /debug/pprof/allocs?pid=N   the same, alloc_space first\n\
                      \x20 either with &seconds=N: a delta profile over N seconds; name=NAME instead of pid=N\n\
                      GET /debug/pprof/heap.json?pid=N   heapdump JSON\n\
+                     GET /metrics   Prometheus series of every process served\n\
                      either with &older_than=WHEN or &newer_than=WHEN (1h, 10m, or an RFC 3339 time):\n\
                      \x20 only the live blocks allocated before / at or after WHEN\n\ntargets:\n",
                 );
@@ -301,9 +400,42 @@ pub fn serve(server: Server, opts: ServeOptions) {
         build_ids: BuildIds::default(),
     };
     for req in server.incoming_requests() {
+        if let Some(token) = &state.opts.token {
+            if !authorized(&req, token) {
+                let _ = req.respond(
+                    text(
+                        401,
+                        "a bearer token is required (Authorization: Bearer ...)\n".into(),
+                    )
+                    .with_header(
+                        Header::from_bytes("WWW-Authenticate", "Bearer realm=\"heapdump\"")
+                            .expect("header"),
+                    ),
+                );
+                continue;
+            }
+        }
         let reply = state.handle(&req);
         let _ = req.respond(reply);
     }
+}
+
+/// Whether `req` carries `Authorization: Bearer TOKEN` (compared in time
+/// independent of where the first difference is).
+fn authorized(req: &Request, token: &str) -> bool {
+    let expected = format!("Bearer {token}");
+    req.headers()
+        .iter()
+        .filter(|h| h.field.equiv("Authorization"))
+        .any(|h| {
+            let got = h.value.as_str().trim().as_bytes();
+            got.len() == expected.len()
+                && got
+                    .iter()
+                    .zip(expected.as_bytes())
+                    .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+                    == 0
+        })
 }
 
 /// Options of `heapdump serve`.
@@ -322,11 +454,51 @@ pub struct ServeArgs {
     /// (see `snapshot --help`).
     #[arg(long)]
     pub(crate) keep_allocator_frames: bool,
+    /// Require `Authorization: Bearer TOKEN` on every request, TOKEN being
+    /// this file's content (Prometheus' `authorization` setting, Alloy's
+    /// `bearer_token_file`). Needed to listen on an address other than
+    /// loopback.
+    #[arg(long, value_name = "FILE")]
+    pub(crate) token_file: Option<std::path::PathBuf>,
+    /// Listen on an address other than loopback without a token (anyone
+    /// who can reach the port reads the processes' call stacks).
+    #[arg(long)]
+    pub(crate) insecure_listen: bool,
+    /// How many top allocation sites `/metrics` gives per process.
+    #[arg(long, default_value_t = 10)]
+    pub(crate) metrics_sites: usize,
 }
 
 /// `heapdump serve`: returns the exit status.
 pub fn command(a: ServeArgs) -> anyhow::Result<i32> {
+    use anyhow::Context as _;
+    let token = match &a.token_file {
+        Some(f) => {
+            let t = std::fs::read_to_string(f)
+                .with_context(|| format!("reading the token file {}", f.display()))?;
+            let t = t.trim().to_string();
+            if t.is_empty() || t.contains(char::is_whitespace) {
+                anyhow::bail!(
+                    "the token file {} must hold one token, without spaces",
+                    f.display()
+                );
+            }
+            Some(t)
+        }
+        None => None,
+    };
     let (server, bound) = crate::commands::serve::bind(&a.listen)?;
+    let loopback = server
+        .server_addr()
+        .to_ip()
+        .is_some_and(|s| s.ip().is_loopback());
+    if !loopback && token.is_none() && !a.insecure_listen {
+        anyhow::bail!(
+            "refusing to listen on {bound} without a token: anyone who can reach it would read \
+             the call stacks of every process served; give --token-file FILE (clients send \
+             Authorization: Bearer TOKEN), or --insecure-listen to insist"
+        );
+    }
     println!("listening on http://{bound}/debug/pprof/heap");
     std::io::stdout().flush()?;
     crate::commands::serve::serve(
@@ -335,6 +507,8 @@ pub fn command(a: ServeArgs) -> anyhow::Result<i32> {
             pids: a.pids,
             symbolize: !a.no_symbolize,
             keep_allocator_frames: a.keep_allocator_frames,
+            token,
+            metrics_sites: a.metrics_sites,
         },
     );
     Ok(0)

@@ -13,6 +13,7 @@ pub mod html;
 pub mod json;
 pub mod pprof;
 pub mod private_output;
+pub mod prometheus;
 pub mod site_names;
 pub mod text;
 
