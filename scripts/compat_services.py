@@ -98,6 +98,12 @@ def instrumented(pid):
         return False
 
 
+# Snapshots are written here, a directory of our own: root's heapdump
+# refuses to write into a service's directory owned by another user (the
+# postgres rows chown theirs to postgres).
+SNAPDIR = tempfile.mkdtemp(prefix="heapdump-svc-snaps-")
+
+
 def snapshot_all(root, work, peak=False):
     """Snapshots every instrumented process under `root` (with `peak`, also
     `snapshot --peak`, checked against it): (count, errors, live bytes of
@@ -105,7 +111,7 @@ def snapshot_all(root, work, peak=False):
     pids = [p for p in descendants(root) if instrumented(p)]
     errors, largest = [], 0
     for pid in pids:
-        out = os.path.join(work, f"snap-{pid}.json")
+        out = os.path.join(SNAPDIR, f"snap-{pid}.json")
         p = subprocess.run([HEAPDUMP, "snapshot", str(pid), "-o", out], capture_output=True,
                            text=True, timeout=GUARD)
         if p.returncode != 0:
@@ -124,7 +130,7 @@ def snapshot_all(root, work, peak=False):
 def peak_check(pid, work, now):
     """`snapshot --peak` of `pid` answers, and gives the same one peak as
     the snapshot just taken (within the stated tolerance): the errors."""
-    out = os.path.join(work, f"peak-{pid}.json")
+    out = os.path.join(SNAPDIR, f"peak-{pid}.json")
     p = subprocess.run([HEAPDUMP, "snapshot", str(pid), "--peak", "-o", out],
                        capture_output=True, text=True, timeout=GUARD)
     if p.returncode != 0:
@@ -493,6 +499,7 @@ def main():
     for r in rows:
         print("| " + " | ".join(x.replace("|", "/").replace("\n", " ") for x in r) + " |")
     print(f"{len(rows) - failed} passed, {failed} failed")
+    shutil.rmtree(SNAPDIR, ignore_errors=True)
     sys.exit(1 if failed else 0)
 
 
