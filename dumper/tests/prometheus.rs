@@ -1,0 +1,232 @@
+//! `heapdump serve`'s `/metrics` scraped by a real Prometheus (Debian's
+//! `prometheus`): two instrumented C programs with known live sets, a
+//! scrape configuration with the bearer token, and Prometheus' own HTTP
+//! API asked for what it stored; a job without the token is refused and
+//! shown down. dist/prometheus's configuration and rules pass promtool.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::path::Path;
+use std::process::{Command, Stdio};
+
+use common::*;
+use heapdump_tests::{compile_c, preload_lib, real_dependency, Target};
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// The body of `GET path` on `addr` (HTTP/1.0), or `None` when not reachable.
+fn get(addr: &str, path: &str) -> Option<String> {
+    let mut s = TcpStream::connect(addr).ok()?;
+    s.set_read_timeout(Some(HANG_GUARD)).ok()?;
+    write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").ok()?;
+    let mut resp = Vec::new();
+    s.read_to_end(&mut resp).ok()?;
+    let text = String::from_utf8_lossy(&resp).into_owned();
+    Some(text.split_once("\r\n\r\n")?.1.to_string())
+}
+
+/// Prometheus' answer to an instant query: (labels, value) per series.
+fn query(prom: &str, q: &str) -> Vec<(serde_json::Value, f64)> {
+    let path = format!("/api/v1/query?query={}", form_urlencoded_encode(q));
+    let Some(body) = get(prom, &path) else {
+        return Vec::new();
+    };
+    let Ok(j) = serde_json::from_str::<serde_json::Value>(&body) else {
+        return Vec::new();
+    };
+    j["data"]["result"]
+        .as_array()
+        .map(|r| {
+            r.iter()
+                .filter_map(|s| {
+                    let v = s["value"][1].as_str()?.parse().ok()?;
+                    Some((s["metric"].clone(), v))
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn form_urlencoded_encode(s: &str) -> String {
+    s.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
+                (b as char).to_string()
+            }
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
+/// Polls `q` until `done` holds (a bounded wait for Prometheus's scrapes,
+/// not a sleep that decides).
+fn wait_for(
+    prom: &str,
+    q: &str,
+    done: impl Fn(&[(serde_json::Value, f64)]) -> bool,
+) -> Vec<(serde_json::Value, f64)> {
+    let guard = std::time::Instant::now();
+    loop {
+        let r = query(prom, q);
+        if done(&r) {
+            return r;
+        }
+        assert!(
+            guard.elapsed() < HANG_GUARD,
+            "Prometheus never answered {q} as expected: {r:?}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+}
+
+#[test]
+fn prometheus_scrapes_each_processs_heap_with_the_token_and_marks_a_tokenless_job_down() {
+    if !real_dependency(
+        "prometheus and promtool (Debian's prometheus)",
+        Path::new("/usr/bin/prometheus").exists() && Path::new("/usr/bin/promtool").exists(),
+    ) {
+        return;
+    }
+    let dir = TempDir::new("prometheus");
+    let dist = Path::new(env!("CARGO_MANIFEST_DIR")).join("../dist/prometheus");
+    // The shipped rules and configuration are valid.
+    let rules = dist.join("rules.yml");
+    let out = Command::new("promtool")
+        .arg("check")
+        .arg("rules")
+        .arg(&rules)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    let token = dir.path("token");
+    std::fs::write(&token, "t0ken-for-prometheus\n").unwrap();
+    let shipped = std::fs::read_to_string(dist.join("scrape.yml"))
+        .unwrap()
+        .replace(
+            "/etc/prometheus/heapdump-rules.yml",
+            rules.to_str().unwrap(),
+        )
+        .replace("/etc/heapdump/token", token.to_str().unwrap());
+    std::fs::write(dir.path("shipped.yml"), shipped).unwrap();
+    let out = Command::new("promtool")
+        .args(["check", "config"])
+        .arg(dir.path("shipped.yml"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+
+    // Two programs with known live sets.
+    let start = || {
+        let mut cmd = Command::new(compile_c("hostile"));
+        cmd.env("LD_PRELOAD", preload_lib());
+        let mut t = Target::spawn(cmd);
+        t.send("alloc");
+        t.wait_line("allocated");
+        t
+    };
+    let a = start();
+    let b = start();
+    let (pa, pb) = (a.pid().to_string(), b.pid().to_string());
+    let mut serve = Command::new(bin())
+        .args(["serve", "--listen", "127.0.0.1:0", "--token-file"])
+        .arg(&token)
+        .args([&pa, &pb])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let lines = Lines::new(serve.stdout.take().unwrap());
+    let line = lines.next();
+    let addr = line
+        .strip_prefix("listening on http://")
+        .unwrap()
+        .split('/')
+        .next()
+        .unwrap()
+        .to_string();
+    let prom_addr = format!("127.0.0.1:{}", free_port());
+    let config = format!(
+        "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n\
+         scrape_configs:\n\
+         \x20 - job_name: heapdump\n    metrics_path: /metrics\n\
+         \x20   authorization:\n      type: Bearer\n      credentials_file: {}\n\
+         \x20   static_configs:\n      - targets: [\"{addr}\"]\n\
+         \x20 - job_name: notoken\n    metrics_path: /metrics\n\
+         \x20   static_configs:\n      - targets: [\"{addr}\"]\n",
+        token.display()
+    );
+    std::fs::write(dir.path("prometheus.yml"), config).unwrap();
+    let mut prom = Command::new("prometheus")
+        .arg(format!(
+            "--config.file={}",
+            dir.path("prometheus.yml").display()
+        ))
+        .arg(format!(
+            "--storage.tsdb.path={}",
+            dir.path("data").display()
+        ))
+        .arg(format!("--web.listen-address={prom_addr}"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        // Each program's live bytes, as its snapshot gives them (exact
+        // mode, the programs quiescent).
+        let live = wait_for(&prom_addr, "heapdump_live_bytes{job=\"heapdump\"}", |r| {
+            r.len() == 2
+        });
+        for pid in [&pa, &pb] {
+            let out = dir.str(&format!("{pid}.json"));
+            assert!(heapdump(&["snapshot", pid, "-o", &out]).status.success());
+            let j = read_json(Path::new(&out));
+            let got = live
+                .iter()
+                .find(|(m, _)| m["pid"] == pid.as_str())
+                .map(|(_, v)| *v);
+            assert_eq!(
+                got,
+                Some(j["totals"]["live_bytes"].as_u64().unwrap() as f64),
+                "{live:?}"
+            );
+        }
+        // The top sites name the programs' own function.
+        let sites = wait_for(
+            &prom_addr,
+            "heapdump_site_live_bytes{job=\"heapdump\",site=\"site_hostile ← main\"}",
+            |r| r.len() == 2,
+        );
+        assert!(sites.iter().all(|(_, v)| *v == 30_000.0), "{sites:?}");
+        // The job without the token: refused (401), so down.
+        wait_for(&prom_addr, "up{job=\"notoken\"}", |r| {
+            r.len() == 1 && r[0].1 == 0.0
+        });
+        wait_for(&prom_addr, "up{job=\"heapdump\"}", |r| {
+            r.len() == 1 && r[0].1 == 1.0
+        });
+    }));
+    let _ = prom.kill();
+    let _ = prom.wait();
+    let _ = serve.kill();
+    let _ = serve.wait();
+    drop((a, b));
+    if let Err(e) = result {
+        std::panic::resume_unwind(e);
+    }
+}
