@@ -152,6 +152,20 @@ fn a_report_of_a_watch_series_stacks_the_top_sites_and_finds_the_growing_one() {
     let lines = Lines::new(child.stdout.take().unwrap());
     let dir = TempDir::new("report-series");
     let out_dir = dir.str("series");
+    // The agent makes its regions at the program's first allocation: the
+    // watch starts once they exist (a bounded poll of a state; started
+    // sooner, it found the program not instrumented yet).
+    let guard = std::time::Instant::now();
+    while !std::fs::read_to_string(format!("/proc/{}/maps", child.id()))
+        .unwrap_or_default()
+        .contains("heapdump.allocations")
+    {
+        assert!(
+            guard.elapsed() < HANG_GUARD,
+            "the agent never made its regions"
+        );
+        std::thread::yield_now();
+    }
     let mut watch = Command::new(bin())
         .args([
             "watch",
