@@ -99,6 +99,12 @@ fn ok(out: &Output) -> String {
     stdout(out)
 }
 
+/// Runs a compiler command, which must succeed.
+fn cc(cmd: &mut Command) {
+    let status = cmd.status().expect("run cc");
+    assert!(status.success(), "{cmd:?} failed");
+}
+
 fn mkfifo(p: &Path) {
     let c = std::ffi::CString::new(p.as_os_str().as_encoded_bytes()).unwrap();
     // SAFETY: a valid path string.
@@ -237,13 +243,10 @@ fn a_planted_agent_library_is_never_loaded_nor_written_through() {
     )
     .unwrap();
     let evil = t.path("evil.so");
-    assert!(Command::new("cc")
+    cc(Command::new("cc")
         .args(["-shared", "-fPIC", "-o"])
         .arg(&evil)
-        .arg(&evil_src)
-        .status()
-        .unwrap()
-        .success());
+        .arg(&evil_src));
     let mut evil_bytes = std::fs::read(&evil).unwrap();
     evil_bytes.resize(bytes.len(), 0);
     let hidden = t.path("lib");
@@ -321,15 +324,12 @@ fn a_planted_agent_library_is_never_loaded_nor_written_through() {
 /// Builds `tests/c/attach_plugin.c` as a shared object at `out`.
 fn plugin_at(out: &Path, extra: &[&str]) {
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/c/attach_plugin.c");
-    assert!(Command::new("cc")
+    cc(Command::new("cc")
         .args(["-O1", "-g", "-shared", "-fPIC", "-fno-omit-frame-pointer"])
         .args(extra)
         .arg("-o")
         .arg(out)
-        .arg(&src)
-        .status()
-        .unwrap()
-        .success());
+        .arg(&src));
     chown_nobody(out);
 }
 
@@ -695,17 +695,14 @@ fn agent_settings_are_ignored_in_set_user_id_programs() {
     std::fs::copy(&lib, libdir.join("libheapdump_preload.so")).unwrap();
     let exe = t.path("suid");
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/c/hostile.c");
-    assert!(Command::new("cc")
+    cc(Command::new("cc")
         .args(["-O1", "-g", "-pthread", "-o"])
         .arg(&exe)
         .arg(&src)
         .arg(format!("-L{}", libdir.display()))
         .arg("-l:libheapdump_preload.so")
         .arg(format!("-Wl,-rpath,{}", libdir.display()))
-        .arg("-ldl")
-        .status()
-        .unwrap()
-        .success());
+        .arg("-ldl"));
     // (caught signals, AT_SECURE) of the program run by nobody.
     let caught = |setuid: bool| -> (u64, bool) {
         let mode = if setuid { 0o4755 } else { 0o755 };
@@ -860,13 +857,10 @@ fn frames_without_lines_print_their_offset_and_jit_code_is_named_from_the_perf_m
     )
     .unwrap();
     let lib = d.join("libtwo.so");
-    assert!(Command::new("cc")
+    cc(Command::new("cc")
         .args(["-O0", "-fno-omit-frame-pointer", "-shared", "-fPIC", "-o"])
         .arg(&lib)
-        .arg(&src)
-        .status()
-        .unwrap()
-        .success());
+        .arg(&src));
     let mut target = Target::spawn(as_nobody_recorded(&compile_c("hostile")));
     target.send(&format!("plugin {}", lib.display()));
     assert_eq!(target.wait_line(""), "loaded");

@@ -97,19 +97,9 @@ fn prometheus_scrapes_each_processs_heap_with_the_token_and_marks_a_tokenless_jo
     }
     let dir = TempDir::new("prometheus");
     let dist = Path::new(env!("CARGO_MANIFEST_DIR")).join("../dist/prometheus");
-    // The shipped rules and configuration are valid.
+    // The shipped rules and configuration (its paths made this test's)
+    // are valid.
     let rules = dist.join("rules.yml");
-    let out = Command::new("promtool")
-        .arg("check")
-        .arg("rules")
-        .arg(&rules)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stdout)
-    );
     let token = dir.path("token");
     std::fs::write(&token, "t0ken-for-prometheus\n").unwrap();
     let shipped = std::fs::read_to_string(dist.join("scrape.yml"))
@@ -120,16 +110,21 @@ fn prometheus_scrapes_each_processs_heap_with_the_token_and_marks_a_tokenless_jo
         )
         .replace("/etc/heapdump/token", token.to_str().unwrap());
     std::fs::write(dir.path("shipped.yml"), shipped).unwrap();
-    let out = Command::new("promtool")
-        .args(["check", "config"])
-        .arg(dir.path("shipped.yml"))
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stdout)
-    );
+    for (what, file) in [
+        ("rules", rules.clone()),
+        ("config", dir.path("shipped.yml")),
+    ] {
+        let out = Command::new("promtool")
+            .args(["check", what])
+            .arg(&file)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+    }
 
     // Two programs with known live sets.
     let start = || {
@@ -151,15 +146,7 @@ fn prometheus_scrapes_each_processs_heap_with_the_token_and_marks_a_tokenless_jo
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    let lines = Lines::new(serve.stdout.take().unwrap());
-    let line = lines.next();
-    let addr = line
-        .strip_prefix("listening on http://")
-        .unwrap()
-        .split('/')
-        .next()
-        .unwrap()
-        .to_string();
+    let addr = listening_addr(&Lines::new(serve.stdout.take().unwrap()).next());
     let prom_addr = format!("127.0.0.1:{}", free_port());
     let config = format!(
         "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n\

@@ -128,17 +128,7 @@ fn watch_selects_blocks_by_age_in_every_snapshot() {
 }
 
 fn http_get(addr: &str, path: &str) -> (String, Vec<u8>) {
-    let mut s = TcpStream::connect(addr).expect("connect");
-    s.set_read_timeout(Some(HANG_GUARD)).unwrap();
-    write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").unwrap();
-    let mut resp = Vec::new();
-    s.read_to_end(&mut resp).unwrap();
-    let split = resp
-        .windows(4)
-        .position(|w| w == b"\r\n\r\n")
-        .expect("header end");
-    let head = String::from_utf8_lossy(&resp[..split]).into_owned();
-    (head, resp[split + 4..].to_vec())
+    http_get_with(addr, path, "")
 }
 
 #[test]
@@ -581,14 +571,7 @@ fn metrics_give_each_processs_heap_behind_a_token_and_end_with_the_process() {
         &pa,
         &pb,
     ]);
-    let line = srv.lines.next();
-    let addr = line
-        .strip_prefix("listening on http://")
-        .unwrap()
-        .split('/')
-        .next()
-        .unwrap()
-        .to_string();
+    let addr = listening_addr(&srv.lines.next());
     // No token, or a wrong one: refused, for every endpoint.
     for h in ["", "Authorization: Bearer wrong\r\n"] {
         for path in ["/metrics", "/debug/pprof/heap"] {

@@ -10,11 +10,7 @@ pub use crate::attach::injection::{Action, InjectError, Injected};
 
 /// The refusal.
 fn unsupported() -> InjectError {
-    InjectError::Unsupported(format!(
-        "heapdump attach is implemented for x86_64 only, not {}: start the program under the \
-         agent instead (heapdump run -- PROGRAM, or LD_PRELOAD=libheapdump_preload.so)",
-        std::env::consts::ARCH
-    ))
+    crate::attach::injection::architecture_refusal().expect("not x86_64")
 }
 
 /// Always false here: no library can be loaded into a running process.

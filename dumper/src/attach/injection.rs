@@ -53,3 +53,15 @@ pub struct Injected {
     /// The longest any other thread was stopped while being judged.
     pub others_stopped: Duration,
 }
+
+/// On an architecture heapdump has no injector for (every one but
+/// x86_64), the refusal; `None` where `heapdump attach` works.
+pub fn architecture_refusal() -> Option<InjectError> {
+    (!cfg!(target_arch = "x86_64")).then(|| {
+        InjectError::Unsupported(format!(
+            "heapdump attach is implemented for x86_64 only, not {}: start the program under \
+             the agent instead (heapdump run -- PROGRAM, or LD_PRELOAD=libheapdump_preload.so)",
+            std::env::consts::ARCH
+        ))
+    })
+}

@@ -341,13 +341,10 @@ fn wait_or_interrupted(d: Duration) {
 /// On an architecture without an injector, the refusal, before anything is
 /// looked at.
 fn refuse_other_architectures() -> Result<()> {
-    if cfg!(target_arch = "x86_64") {
-        return Ok(());
+    match crate::attach::injection::architecture_refusal() {
+        Some(e) => Err(e.into()),
+        None => Ok(()),
     }
-    Err(inject::inject(0, "", &Action::Detach)
-        .err()
-        .map(anyhow::Error::from)
-        .unwrap_or_else(|| anyhow::anyhow!("heapdump attach is not available here")))
 }
 
 /// `heapdump detach`.

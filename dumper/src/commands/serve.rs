@@ -90,6 +90,14 @@ struct State {
 
 type Reply = Response<Cursor<Vec<u8>>>;
 
+/// Why a served snapshot could not be taken.
+enum TakeError {
+    /// The target could not be opened.
+    Open(crate::process::discovery::DiscoveryError),
+    /// Its regions could not be read.
+    Read(heapdump_table::TableError),
+}
+
 fn text(status: u16, body: String) -> Reply {
     Response::from_data(body.into_bytes())
         .with_status_code(status)
@@ -154,9 +162,16 @@ impl State {
         }
     }
 
-    fn snapshot(&mut self, pid: u32, ages: AgeFilter) -> Result<snapshot::Snapshot, Reply> {
+    /// A snapshot of `pid` (opened once and kept while it runs) and the
+    /// mappings it was taken with; symbolized when `symbolize`.
+    fn take(
+        &mut self,
+        pid: u32,
+        ages: AgeFilter,
+        symbolize: bool,
+    ) -> Result<(snapshot::Snapshot, Vec<crate::symbolization::maps::Mapping>), TakeError> {
         if let std::collections::hash_map::Entry::Vacant(e) = self.targets.entry(pid) {
-            e.insert(open_target(pid).map_err(|e| text(404, format!("{e}\n")))?);
+            e.insert(open_target(pid).map_err(TakeError::Open)?);
         }
         let maps = read_maps(pid, &mut self.build_ids).unwrap_or_default();
         let target = &self.targets[&pid];
@@ -165,7 +180,7 @@ impl State {
             &maps,
             snapshot::Options {
                 peak: false,
-                symbolizer: self.opts.symbolize.then_some(&mut self.symbolizer),
+                symbolizer: symbolize.then_some(&mut self.symbolizer),
                 progress: false,
                 request: None,
                 keep_allocator_frames: self.opts.keep_allocator_frames,
@@ -177,7 +192,17 @@ impl State {
         if crate::commands::watch::ExitWatch::new(pid).exited() {
             self.targets.remove(&pid);
         }
-        r.map_err(|e| text(500, format!("snapshot of pid {pid} failed: {e}\n")))
+        r.map(|s| (s, maps)).map_err(TakeError::Read)
+    }
+
+    fn snapshot(&mut self, pid: u32, ages: AgeFilter) -> Result<snapshot::Snapshot, Reply> {
+        match self.take(pid, ages, self.opts.symbolize) {
+            Ok((s, _)) => Ok(s),
+            Err(TakeError::Open(e)) => Err(text(404, format!("{e}\n"))),
+            Err(TakeError::Read(e)) => {
+                Err(text(500, format!("snapshot of pid {pid} failed: {e}\n")))
+            }
+        }
     }
 
     /// `GET /metrics`: every served process's series (see
@@ -198,49 +223,25 @@ impl State {
                 errors.push((pid, "exited".to_string()));
                 continue;
             }
-            if let std::collections::hash_map::Entry::Vacant(e) = self.targets.entry(pid) {
-                match open_target(pid) {
-                    Ok(t) => {
-                        e.insert(t);
-                    }
-                    Err(err) => {
-                        let why = match err {
-                            DiscoveryError::NoSuchProcess { .. } => "exited",
-                            DiscoveryError::PermissionDenied { .. } => "permission denied",
-                            DiscoveryError::NotInstrumented { .. } => "not instrumented",
-                            _ => "regions unreadable",
-                        };
-                        errors.push((pid, why.to_string()));
-                        continue;
-                    }
-                }
-            }
-            let maps = read_maps(pid, &mut self.build_ids).unwrap_or_default();
-            let target = &self.targets[&pid];
-            let taken = snapshot::take(
-                target,
-                &maps,
-                snapshot::Options {
-                    peak: false,
-                    symbolizer: None,
-                    progress: false,
-                    request: None,
-                    keep_allocator_frames: false,
-                    ages: AgeFilter::default(),
-                },
-            );
             let cgroup = prometheus::cgroup_of(pid);
-            let name = target.name.clone();
-            if crate::commands::watch::ExitWatch::new(pid).exited() {
-                self.targets.remove(&pid);
-            }
-            let mut snap = match taken {
-                Ok(s) => s,
-                Err(_) => {
+            let (mut snap, maps) = match self.take(pid, AgeFilter::default(), false) {
+                Ok(t) => t,
+                Err(TakeError::Open(err)) => {
+                    let why = match err {
+                        DiscoveryError::NoSuchProcess { .. } => "exited",
+                        DiscoveryError::PermissionDenied { .. } => "permission denied",
+                        DiscoveryError::NotInstrumented { .. } => "not instrumented",
+                        _ => "regions unreadable",
+                    };
+                    errors.push((pid, why.to_string()));
+                    continue;
+                }
+                Err(TakeError::Read(_)) => {
                     errors.push((pid, "regions unreadable".to_string()));
                     continue;
                 }
             };
+            let name = snap.process.clone();
             let mut top: Vec<snapshot::Site> = std::mem::take(&mut snap.sites)
                 .into_iter()
                 .filter(|x| x.live_bytes > 0)

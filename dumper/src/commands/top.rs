@@ -75,15 +75,6 @@ impl Baseline {
     }
 }
 
-/// How many frames of `site` remain past its wrappers.
-fn name_frames(site: &Site, wrappers: &Wrappers) -> usize {
-    let via = wrappers
-        .name(site)
-        .via
-        .map_or(0, |v| v.split(" ← ").count());
-    site.frames.len() - via
-}
-
 /// One line's worth of frames: the first `depth` frames of the program's
 /// own code, leaving out those of the standard library and dependencies
 /// (iterator adapters, closures' plumbing; all frames if there are no
@@ -94,22 +85,13 @@ fn frames_line(site: &Site, depth: usize, wrappers: &Wrappers) -> String {
     }
     // The program's own allocation wrappers (zmalloc, g_malloc) tell no
     // site apart: the line starts past them.
-    let name = wrappers.name(site);
-    if name.via.is_some() {
-        let skip = site.frames.len() - name_frames(site, wrappers);
-        let rest = Site {
-            frames: site.frames[skip..].to_vec(),
-            ..Site::default()
-        };
-        return frames_line(&rest, depth, &Wrappers::default());
-    }
-    let own: Vec<&crate::symbolization::symbolizer::Frame> = site
-        .frames
+    let past_wrappers = &site.frames[wrappers.name(site).wrapper_frames..];
+    let own: Vec<&crate::symbolization::symbolizer::Frame> = past_wrappers
         .iter()
         .filter(|f| !is_library_frame(f))
         .collect();
     let frames = if own.is_empty() {
-        site.frames.iter().collect()
+        past_wrappers.iter().collect()
     } else {
         own
     };

@@ -278,7 +278,8 @@ pub fn render(scraped: &[Scraped], errors: &[(u32, String)]) -> String {
                     site: name,
                     stack: stack_hash(site),
                 })
-                .inc_by_live(g(site.live_bytes));
+                // Sites with one name and hash have one stack: summed.
+                .inc_by(g(site.live_bytes));
         }
         took.get_or_create(&PidLabels { pid: l.pid.clone() })
             .set(s.took.as_secs_f64());
@@ -294,18 +295,6 @@ pub fn render(scraped: &[Scraped], errors: &[(u32, String)]) -> String {
     // Writing into a String cannot fail.
     let _ = encode(&mut out, &r);
     out
-}
-
-/// Adds to a gauge (two sites may share a name and a hash only if their
-/// addresses agree, which makes them one site: summed).
-trait IncByLive {
-    fn inc_by_live(&self, v: i64);
-}
-
-impl IncByLive for Gauge {
-    fn inc_by_live(&self, v: i64) {
-        self.inc_by(v);
-    }
 }
 
 /// The content type of [`render`]'s text.

@@ -29,6 +29,8 @@ pub struct SiteName {
     pub title: String,
     /// The wrappers passed over, innermost first (`zmalloc`), if any.
     pub via: Option<String>,
+    /// How many leading frames of the site those wrappers are.
+    pub wrapper_frames: usize,
 }
 
 impl std::fmt::Display for SiteName {
@@ -108,7 +110,11 @@ impl Wrappers {
                 .collect::<Vec<_>>()
                 .join(" ← ")
         });
-        SiteName { title, via }
+        SiteName {
+            title,
+            via,
+            wrapper_frames: skip,
+        }
     }
 }
 

@@ -222,3 +222,14 @@ pub fn live_blocks_through(j: &serde_json::Value, function: &str) -> u64 {
         .map(|s| s["live_blocks"].as_u64().unwrap_or(0))
         .sum()
 }
+
+/// The `HOST:PORT` of `heapdump serve`'s first line
+/// (`listening on http://HOST:PORT/...`).
+pub fn listening_addr(line: &str) -> String {
+    line.strip_prefix("listening on http://")
+        .unwrap_or_else(|| panic!("not serve's first line: {line}"))
+        .split('/')
+        .next()
+        .unwrap()
+        .to_string()
+}
