@@ -104,11 +104,10 @@ impl Wrappers {
             [first, caller, ..] => format!("{} ← {}", first.display_name(), caller.display_name()),
         };
         let via = (skip > 0).then(|| {
-            site.frames[..skip]
-                .iter()
-                .filter_map(bare)
-                .collect::<Vec<_>>()
-                .join(" ← ")
+            let mut names: Vec<&str> = site.frames[..skip].iter().filter_map(bare).collect();
+            // An inlined frame and its function's own frame: named once.
+            names.dedup();
+            names.join(" ← ")
         });
         SiteName {
             title,
@@ -165,6 +164,20 @@ mod tests {
         assert_eq!(w.name(&sites[2]).title, "my_alloc_once ← main");
         assert_eq!(w.name(&sites[2]).via, None);
         assert_eq!(w.name(&sites[3]).to_string(), "lpNew ← quicklistCreateNode");
+        // Inlined into itself (one function's inlined and outer frames):
+        // named once.
+        let inlined = vec![
+            site(&[
+                "_PyObject_Malloc",
+                "_PyObject_Malloc",
+                "PyByteArray_Resize",
+                "init",
+            ]),
+            site(&["_PyObject_Malloc", "list_resize"]),
+        ];
+        let w = Wrappers::of_sites(&inlined);
+        assert_eq!(w.name(&inlined[0]).via.as_deref(), Some("_PyObject_Malloc"));
+        assert_eq!(w.name(&inlined[0]).wrapper_frames, 2);
         // Only wrappers: named by them.
         let only = vec![site(&["g_malloc"]), site(&["g_malloc", "g_malloc0"])];
         let w = Wrappers::of_sites(&only);

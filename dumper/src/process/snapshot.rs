@@ -349,6 +349,8 @@ impl Recording {
                     .allocator_heap_at
                     .zip(taken_at)
                     .and_then(|(read, now)| now.duration_since(read).ok());
+                // The agent reads it about once a second: a heap that
+                // moves faster than that may not be in it yet.
                 match age {
                     Some(d) if d >= Duration::from_secs(2) => {
                         line += &format!(
@@ -356,7 +358,9 @@ impl Recording {
                             humantime::format_duration(Duration::from_secs(d.as_secs()))
                         )
                     }
-                    Some(_) => {}
+                    Some(d) => {
+                        line += &format!(" (read {} ms before this snapshot)", d.as_millis())
+                    }
                     None if self.allocator_heap_at.is_none() => {
                         line += " (read at an unknown time)"
                     }
