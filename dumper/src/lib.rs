@@ -27,7 +27,9 @@
 
 #![deny(missing_docs)]
 
+pub mod agent_bundle;
 pub mod attach;
+pub mod build_info;
 pub mod commands;
 pub mod formats;
 pub mod process;

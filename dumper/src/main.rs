@@ -33,7 +33,7 @@ use heapdump::testing::fake_target::{self, Corruption, FakeOptions};
 /// moment, without stopping the process. Inspecting a process needs the
 /// same permission as debugging it (same user, or root).
 #[derive(Parser, Debug)]
-#[command(name = "heapdump", version, propagate_version = true)]
+#[command(name = "heapdump", version, long_version = long_version(), propagate_version = true)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -117,6 +117,23 @@ enum Cmd {
         #[arg(long, default_value_t = 0)]
         blocks: u64,
     },
+    /// Release helper: write OUT, this executable (or --exe) followed by
+    /// the agent libraries, so that OUT alone is all a host needs.
+    #[command(name = "__bundle", hide = true)]
+    Bundle {
+        /// libheapdump_preload.so to carry.
+        #[arg(long)]
+        preload: std::path::PathBuf,
+        /// libheapdump_jemalloc.so to carry.
+        #[arg(long)]
+        jemalloc: Option<std::path::PathBuf>,
+        /// The executable to carry them (default: this one).
+        #[arg(long)]
+        exe: Option<std::path::PathBuf>,
+        /// The file to write.
+        #[arg(short, long)]
+        output: std::path::PathBuf,
+    },
     /// The demo's workload.
     #[command(name = "__demo-workload", hide = true)]
     DemoWorkload,
@@ -130,6 +147,12 @@ enum Cmd {
         /// Distinct call stacks.
         stacks: usize,
     },
+}
+
+/// `--version`'s text (computed once; clap wants a `'static` string).
+fn long_version() -> &'static str {
+    static TEXT: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    TEXT.get_or_init(heapdump::build_info::long_version)
 }
 
 /// The error and its causes, `: `-separated, leaving out a cause whose text
@@ -206,6 +229,24 @@ fn dispatch(cli: Cli) -> Result<i32> {
                 blocks,
             })
             .map_err(|e| anyhow::anyhow!("fake target: {e}"))?;
+            Ok(0)
+        }
+        Cmd::Bundle {
+            preload,
+            jemalloc,
+            exe,
+            output,
+        } => {
+            use anyhow::Context as _;
+            let read = |p: &std::path::Path| {
+                std::fs::read(p).with_context(|| format!("reading {}", p.display()))
+            };
+            let libs = heapdump::agent_bundle::AgentLibraries {
+                preload: read(&preload)?,
+                jemalloc: jemalloc.as_deref().map(read).transpose()?,
+            };
+            let exe = exe.unwrap_or_else(|| "/proc/self/exe".into());
+            heapdump::agent_bundle::write_bundle(&exe, &libs, &output)?;
             Ok(0)
         }
         Cmd::DemoWorkload => {

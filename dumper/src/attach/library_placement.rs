@@ -29,7 +29,6 @@ use std::ffi::CString;
 use std::fs::File;
 use std::io::Write;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::os::unix::ffi::OsStrExt;
 use std::path::{Component, Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
@@ -132,7 +131,7 @@ fn our_directory(tmp: &OwnedFd, name: &str) -> Result<Option<OwnedFd>> {
     if made != 0 {
         let e = std::io::Error::last_os_error();
         if e.raw_os_error() != Some(libc::EEXIST) {
-            return Err(e).context(format!("creating /tmp/{name} inside the target's root"));
+            return Err(e).context(format!("creating /tmp/{name}"));
         }
     }
     // O_NOFOLLOW: a symbolic link planted under this name is refused.
@@ -158,11 +157,11 @@ fn our_directory(tmp: &OwnedFd, name: &str) -> Result<Option<OwnedFd>> {
     Ok(Some(dir))
 }
 
-/// Whether `dir/FILE_NAME` is ours and holds exactly `bytes`.
-fn holds_library(dir: &OwnedFd, bytes: &[u8]) -> bool {
+/// Whether `dir/name` is ours and holds exactly `bytes`.
+fn holds_file(dir: &OwnedFd, name: &str, bytes: &[u8]) -> bool {
     let Ok(fd) = openat(
         dir,
-        FILE_NAME,
+        name,
         libc::O_RDONLY | libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_NOCTTY,
         0,
     ) else {
@@ -176,14 +175,13 @@ fn holds_library(dir: &OwnedFd, bytes: &[u8]) -> bool {
     {
         return false;
     }
-    target_files::read_capped(&file, MAX_LIBRARY, Path::new(FILE_NAME))
-        .is_ok_and(|got| got == bytes)
+    target_files::read_capped(&file, MAX_LIBRARY, Path::new(name)).is_ok_and(|got| got == bytes)
 }
 
-/// Writes `bytes` as `dir/FILE_NAME` (a new file under a temporary name,
+/// Writes `bytes` as `dir/name` (a new file under a temporary name,
 /// renamed into place).
-fn write_library(dir: &OwnedFd, bytes: &[u8]) -> Result<()> {
-    let tmp = format!(".{FILE_NAME}.{}", std::process::id());
+fn write_file(dir: &OwnedFd, name: &str, bytes: &[u8]) -> Result<()> {
+    let tmp = format!(".{name}.{}", std::process::id());
     let c_tmp = cstr(&tmp)?;
     // A leftover of an earlier attempt of ours; the directory is ours.
     // SAFETY: valid descriptor and string.
@@ -194,13 +192,13 @@ fn write_library(dir: &OwnedFd, bytes: &[u8]) -> Result<()> {
         libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL | libc::O_NOFOLLOW,
         0o644,
     )
-    .context("creating the agent library's copy")?;
+    .with_context(|| format!("creating {name}"))?;
     let mut f = File::from(fd);
     f.write_all(bytes)?;
     // SAFETY: `f` is an open descriptor.
     unsafe { libc::fchmod(f.as_raw_fd(), 0o644) };
     f.sync_all()?;
-    let c_final = cstr(FILE_NAME)?;
+    let c_final = cstr(name)?;
     // SAFETY: valid descriptors and strings.
     if unsafe {
         libc::renameat(
@@ -211,7 +209,8 @@ fn write_library(dir: &OwnedFd, bytes: &[u8]) -> Result<()> {
         )
     } != 0
     {
-        return Err(std::io::Error::last_os_error()).context("renaming the library into place");
+        return Err(std::io::Error::last_os_error())
+            .with_context(|| format!("renaming {name} into place"));
     }
     Ok(())
 }
@@ -237,18 +236,39 @@ pub fn place(pid: u32, lib: &Path) -> Result<Placement> {
         });
     }
     let bytes = target_files::read_capped(&own, MAX_LIBRARY, &lib)?;
+    let dir = place_files(&root, &[(FILE_NAME, &bytes)])
+        .with_context(|| format!("placing the agent library inside process {pid}'s root"))?;
+    Ok(Placement {
+        path: format!("{dir}/{FILE_NAME}"),
+        copied_to: Some(dir),
+    })
+}
+
+/// Puts `files` (name, bytes) into one directory of heapdump's own under
+/// `/tmp` inside `root`, named for their content, following the module's
+/// rules (made with `mkdirat`, trusted only when ours and writable by no
+/// one else, files written under a temporary name and renamed, each read
+/// back and compared). Returns the directory as seen inside `root`
+/// (`/tmp/heapdump-agent-HASH`).
+pub fn place_files(root: &TargetRoot, files: &[(&str, &[u8])]) -> Result<String> {
     let tmp = root
         .resolve(Path::new("/tmp"), true)
-        .context("finding /tmp inside the target's root")?;
+        .context("finding /tmp")?;
     let st = target_files::fstat(&tmp)?;
     if st.st_mode & libc::S_IFMT != libc::S_IFDIR || !(st.st_uid == 0 || st.st_uid == euid()) {
         bail!(
-            "/tmp inside process {pid}'s root is not a directory owned by root, so the agent \
-             library cannot be placed there safely: pass --library with a path the process \
-             sees, in a directory only root can write"
+            "/tmp is not a directory owned by root, so the agent library cannot be placed there \
+             safely: pass --library (or set HEAPDUMP_PRELOAD) with a path in a directory only \
+             root can write"
         );
     }
-    let base = format!("heapdump-agent-{}", content_name(&bytes));
+    let mut all = Vec::new();
+    for (name, bytes) in files {
+        all.extend_from_slice(name.as_bytes());
+        all.push(0);
+        all.extend_from_slice(bytes);
+    }
+    let base = format!("heapdump-agent-{}", content_name(&all));
     let mut name = base.clone();
     let mut dir = our_directory(&tmp, &name)?;
     let mut tries = 0;
@@ -256,7 +276,7 @@ pub fn place(pid: u32, lib: &Path) -> Result<Placement> {
         // Someone else holds the name: a fresh one of ours.
         tries += 1;
         if tries > 8 {
-            bail!("could not make a directory of heapdump's own under /tmp in the target's root");
+            bail!("could not make a directory of heapdump's own under /tmp");
         }
         let mut r = [0u8; 8];
         // SAFETY: `r` is a valid 8-byte buffer.
@@ -272,21 +292,20 @@ pub fn place(pid: u32, lib: &Path) -> Result<Placement> {
         }
     }
     let dir = dir.expect("set above");
-    if !holds_library(&dir, &bytes) {
-        write_library(&dir, &bytes)?;
-        if !holds_library(&dir, &bytes) {
-            bail!("the agent library copied into the target's root does not read back intact");
+    for (file, bytes) in files {
+        if !holds_file(&dir, file, bytes) {
+            write_file(&dir, file, bytes)?;
+            if !holds_file(&dir, file, bytes) {
+                bail!("the copy of {file} in /tmp/{name} does not read back intact");
+            }
         }
     }
-    let path = format!("/tmp/{name}/{FILE_NAME}");
+    let path = format!("/tmp/{name}");
     // The dlopen path must not contain what a C string cannot.
-    if Path::new(&path).as_os_str().as_bytes().contains(&0) {
+    if path.as_bytes().contains(&0) {
         bail!("bad placement path");
     }
-    Ok(Placement {
-        path,
-        copied_to: Some(format!("/tmp/{name}")),
-    })
+    Ok(path)
 }
 
 #[cfg(test)]

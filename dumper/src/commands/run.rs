@@ -10,7 +10,9 @@
 //!
 //! The preload library is found, in order: `$HEAPDUMP_PRELOAD`; next to
 //! the `heapdump` executable; in the parent directory (cargo's `deps/` and
-//! `examples/` layouts put binaries one level below the library).
+//! `examples/` layouts put binaries one level below the library); else the
+//! libraries a release executable carries ([`crate::agent_bundle`]) are
+//! written out and used.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
@@ -42,6 +44,9 @@ pub enum RunError {
         /// Places searched.
         looked: String,
     },
+    /// The libraries this executable carries could not be used.
+    #[error("{0}")]
+    Bundle(String),
     /// `HEAPDUMP_PRELOAD` names a missing file.
     #[error("HEAPDUMP_PRELOAD={0} does not exist")]
     PreloadEnvMissing(String),
@@ -103,9 +108,13 @@ pub fn find_preload(explicit: Option<&Path>) -> Result<PathBuf, RunError> {
             dir = d.parent().map(Path::to_path_buf);
         }
     }
-    Err(RunError::PreloadNotFound {
-        looked: looked.join(", "),
-    })
+    match crate::agent_bundle::extract_own() {
+        Ok(Some(p)) => Ok(p),
+        Ok(None) => Err(RunError::PreloadNotFound {
+            looked: looked.join(", "),
+        }),
+        Err(e) => Err(RunError::Bundle(format!("{e:#}"))),
+    }
 }
 
 /// `LD_PRELOAD` for a program: the agent, the jemalloc companion when
