@@ -17,7 +17,11 @@ fn main() {
         .ok()
         .filter(|o| o.status.success())
         .is_some_and(|o| !o.stdout.is_empty());
-    let rev = if dirty { format!("{rev}-modified") } else { rev };
+    let rev = if dirty {
+        format!("{rev}-modified")
+    } else {
+        rev
+    };
     println!("cargo:rustc-env=HEAPDUMP_GIT_REVISION={rev}");
     println!(
         "cargo:rustc-env=HEAPDUMP_TARGET={}",

@@ -240,10 +240,7 @@ mod tests {
         let again = dir.join("again");
         write_bundle(&out, &other, &again).unwrap();
         assert_eq!(read_from(&again).unwrap(), Some(other));
-        assert_eq!(
-            std::fs::metadata(&again).unwrap().len(),
-            1000 + 50 + FOOTER
-        );
+        assert_eq!(std::fs::metadata(&again).unwrap().len(), 1000 + 50 + FOOTER);
         std::fs::remove_dir_all(dir).unwrap();
     }
 

@@ -134,6 +134,14 @@ enum Cmd {
         #[arg(short, long)]
         output: std::path::PathBuf,
     },
+    /// Release helper: write the man pages (DIR/man1/*.1) and the shell
+    /// completions (DIR/completions/{heapdump.bash,_heapdump,heapdump.fish})
+    /// generated from these very definitions.
+    #[command(name = "__generate-docs", hide = true)]
+    GenerateDocs {
+        /// Output directory.
+        dir: std::path::PathBuf,
+    },
     /// The demo's workload.
     #[command(name = "__demo-workload", hide = true)]
     DemoWorkload,
@@ -147,6 +155,29 @@ enum Cmd {
         /// Distinct call stacks.
         stacks: usize,
     },
+}
+
+/// Writes the man pages (one per visible command, `heapdump-snapshot.1`
+/// and so on, as git does) and the bash, zsh and fish completions.
+fn generate_docs(dir: &std::path::Path) -> Result<()> {
+    use anyhow::Context as _;
+    use clap::CommandFactory;
+    let man = dir.join("man1");
+    let comp = dir.join("completions");
+    for d in [&man, &comp] {
+        std::fs::create_dir_all(d).with_context(|| format!("creating {}", d.display()))?;
+    }
+    let cmd = Cli::command();
+    clap_mangen::generate_to(cmd.clone(), &man).context("writing the man pages")?;
+    for shell in [
+        clap_complete::Shell::Bash,
+        clap_complete::Shell::Zsh,
+        clap_complete::Shell::Fish,
+    ] {
+        clap_complete::generate_to(shell, &mut cmd.clone(), "heapdump", &comp)
+            .with_context(|| format!("writing the {shell} completions"))?;
+    }
+    Ok(())
 }
 
 /// `--version`'s text (computed once; clap wants a `'static` string).
@@ -247,6 +278,10 @@ fn dispatch(cli: Cli) -> Result<i32> {
             };
             let exe = exe.unwrap_or_else(|| "/proc/self/exe".into());
             heapdump::agent_bundle::write_bundle(&exe, &libs, &output)?;
+            Ok(0)
+        }
+        Cmd::GenerateDocs { dir } => {
+            generate_docs(&dir)?;
             Ok(0)
         }
         Cmd::DemoWorkload => {

@@ -142,10 +142,7 @@ fn a_damaged_bundle_is_refused_with_a_clear_error_and_runs_nothing() {
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(&damaged, std::fs::Permissions::from_mode(0o755)).unwrap();
     let marker = home.path("ran");
-    let o = run_bundled(
-        &damaged,
-        &["run", "--", "touch", marker.to_str().unwrap()],
-    );
+    let o = run_bundled(&damaged, &["run", "--", "touch", marker.to_str().unwrap()]);
     assert!(!o.status.success());
     let e = stderr(&o);
     assert!(e.contains("damaged") && e.contains("checksum"), "{e}");

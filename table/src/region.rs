@@ -26,7 +26,6 @@ use std::path::Path;
 
 use memmap2::{MmapOptions, MmapRaw};
 use nix::fcntl::{fcntl, FcntlArg, SealFlag};
-use nix::sys::memfd::{memfd_create, MemFdCreateFlag};
 use zerocopy::IntoBytes;
 
 use crate::error::TableError;
@@ -93,6 +92,21 @@ pub struct RegionWriter {
     header: StaticHeader,
 }
 
+/// `memfd_create(2)` through the system call, not glibc's wrapper (added
+/// in glibc 2.27): the agent runs on glibc 2.17 and later. On a kernel
+/// without it (before Linux 3.17) this fails with `ENOSYS`, and the agent
+/// says it cannot record (no region, no silent empty heap).
+pub fn memfd_create(name: &std::ffi::CStr, flags: libc::c_uint) -> nix::Result<OwnedFd> {
+    // SAFETY: a NUL-terminated name and plain flags; the kernel returns a
+    // new descriptor or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_memfd_create, name.as_ptr(), flags) };
+    if fd < 0 {
+        return Err(nix::errno::Errno::last());
+    }
+    // SAFETY: a descriptor the kernel just gave us, owned by nobody else.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
+}
+
 impl RegionWriter {
     /// Creates, sizes, stamps and seals a new region of `size` bytes.
     pub fn create(kind: RegionKind, size: u64, layout: [u64; 8]) -> Result<Self, TableError> {
@@ -105,11 +119,8 @@ impl RegionWriter {
             RegionKind::Resources => c"heapdump.resources",
             RegionKind::Allocations => c"heapdump.allocations",
         };
-        let fd = memfd_create(
-            name,
-            MemFdCreateFlag::MFD_CLOEXEC | MemFdCreateFlag::MFD_ALLOW_SEALING,
-        )
-        .map_err(|e| TableError::io("memfd_create", e))?;
+        let fd = memfd_create(name, libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING)
+            .map_err(|e| TableError::io("memfd_create", e))?;
         nix::unistd::ftruncate(&fd, size as libc::off_t)
             .map_err(|e| TableError::io("ftruncate memfd", e))?;
         let map = MmapOptions::new()

@@ -279,8 +279,11 @@ pub fn place_files(root: &TargetRoot, files: &[(&str, &[u8])]) -> Result<String>
             bail!("could not make a directory of heapdump's own under /tmp");
         }
         let mut r = [0u8; 8];
-        // SAFETY: `r` is a valid 8-byte buffer.
-        if unsafe { libc::getrandom(r.as_mut_ptr().cast(), r.len(), 0) } != r.len() as isize {
+        // SAFETY: `r` is a valid 8-byte buffer (the system call: glibc's
+        // wrapper is from 2.25, heapdump runs on 2.17).
+        if unsafe { libc::syscall(libc::SYS_getrandom, r.as_mut_ptr(), r.len(), 0) }
+            != r.len() as libc::c_long
+        {
             bail!("getrandom failed");
         }
         name = format!("{base}-{:016x}", u64::from_ne_bytes(r));

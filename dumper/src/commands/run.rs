@@ -10,7 +10,8 @@
 //!
 //! The preload library is found, in order: `$HEAPDUMP_PRELOAD`; next to
 //! the `heapdump` executable; in the parent directory (cargo's `deps/` and
-//! `examples/` layouts put binaries one level below the library); else the
+//! `examples/` layouts put binaries one level below the library); in
+//! `../lib/heapdump/` of a `bin/` directory (the Debian package); else the
 //! libraries a release executable carries ([`crate::agent_bundle`]) are
 //! written out and used.
 
@@ -98,14 +99,25 @@ pub fn find_preload(explicit: Option<&Path>) -> Result<PathBuf, RunError> {
     if let Ok(exe) = std::env::current_exe() {
         let exe = exe.canonicalize().unwrap_or(exe);
         let mut dir = exe.parent().map(Path::to_path_buf);
+        // A package's layout: /usr/bin/heapdump, /usr/lib/heapdump/.
+        let package = exe
+            .parent()
+            .filter(|d| d.ends_with("bin"))
+            .and_then(Path::parent)
+            .map(|p| p.join("lib").join("heapdump"));
+        let mut candidates = Vec::new();
         for _ in 0..2 {
             let Some(d) = dir else { break };
+            dir = d.parent().map(Path::to_path_buf);
+            candidates.push(d);
+        }
+        candidates.extend(package);
+        for d in candidates {
             let cand = d.join(PRELOAD_NAME);
             if cand.is_file() {
                 return Ok(cand);
             }
             looked.push(d.display().to_string());
-            dir = d.parent().map(Path::to_path_buf);
         }
     }
     match crate::agent_bundle::extract_own() {

@@ -198,8 +198,9 @@ impl Fake<'_> {
     }
 
     fn thread(&self, name: &str) -> ResourceKey {
-        // SAFETY: gettid has no preconditions.
-        let tid = unsafe { libc::gettid() } as u64;
+        // SAFETY: gettid has no preconditions (the system call: glibc's
+        // wrapper is from 2.30, heapdump runs on 2.17).
+        let tid = unsafe { libc::syscall(libc::SYS_gettid) } as u64;
         self.res
             .insert_thread_info(tid, name.as_bytes())
             .expect("thread info")
@@ -362,10 +363,7 @@ fn serve_commands(fake: &Fake<'_>, main_thread: ResourceKey) {
 /// Runs the fake target until its stdin ends or says `exit`.
 pub fn run(opts: FakeOptions) -> Result<(), Box<dyn std::error::Error>> {
     if opts.unsealed {
-        let fd = nix::sys::memfd::memfd_create(
-            c"heapdump.allocations",
-            nix::sys::memfd::MemFdCreateFlag::MFD_CLOEXEC,
-        )?;
+        let fd = heapdump_table::region::memfd_create(c"heapdump.allocations", libc::MFD_CLOEXEC)?;
         nix::unistd::ftruncate(&fd, 1 << 20)?;
         // Mapped writable and shared, as a (foreign) writer maps its region:
         // that is what makes a process an instrumented one to the dumper.
