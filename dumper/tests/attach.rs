@@ -194,8 +194,18 @@ fn detach_stops_recording_and_a_later_attach_records_again() {
         "{}",
         stderr(&other)
     );
-    // With the same settings it records again, from a clean table.
-    attach_ok(pid, &[]);
+    // With the same settings it records again, from a clean table, made
+    // clean by the agent's own thread (not the thread the injector held),
+    // and `attach` returns once it is.
+    let out = attach(pid, &[]);
+    assert!(out.status.success(), "re-attach failed: {}", stderr(&out));
+    assert!(
+        stdout(&out).contains("the agent's own thread forgot the previous attach's records"),
+        "{}",
+        stdout(&out)
+    );
+    let list = stdout(&heapdump(&["list"]));
+    assert!(list.contains("exact+"), "{list}");
     t.send("more");
     t.wait_line("more done");
     let j = snapshot_json(pid, &dir, "again");

@@ -10,12 +10,19 @@
 //!   asks for other settings is refused and changes nothing.
 //! - A re-attach after a detach forgets every record first (the frees made
 //!   while detached were not seen), before any slot leads to a hook again.
+//!   That work grows with what the first attach left live (a million
+//!   records: hundreds of milliseconds), so it is not done in the thread
+//!   the injector borrowed (held stopped meanwhile): `heapdump_attach`
+//!   hands it to the housekeeping thread and returns [`codes::RESUMING`] at
+//!   once; that thread forgets, redirects the slots and then stamps the
+//!   header attached, which `heapdump attach` waits for. Without a
+//!   housekeeping thread (it could not be started) it is done in place.
 //! - Nothing here runs in a hook: every function is called by the
 //!   injector's thread or the housekeeping thread, where allocating and
 //!   locking are fine.
 
 use std::ffi::{c_char, c_int, CStr};
-use std::sync::Mutex;
+use std::sync::{Condvar, Mutex};
 use std::time::Duration;
 
 use heapdump_table::header::HeapSource;
@@ -34,6 +41,10 @@ pub mod codes {
     pub const NOT_STARTED: i32 = -4;
     /// The library was preloaded: the process is recorded from its start.
     pub const PRELOADED: i32 = -5;
+    /// Not a refusal: a re-attach, finished by the housekeeping thread
+    /// (forget the previous records, redirect the slots, stamp the header
+    /// attached); the caller waits for the stamp.
+    pub const RESUMING: i32 = -6;
 }
 
 /// What the attach has done so far.
@@ -42,12 +53,21 @@ struct State {
     hooks: Option<Hooks>,
     /// Recording now (false after a detach; the regions stay readable).
     recording: bool,
+    /// A re-attach the housekeeping thread is to finish.
+    resume: bool,
+    /// The housekeeping thread runs.
+    housekeeping: bool,
 }
 
 static STATE: Mutex<State> = Mutex::new(State {
     hooks: None,
     recording: false,
+    resume: false,
+    housekeeping: false,
 });
+
+/// Wakes the housekeeping thread (a re-attach to finish).
+static WAKE: Condvar = Condvar::new();
 
 fn lock() -> std::sync::MutexGuard<'static, State> {
     STATE.lock().unwrap_or_else(|e| e.into_inner())
@@ -74,7 +94,7 @@ pub unsafe extern "C" fn heapdump_attach(settings: *const c_char) -> c_int {
         return codes::PRELOADED;
     }
     let mut state = lock();
-    if state.recording {
+    if state.recording || state.resume {
         return codes::ALREADY_ATTACHED;
     }
     let first = state.hooks.is_none();
@@ -94,6 +114,11 @@ pub unsafe extern "C" fn heapdump_attach(settings: *const c_char) -> c_int {
         // made while detached were not seen, so every record is stale.
         if settings != heapdump_agent::config::overrides() {
             return codes::OTHER_SETTINGS;
+        }
+        if state.housekeeping {
+            state.resume = true;
+            WAKE.notify_all();
+            return codes::RESUMING;
         }
         forget_all_records();
     }
@@ -134,21 +159,42 @@ fn start_housekeeping() {
     // destructors (its spawn hooks) with `__cxa_thread_atexit_impl`, which
     // allocates, in the spawning thread (the program's, borrowed by the
     // injector) and in the new one; those blocks showed in every snapshot
-    // of an attached process as the program's heap. Here the thread's
-    // whole life runs inside `forwarding`, and the spawn allocates nothing.
+    // of an attached process as the program's heap. Here what may allocate
+    // runs inside `forwarding`, and the spawn allocates nothing.
     extern "C" fn housekeeping(_: *mut libc::c_void) -> *mut libc::c_void {
-        heapdump_agent::recorder::forwarding(|| loop {
-            {
-                let state = lock();
-                if let (true, Some(hooks)) = (state.recording, state.hooks.as_ref()) {
+        use heapdump_agent::recorder::{self, forwarding};
+        // Everything that may allocate runs inside `forwarding`; the lock,
+        // the wait and the forgetting (whose frees must be seen by the
+        // recorder, and whose reading of the table is wrapped itself)
+        // allocate nothing.
+        let mut state = lock();
+        loop {
+            if state.resume {
+                // A re-attach: nothing records meanwhile (the slots still
+                // lead to the allocator), so the stale records go without
+                // a race, then the slots are redirected and the header
+                // says attached.
+                recorder::forget_all_records();
+                if let Some(hooks) = state.hooks.as_ref() {
+                    forwarding(|| slot_redirection::redirect_all(hooks));
+                }
+                state.recording = true;
+                state.resume = false;
+                forwarding(recorder::start_attached);
+            }
+            if let (true, Some(hooks)) = (state.recording, state.hooks.as_ref()) {
+                forwarding(|| {
                     slot_redirection::redirect_all(hooks);
                     if let Some((source, bytes)) = allocator_heap() {
-                        heapdump_agent::recorder::set_allocator_heap(source, bytes);
+                        recorder::set_allocator_heap(source, bytes);
                     }
-                }
+                });
             }
-            std::thread::sleep(Duration::from_secs(1));
-        })
+            state = WAKE
+                .wait_timeout(state, Duration::from_secs(1))
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
     }
     // SAFETY: plain pthread calls with valid pointers to locals; the
     // attribute object is initialised before use and destroyed after.
@@ -164,6 +210,7 @@ fn start_housekeeping() {
         let mut t: libc::pthread_t = 0;
         if libc::pthread_create(&mut t, &attr, housekeeping, std::ptr::null_mut()) == 0 {
             libc::pthread_setname_np(t, c"heapdump-attach".as_ptr());
+            lock().housekeeping = true;
         }
         libc::pthread_attr_destroy(&mut attr);
     }

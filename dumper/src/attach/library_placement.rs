@@ -262,13 +262,20 @@ pub fn place_files(root: &TargetRoot, files: &[(&str, &[u8])]) -> Result<String>
              root can write"
         );
     }
-    let mut all = Vec::new();
-    for (name, bytes) in files {
-        all.extend_from_slice(name.as_bytes());
-        all.push(0);
-        all.extend_from_slice(bytes);
-    }
-    let base = format!("heapdump-agent-{}", content_name(&all));
+    // One library: named for its bytes; several: for their names and bytes.
+    let hash = match files {
+        [(_, bytes)] => content_name(bytes),
+        _ => {
+            let mut all = Vec::new();
+            for (name, bytes) in files {
+                all.extend_from_slice(name.as_bytes());
+                all.push(0);
+                all.extend_from_slice(bytes);
+            }
+            content_name(&all)
+        }
+    };
+    let base = format!("heapdump-agent-{hash}");
     let mut name = base.clone();
     let mut dir = our_directory(&tmp, &name)?;
     let mut tries = 0;

@@ -256,8 +256,10 @@ fn attach_held(a: AttachArgs) -> Result<i32> {
     let settings = settings_of(&a);
     let done =
         inject::inject(pid, &path, &Action::Attach { settings }).map_err(|e| explain(e, pid))?;
+    let mut resumed = None;
     match done.result as i32 {
         n if n > 0 => {}
+        -6 => resumed = Some(wait_resumed(pid)?),
         -2 => bail!("heapdump is attached to process {pid} already; nothing was changed"),
         -3 => bail!(
             "process {pid} was attached before with other settings, and the recording mode \
@@ -284,11 +286,17 @@ fn attach_held(a: AttachArgs) -> Result<i32> {
         ),
         _ => "exact mode".to_string(),
     };
+    let what = match resumed {
+        None => format!("{} relocation slots redirected", done.result),
+        Some(waited) => format!(
+            "the agent's own thread forgot the previous attach's records and redirected the \
+             slots in {:.1} ms",
+            waited.as_secs_f64() * 1e3
+        ),
+    };
     say(&format!(
-        "attached to {pid} ({name}): recording in {mode} from now on ({} relocation slots \
-         redirected; thread {} ran the load, stopped {:.1} ms; other threads stopped at most \
-         {:.1} ms)",
-        done.result,
+        "attached to {pid} ({name}): recording in {mode} from now on ({what}; thread {} ran the \
+         load, stopped {:.1} ms; other threads stopped at most {:.1} ms)",
         done.thread,
         done.stopped.as_secs_f64() * 1e3,
         done.others_stopped.as_secs_f64() * 1e3
@@ -303,6 +311,35 @@ fn attach_held(a: AttachArgs) -> Result<i32> {
     ));
     wait_or_interrupted(d);
     detach(DetachArgs { pid })
+}
+
+/// How long a re-attach may take the agent's own thread (forgetting the
+/// records the previous attach left: a million in well under a second).
+const RESUME_DEADLINE: Duration = Duration::from_secs(60);
+
+/// After a re-attach the agent finishes in its housekeeping thread (no
+/// thread of the program is held meanwhile): waits, bounded, until its
+/// header says attached; returns how long that took.
+fn wait_resumed(pid: u32) -> Result<Duration> {
+    let t0 = std::time::Instant::now();
+    loop {
+        match agent_state(pid) {
+            AgentState::Attached => return Ok(t0.elapsed()),
+            AgentState::Detached => {}
+            _ => bail!("process {pid} exited, or its regions went, while the agent re-attached"),
+        }
+        if t0.elapsed() > RESUME_DEADLINE {
+            bail!(
+                "the agent in {pid} did not finish re-attaching within {}s (its housekeeping \
+                 thread forgets the previous records first); heapdump list {pid} shows when it \
+                 records",
+                RESUME_DEADLINE.as_secs()
+            );
+        }
+        // A bounded poll of the target's header (nothing the target is
+        // asked to do): every 5 ms.
+        std::thread::sleep(Duration::from_millis(5));
+    }
 }
 
 /// SIGINT, SIGTERM and SIGHUP: the signals `attach` holds while it works
