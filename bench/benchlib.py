@@ -115,3 +115,17 @@ def tool(name, column):
         print(f"bench: {name} is not installed: the {column} column is left out "
               f"(Debian: apt-get install {name})", file=sys.stderr)
     return path
+
+
+def cpu_name():
+    """The CPU's model name and how many CPUs this machine has, for a
+    benchmark's heading."""
+    name = "unknown CPU"
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{name}, {os.cpu_count()} CPUs"

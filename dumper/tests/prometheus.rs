@@ -2,7 +2,11 @@
 //! `prometheus`): two instrumented C programs with known live sets, a
 //! scrape configuration with the bearer token, and Prometheus' own HTTP
 //! API asked for what it stored; a job without the token is refused and
-//! shown down. dist/prometheus's configuration and rules pass promtool.
+//! shown down. dist/prometheus's configuration and rules pass promtool;
+//! the classic text a scraper gets without asking for OpenMetrics passes
+//! `promtool check metrics`; every query of dist/grafana's dashboard runs
+//! against this Prometheus; a program that exits loses its series and the
+//! collector's health says why.
 
 mod common;
 
@@ -31,6 +35,27 @@ fn get(addr: &str, path: &str) -> Option<String> {
     s.read_to_end(&mut resp).ok()?;
     let text = String::from_utf8_lossy(&resp).into_owned();
     Some(text.split_once("\r\n\r\n")?.1.to_string())
+}
+
+/// The raw HTTP response (head and body) of `GET path` with `headers`.
+fn get_raw(addr: &str, path: &str, headers: &str) -> String {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(HANG_GUARD)).unwrap();
+    write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n{headers}\r\n").unwrap();
+    let mut resp = Vec::new();
+    s.read_to_end(&mut resp).unwrap();
+    String::from_utf8_lossy(&resp).into_owned()
+}
+
+/// Prometheus' status for a query: "success", or its error.
+fn query_status(prom: &str, q: &str) -> String {
+    let path = format!("/api/v1/query?query={}", form_urlencoded_encode(q));
+    let body = get(prom, &path).unwrap_or_default();
+    let j: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
+    match j["status"].as_str() {
+        Some("success") => "success".into(),
+        _ => format!("{}: {}", j["errorType"], j["error"]),
+    }
 }
 
 /// Prometheus' answer to an instant query: (labels, value) per series.
@@ -207,12 +232,111 @@ fn prometheus_scrapes_each_processs_heap_with_the_token_and_marks_a_tokenless_jo
         wait_for(&prom_addr, "up{job=\"heapdump\"}", |r| {
             r.len() == 1 && r[0].1 == 1.0
         });
+
+        // Without asking for OpenMetrics: the classic text, which promtool
+        // reads and lints.
+        let raw = get_raw(
+            &addr,
+            "/metrics",
+            "Authorization: Bearer t0ken-for-prometheus\r\n",
+        );
+        let (head, body) = raw.split_once("\r\n\r\n").unwrap();
+        assert!(head.contains("text/plain; version=0.0.4"), "{head}");
+        assert!(!body.contains("# EOF"), "{body}");
+        let mut check = Command::new("promtool")
+            .args(["check", "metrics"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        check
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(body.as_bytes())
+            .unwrap();
+        let out = check.wait_with_output().unwrap();
+        assert!(
+            out.status.success(),
+            "promtool check metrics: {}{}\n{body}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        // Asked for OpenMetrics (as Prometheus asks): OpenMetrics.
+        let raw = get_raw(
+            &addr,
+            "/metrics",
+            "Authorization: Bearer t0ken-for-prometheus\r\n\
+             Accept: application/openmetrics-text;version=1.0.0\r\n",
+        );
+        assert!(raw.contains("application/openmetrics-text"), "{raw}");
+        assert!(raw.trim_end().ends_with("# EOF"), "{raw}");
+
+        // The Grafana dashboard: valid JSON, every panel's query runs, the
+        // live-bytes and top-sites panels show both programs, and its
+        // variables list them.
+        let dash: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(
+                Path::new(env!("CARGO_MANIFEST_DIR"))
+                    .join("../dist/grafana/heapdump-dashboard.json"),
+            )
+            .unwrap(),
+        )
+        .unwrap();
+        let mut exprs = Vec::new();
+        for panel in dash["panels"].as_array().unwrap() {
+            for t in panel["targets"].as_array().unwrap() {
+                let e = t["expr"]
+                    .as_str()
+                    .unwrap()
+                    .replace("$process", ".*")
+                    .replace("$cgroup", ".*")
+                    .replace("$__rate_interval", "1m");
+                exprs.push((panel["title"].as_str().unwrap().to_string(), e));
+            }
+        }
+        assert!(exprs.len() >= 6, "{exprs:?}");
+        for (title, e) in &exprs {
+            assert_eq!(query_status(&prom_addr, e), "success", "{title}: {e}");
+        }
+        let panel = |title: &str| {
+            exprs
+                .iter()
+                .find(|(t, _)| t == title)
+                .map(|(_, e)| e.clone())
+                .unwrap()
+        };
+        wait_for(&prom_addr, &panel("Live heap per process"), |r| {
+            r.len() == 2
+        });
+        wait_for(
+            &prom_addr,
+            &panel("Top allocation sites (live bytes, stacked)"),
+            |r| r.len() >= 2,
+        );
+        let names = get(&prom_addr, "/api/v1/label/process/values").unwrap();
+        assert!(names.contains("hostile"), "{names}");
     }));
+    // A program that exits: its series end, and the health series says so.
+    let result = result.and_then(|()| {
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            drop(b);
+            wait_for(&prom_addr, "heapdump_live_bytes{job=\"heapdump\"}", |r| {
+                r.len() == 1 && r[0].0["pid"] == pa.as_str()
+            });
+            wait_for(
+                &prom_addr,
+                "heapdump_scrape_errors{job=\"heapdump\",reason=\"exited\"}",
+                |r| r.len() == 1 && r[0].1 == 1.0,
+            );
+        }))
+    });
     let _ = prom.kill();
     let _ = prom.wait();
     let _ = serve.kill();
     let _ = serve.wait();
-    drop((a, b));
+    drop(a);
     if let Err(e) = result {
         std::panic::resume_unwind(e);
     }

@@ -209,7 +209,7 @@ impl State {
     /// [`crate::formats::prometheus`]). Each process is walked as `top`
     /// does, without symbolizing; only its top sites are symbolized (the
     /// symbolizer caches every file it read).
-    fn metrics(&mut self) -> Reply {
+    fn metrics(&mut self, accept: Option<&str>) -> Reply {
         use crate::formats::prometheus::{self, ProcessLabels, Scraped};
         use crate::process::discovery::DiscoveryError;
         let mut scraped = Vec::new();
@@ -269,9 +269,17 @@ impl State {
                 took: t0.elapsed(),
             });
         }
-        Response::from_data(prometheus::render(&scraped, &errors).into_bytes()).with_header(
-            Header::from_bytes("Content-Type", prometheus::CONTENT_TYPE).expect("header"),
-        )
+        let text = prometheus::render(&scraped, &errors);
+        let (text, content_type) = if prometheus::wants_openmetrics(accept) {
+            (text, prometheus::CONTENT_TYPE)
+        } else {
+            (
+                prometheus::to_classic_text(&text),
+                prometheus::CLASSIC_CONTENT_TYPE,
+            )
+        };
+        Response::from_data(text.into_bytes())
+            .with_header(Header::from_bytes("Content-Type", content_type).expect("header"))
     }
 
     fn handle(&mut self, req: &Request) -> Reply {
@@ -279,7 +287,14 @@ impl State {
         let path = url.split('?').next().unwrap_or("");
         let params = query_params(&url);
         match path {
-            "/metrics" => self.metrics(),
+            "/metrics" => {
+                let accept = req
+                    .headers()
+                    .iter()
+                    .find(|h| h.field.equiv("Accept"))
+                    .map(|h| h.value.as_str().to_string());
+                self.metrics(accept.as_deref())
+            }
             "/debug/pprof/heap" | "/debug/pprof/allocs" | "/debug/pprof/heap.json" => {
                 let pid = match self.pick(&params) {
                     Ok(p) => p,

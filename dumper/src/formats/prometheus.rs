@@ -24,6 +24,11 @@
 //!   process and `heapdump_scrape_errors` (processes that could not be
 //!   read, by `reason`).
 //!
+//! The text is OpenMetrics when the scraper asks for it (Prometheus does,
+//! in its `Accept` header), else Prometheus' classic text format 0.0.4
+//! ([`to_classic_text`]): what `curl`, older agents and `promtool check
+//! metrics` read.
+//!
 //! Invariant: a process that exits between scrapes has no series in the
 //! next one (every scrape builds a fresh registry), so no stale gauge
 //! claims memory.
@@ -299,10 +304,89 @@ pub fn render(scraped: &[Scraped], errors: &[(u32, String)]) -> String {
 
 /// The content type of [`render`]'s text.
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+/// The content type of [`to_classic_text`]'s text.
+pub const CLASSIC_CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
+
+/// Whether a scraper's `Accept` header asks for OpenMetrics.
+pub fn wants_openmetrics(accept: Option<&str>) -> bool {
+    accept.is_some_and(|a| {
+        a.split(',').any(|part| {
+            let mut fields = part.split(';').map(str::trim);
+            let is_om = fields.next() == Some("application/openmetrics-text");
+            // `q=0` declines it.
+            is_om && !fields.any(|f| f.replace(' ', "") == "q=0")
+        })
+    })
+}
+
+/// [`render`]'s OpenMetrics text in Prometheus' classic text format
+/// 0.0.4: a counter's `# HELP`/`# TYPE` name its samples' `_total` name,
+/// `# UNIT` lines and the closing `# EOF` go; samples are the same lines.
+pub fn to_classic_text(openmetrics: &str) -> String {
+    let mut counters = std::collections::HashSet::new();
+    for line in openmetrics.lines() {
+        if let Some(name) = line
+            .strip_prefix("# TYPE ")
+            .and_then(|r| r.strip_suffix(" counter"))
+        {
+            counters.insert(name.to_string());
+        }
+    }
+    let mut out = String::with_capacity(openmetrics.len());
+    for line in openmetrics.lines() {
+        if line == "# EOF" || line.starts_with("# UNIT ") {
+            continue;
+        }
+        let renamed = ["# HELP ", "# TYPE "].iter().find_map(|p| {
+            let rest = line.strip_prefix(p)?;
+            let (name, tail) = rest.split_once(' ')?;
+            counters
+                .contains(name)
+                .then(|| format!("{p}{name}_total {tail}"))
+        });
+        out.push_str(renamed.as_deref().unwrap_or(line));
+        out.push('\n');
+    }
+    out
+}
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_classic_text_names_counters_by_their_samples_and_drops_eof() {
+        let om = "# HELP heapdump_allocated_bytes Bytes allocated.\n\
+                  # TYPE heapdump_allocated_bytes counter\n\
+                  heapdump_allocated_bytes_total{pid=\"1\"} 5\n\
+                  # HELP heapdump_live_bytes Live.\n\
+                  # TYPE heapdump_live_bytes gauge\n\
+                  heapdump_live_bytes{pid=\"1\"} 3\n\
+                  # EOF\n";
+        assert_eq!(
+            to_classic_text(om),
+            "# HELP heapdump_allocated_bytes_total Bytes allocated.\n\
+             # TYPE heapdump_allocated_bytes_total counter\n\
+             heapdump_allocated_bytes_total{pid=\"1\"} 5\n\
+             # HELP heapdump_live_bytes Live.\n\
+             # TYPE heapdump_live_bytes gauge\n\
+             heapdump_live_bytes{pid=\"1\"} 3\n"
+        );
+    }
+
+    #[test]
+    fn openmetrics_only_when_asked_for() {
+        assert!(!wants_openmetrics(None));
+        assert!(!wants_openmetrics(Some("*/*")));
+        assert!(!wants_openmetrics(Some("text/plain;version=0.0.4")));
+        assert!(wants_openmetrics(Some(
+            "application/openmetrics-text;version=1.0.0,application/openmetrics-text;\
+             version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
+        )));
+        assert!(!wants_openmetrics(Some(
+            "application/openmetrics-text; q=0, text/plain"
+        )));
+    }
 
     #[test]
     fn series_carry_the_processes_figures_and_names_are_escaped() {
