@@ -583,7 +583,11 @@ fn metrics_give_each_processs_heap_behind_a_token_and_end_with_the_process() {
         }
     }
     let auth = "Authorization: Bearer s3cret-token\r\n";
-    let (head, body) = http_get_with(&addr, "/metrics", auth);
+    // OpenMetrics when asked for, as Prometheus asks (the classic text
+    // otherwise: dumper/tests/prometheus.rs).
+    let om = "Authorization: Bearer s3cret-token\r\n\
+              Accept: application/openmetrics-text;version=1.0.0,text/plain;q=0.5\r\n";
+    let (head, body) = http_get_with(&addr, "/metrics", om);
     assert!(head.contains("openmetrics-text"), "{head}");
     let text = String::from_utf8(body).unwrap();
     // Exact mode, quiescent programs: each one's figures are its

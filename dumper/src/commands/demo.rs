@@ -86,6 +86,7 @@ pub fn demo(dir: &Path, env: &AgentEnv) -> Result<DemoReport, DemoError> {
                 request: None,
                 keep_allocator_frames: false,
                 ages: Default::default(),
+                addresses_only: false,
             },
         )?;
         formats::create_private_dir(dir).map_err(|source| DemoError::Write {

@@ -43,6 +43,7 @@ fn live(pid: u32) -> Result<(Snapshot, Option<Snapshot>)> {
                 keep_allocator_frames: false,
                 ages: Default::default(),
                 peak,
+                addresses_only: false,
             },
         )
         .with_context(|| format!("taking a snapshot of pid {pid}"))

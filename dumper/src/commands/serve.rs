@@ -169,6 +169,7 @@ impl State {
         pid: u32,
         ages: AgeFilter,
         symbolize: bool,
+        addresses_only: bool,
     ) -> Result<(snapshot::Snapshot, Vec<crate::symbolization::maps::Mapping>), TakeError> {
         if let std::collections::hash_map::Entry::Vacant(e) = self.targets.entry(pid) {
             e.insert(open_target(pid).map_err(TakeError::Open)?);
@@ -185,6 +186,7 @@ impl State {
                 request: None,
                 keep_allocator_frames: self.opts.keep_allocator_frames,
                 ages,
+                addresses_only,
             },
         );
         // A target that exited is forgotten once served (its pid may be
@@ -196,7 +198,7 @@ impl State {
     }
 
     fn snapshot(&mut self, pid: u32, ages: AgeFilter) -> Result<snapshot::Snapshot, Reply> {
-        match self.take(pid, ages, self.opts.symbolize) {
+        match self.take(pid, ages, self.opts.symbolize, false) {
             Ok((s, _)) => Ok(s),
             Err(TakeError::Open(e)) => Err(text(404, format!("{e}\n"))),
             Err(TakeError::Read(e)) => {
@@ -224,7 +226,7 @@ impl State {
                 continue;
             }
             let cgroup = prometheus::cgroup_of(pid);
-            let (mut snap, maps) = match self.take(pid, AgeFilter::default(), false) {
+            let (mut snap, maps) = match self.take(pid, AgeFilter::default(), false, true) {
                 Ok(t) => t,
                 Err(TakeError::Open(err)) => {
                     let why = match err {
@@ -248,11 +250,11 @@ impl State {
                 .collect();
             top.sort_by_key(|x| std::cmp::Reverse(x.live_bytes));
             top.truncate(self.opts.metrics_sites);
-            snap.sites = if self.opts.symbolize {
-                snapshot::symbolize_sites(top, &maps, Some(&mut self.symbolizer), false, false)
-            } else {
-                top
-            };
+            // Only these sites get frames (the snapshot was taken with
+            // addresses only: building frames for every site of a big
+            // process was most of a scrape's time).
+            let symbolizer = self.opts.symbolize.then_some(&mut self.symbolizer);
+            snap.sites = snapshot::symbolize_sites(top, &maps, symbolizer, false, false);
             scraped.push(Scraped {
                 labels: ProcessLabels {
                     pid: pid.to_string(),

@@ -58,6 +58,7 @@ pub fn command(a: SnapshotArgs) -> Result<i32> {
             keep_allocator_frames: a.sym.keep_allocator_frames,
             ages: a.ages.filter(),
             peak: a.peak,
+            addresses_only: false,
         },
     )
     .with_context(|| format!("taking a snapshot of pid {}", a.pid))?;

@@ -321,6 +321,7 @@ pub fn command(a: TopArgs) -> anyhow::Result<i32> {
                 request: None,
                 keep_allocator_frames: a.keep_allocator_frames,
                 ages: AgeFilter::default(),
+                addresses_only: false,
             },
         )
         .with_context(|| format!("taking a snapshot of pid {}", a.pid))?;

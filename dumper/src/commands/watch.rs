@@ -359,6 +359,7 @@ fn shoot(
             request,
             keep_allocator_frames: opts.keep_allocator_frames,
             ages: opts.ages,
+            addresses_only: false,
         },
     )
     .map_err(|source| WatchError::Snapshot { pid, source })?;
@@ -387,6 +388,7 @@ fn shoot(
                 request: None,
                 keep_allocator_frames: opts.keep_allocator_frames,
                 ages: opts.ages,
+                addresses_only: false,
             },
         )
         .map_err(|source| WatchError::Snapshot { pid, source })?;
