@@ -6,7 +6,8 @@
 //! the classic text a scraper gets without asking for OpenMetrics passes
 //! `promtool check metrics`; every query of dist/grafana's dashboard runs
 //! against this Prometheus; a program that exits loses its series and the
-//! collector's health says why.
+//! collector's health says why; the shipped remote-write and federation
+//! snippets carry the series to a central Prometheus.
 
 mod common;
 
@@ -91,6 +92,43 @@ fn form_urlencoded_encode(s: &str) -> String {
         .collect()
 }
 
+/// A Prometheus with `config` (written into `dir` as `name.yml`), its
+/// storage in `dir`, listening on a free port: (process, address).
+fn start_prometheus(
+    dir: &TempDir,
+    name: &str,
+    config: &str,
+    extra: &[&str],
+) -> (std::process::Child, String) {
+    let addr = format!("127.0.0.1:{}", free_port());
+    let file = dir.path(&format!("{name}.yml"));
+    std::fs::write(&file, config).unwrap();
+    let check = Command::new("promtool")
+        .args(["check", "config"])
+        .arg(&file)
+        .output()
+        .unwrap();
+    assert!(
+        check.status.success(),
+        "{name}: {}{}",
+        String::from_utf8_lossy(&check.stdout),
+        String::from_utf8_lossy(&check.stderr)
+    );
+    let child = Command::new("prometheus")
+        .arg(format!("--config.file={}", file.display()))
+        .arg(format!(
+            "--storage.tsdb.path={}",
+            dir.path(&format!("{name}-data")).display()
+        ))
+        .arg(format!("--web.listen-address={addr}"))
+        .args(extra)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    (child, addr)
+}
+
 /// Polls `q` until `done` holds (a bounded wait for Prometheus's scrapes,
 /// not a sleep that decides).
 fn wait_for(
@@ -172,7 +210,19 @@ fn prometheus_scrapes_each_processs_heap_with_the_token_and_marks_a_tokenless_jo
         .spawn()
         .unwrap();
     let addr = listening_addr(&Lines::new(serve.stdout.take().unwrap()).next());
-    let prom_addr = format!("127.0.0.1:{}", free_port());
+    // A central store fed by remote write, and a central Prometheus that
+    // federates from the host's: the shipped snippets, with this test's
+    // addresses.
+    let (mut central_rw, rw_addr) = start_prometheus(
+        &dir,
+        "central-rw",
+        "global:\n  scrape_interval: 1s\n",
+        &["--web.enable-remote-write-receiver"],
+    );
+    let remote_write = std::fs::read_to_string(dist.join("remote-write.yml"))
+        .unwrap()
+        .replace("central-store:9090", &rw_addr);
+    let prom_port = free_port();
     let config = format!(
         "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n\
          scrape_configs:\n\
@@ -180,24 +230,47 @@ fn prometheus_scrapes_each_processs_heap_with_the_token_and_marks_a_tokenless_jo
          \x20   authorization:\n      type: Bearer\n      credentials_file: {}\n\
          \x20   static_configs:\n      - targets: [\"{addr}\"]\n\
          \x20 - job_name: notoken\n    metrics_path: /metrics\n\
-         \x20   static_configs:\n      - targets: [\"{addr}\"]\n",
+         \x20   static_configs:\n      - targets: [\"{addr}\"]\n\
+         {remote_write}",
         token.display()
     );
-    std::fs::write(dir.path("prometheus.yml"), config).unwrap();
-    let mut prom = Command::new("prometheus")
-        .arg(format!(
-            "--config.file={}",
-            dir.path("prometheus.yml").display()
-        ))
-        .arg(format!(
-            "--storage.tsdb.path={}",
-            dir.path("data").display()
-        ))
-        .arg(format!("--web.listen-address={prom_addr}"))
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
+    // The host's Prometheus on a port chosen before its configuration.
+    let (mut prom, prom_addr) = {
+        let addr = format!("127.0.0.1:{prom_port}");
+        let file = dir.path("prometheus.yml");
+        std::fs::write(&file, &config).unwrap();
+        let check = Command::new("promtool")
+            .args(["check", "config"])
+            .arg(&file)
+            .output()
+            .unwrap();
+        assert!(
+            check.status.success(),
+            "{}",
+            String::from_utf8_lossy(&check.stdout)
+        );
+        let child = Command::new("prometheus")
+            .arg(format!("--config.file={}", file.display()))
+            .arg(format!(
+                "--storage.tsdb.path={}",
+                dir.path("data").display()
+            ))
+            .arg(format!("--web.listen-address={addr}"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        (child, addr)
+    };
+    let federate = std::fs::read_to_string(dist.join("federate.yml"))
+        .unwrap()
+        .replace("scrape_interval: 1m", "scrape_interval: 1s")
+        .replace(
+            "[\"host-prometheus-1:9090\", \"host-prometheus-2:9090\"]",
+            &format!("[\"{prom_addr}\"]"),
+        );
+    assert!(federate.contains(&prom_addr), "{federate}");
+    let (mut central_fed, fed_addr) = start_prometheus(&dir, "central-fed", &federate, &[]);
     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         // Each program's live bytes, as its snapshot gives them (exact
         // mode, the programs quiescent).
@@ -317,6 +390,21 @@ fn prometheus_scrapes_each_processs_heap_with_the_token_and_marks_a_tokenless_jo
         );
         let names = get(&prom_addr, "/api/v1/label/process/values").unwrap();
         assert!(names.contains("hostile"), "{names}");
+
+        // A fleet's central view: the same two series reach the store fed
+        // by remote write and the Prometheus that federates, with their
+        // values and labels.
+        for (what, central) in [("remote write", &rw_addr), ("federation", &fed_addr)] {
+            let got = wait_for(central, "heapdump_live_bytes{job=\"heapdump\"}", |r| {
+                r.len() == 2
+            });
+            for (m, v) in &live {
+                assert!(
+                    got.iter().any(|(g, w)| g["pid"] == m["pid"] && w == v),
+                    "{what}: {got:?} against {live:?}"
+                );
+            }
+        }
     }));
     // A program that exits: its series end, and the health series says so.
     let result = result.and_then(|()| {
@@ -332,8 +420,10 @@ fn prometheus_scrapes_each_processs_heap_with_the_token_and_marks_a_tokenless_jo
             );
         }))
     });
-    let _ = prom.kill();
-    let _ = prom.wait();
+    for p in [&mut prom, &mut central_rw, &mut central_fed] {
+        let _ = p.kill();
+        let _ = p.wait();
+    }
     let _ = serve.kill();
     let _ = serve.wait();
     drop(a);
