@@ -294,6 +294,12 @@ pub fn unescape_path(shown: &str) -> String {
 /// file-backed mappings.
 pub fn parse_maps(text: &str) -> Vec<Mapping> {
     let mut out = Vec::new();
+    // Files with no executable mapping at all, and their readable private
+    // mappings: what qemu-user shows for an emulated program's code (it
+    // maps the guest's files `r--p` and runs its own translation), whose
+    // return addresses the agent inside it records.
+    let mut executable_paths = std::collections::HashSet::new();
+    let mut readable_only = Vec::new();
     for line in text.lines() {
         let mut fields = line.splitn(6, ' ');
         let (Some(range), Some(perms), Some(offset), Some(_dev), Some(_inode)) = (
@@ -306,7 +312,11 @@ pub fn parse_maps(text: &str) -> Vec<Mapping> {
             continue;
         };
         let path = fields.next().unwrap_or("").trim_start();
-        if !perms.contains('x') || !path.starts_with('/') {
+        if !path.starts_with('/') {
+            continue;
+        }
+        let executable = perms.contains('x');
+        if !executable && perms != "r--p" {
             continue;
         }
         let Some((s, e)) = range.split_once('-') else {
@@ -322,15 +332,32 @@ pub fn parse_maps(text: &str) -> Vec<Mapping> {
         if start >= end {
             continue;
         }
-        out.push(Mapping {
+        let m = Mapping {
             start,
             end,
             offset,
             path: unescape_path(path),
             build_id: None,
             local: None,
-        });
+        };
+        if executable {
+            executable_paths.insert(m.path.clone());
+            out.push(m);
+        } else {
+            readable_only.push(m);
+        }
     }
+    // A data file a native program maps (a locale archive, a font) has no
+    // executable mapping either and is kept too: harmless, since frames
+    // are matched by address and no return address lands in data (its
+    // build ID read, if ever, is bounded like every read of a target's
+    // file).
+    out.extend(
+        readable_only
+            .into_iter()
+            .filter(|m| !executable_paths.contains(&m.path)),
+    );
+    out.sort_by_key(|m| m.start);
     out
 }
 
@@ -367,6 +394,32 @@ mod tests {
         assert_eq!(m[1].path, "/lib/with space.so (deleted)");
         assert!(find(&m, 0x55d0c0a20010).is_some());
         assert!(find(&m, 0x55d0c0a00010).is_none());
+    }
+
+    #[test]
+    fn an_emulated_programs_read_only_code_mappings_are_kept() {
+        // qemu-user: the guest's files are mapped without `x`.
+        let text = "\
+5500000000-5500001000 r--p 00000000 fe:00 7 /tmp/a64/prog
+5500020000-5500021000 rw-p 00010000 fe:00 7 /tmp/a64/prog
+55029a0000-5502b27000 r--p 00000000 fe:00 8 /usr/aarch64-linux-gnu/lib/libc.so.6
+5502b27000-5502b3c000 ---p 00187000 fe:00 8 /usr/aarch64-linux-gnu/lib/libc.so.6
+7ff5e1044000-7ff5e119a000 r-xp 00026000 fe:00 9 /usr/lib/x86_64-linux-gnu/libc.so.6
+7ff5e119a000-7ff5e11ed000 r--p 0017c000 fe:00 9 /usr/lib/x86_64-linux-gnu/libc.so.6
+";
+        let m = parse_maps(text);
+        let paths: Vec<_> = m.iter().map(|m| (m.start, m.path.as_str())).collect();
+        assert_eq!(
+            paths,
+            [
+                (0x5500000000, "/tmp/a64/prog"),
+                (0x55029a0000, "/usr/aarch64-linux-gnu/lib/libc.so.6"),
+                (0x7ff5e1044000, "/usr/lib/x86_64-linux-gnu/libc.so.6"),
+            ]
+        );
+        assert!(find(&m, 0x550000093c).is_some());
+        // The native library's data mapping stays out.
+        assert!(find(&m, 0x7ff5e119a010).is_none());
     }
 
     #[test]
