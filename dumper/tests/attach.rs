@@ -320,6 +320,71 @@ fn a_static_program_is_refused_before_anything_is_injected() {
 }
 
 #[test]
+fn a_program_without_dlopen_is_refused_before_anything_is_injected() {
+    // Dynamically linked (an interpreter), but no library at all.
+    let exe = compile_c_variant(
+        "nolibc",
+        "nolibc",
+        &[
+            "-nostdlib",
+            "-fno-stack-protector",
+            "-fPIE",
+            "-pie",
+            "-Wl,--as-needed",
+            "-Wl,-I/lib64/ld-linux-x86-64.so.2",
+        ],
+    );
+    let mut t = Target::spawn(Command::new(exe));
+    let pid = t.last_line()["ready ".len()..].trim().to_string();
+    let out = heapdump(&["attach", &pid]);
+    assert!(!out.status.success());
+    assert!(stderr(&out).contains("maps no dlopen"), "{}", stderr(&out));
+    // Untouched: it was never stopped, and answers.
+    t.send("");
+    t.wait_line("bye");
+    assert!(t.finish().success());
+}
+
+#[test]
+fn heapdump_does_not_attach_to_itself() {
+    // `exec` keeps the shell's pid: heapdump is asked to attach to itself.
+    let out = Command::new("sh")
+        .arg("-c")
+        .arg(format!("exec {} attach $$", bin()))
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains("is heapdump itself"),
+        "{}",
+        stderr(&out)
+    );
+}
+
+#[test]
+fn a_thread_on_a_tiny_stack_is_never_used_and_the_attach_gives_up_changing_nothing() {
+    // The only thread lives on a 16 KiB alternate signal stack: every
+    // round refuses it, and after its 40 rounds attach gives up.
+    let mut t = Target::spawn(Command::new(compile_c("altstack")));
+    let pid = t.pid();
+    let out = attach(pid, &[]);
+    assert!(!out.status.success());
+    let e = stderr(&out);
+    assert!(
+        e.contains("tried 40 times") && e.contains("of stack left below its stack pointer"),
+        "{e}"
+    );
+    assert!(e.contains("nothing was changed"), "{e}");
+    // Nothing was loaded, and the thread goes on.
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap();
+    assert!(!maps.contains("libheapdump_preload"), "{maps}");
+    t.send("ping");
+    t.wait_line("pong");
+    t.send("quit");
+    assert!(t.finish().success());
+}
+
+#[test]
 fn a_traced_process_is_refused_with_its_tracer_named() {
     let t = start();
     let pid = nix::unistd::Pid::from_raw(t.pid() as i32);
