@@ -414,6 +414,12 @@ extern "C" fn thread_exit(_value: *mut libc::c_void) {
                     w.resources.release_counters(block);
                 }
                 if let Some(block) = t.peak_block.take() {
+                    // SAFETY: gettid has no preconditions.
+                    let tid = unsafe { libc::syscall(libc::SYS_gettid) } as u64;
+                    w.resources.for_other_peak_blocks(tid, block, |b| {
+                        w.resources.release_counters(b);
+                        false
+                    });
                     w.resources.release_counters(block);
                 }
             }
@@ -969,7 +975,15 @@ fn after_removal(
     freed.size
 }
 
+/// Most peak blocks one thread holds (each counts the frees of several
+/// hundred to a thousand stacks; see `heapdump_table::resources_table`).
+const MAX_PEAK_BLOCKS: usize = 8;
+
 /// Counts `freed` in this thread's peak block (claimed at its first use).
+/// A block with no room for the stack is followed by another of the
+/// thread's, up to [`MAX_PEAK_BLOCKS`]; past them the free is counted as
+/// `PeakUncounted`, which `--peak` reports. When a block starts a new
+/// generation, the thread's other blocks (stale now) are given back.
 #[cold]
 fn count_peak_freed(
     t: &ThreadState,
@@ -978,12 +992,19 @@ fn count_peak_freed(
     freed: &heapdump_table::allocations_table::Freed,
     rate: u64,
 ) {
+    use heapdump_table::PeakAdd;
+    if t.peak_full_gen.get() == gen {
+        // Every block this thread may hold is full in this generation.
+        w.counters.on_dropped(DroppedReason::PeakUncounted);
+        return;
+    }
+    // SAFETY: gettid has no preconditions.
+    let tid = || unsafe { libc::syscall(libc::SYS_gettid) } as u64;
     let block = match t.peak_block.get() {
         Some(b) => b,
         None => {
-            // SAFETY: gettid has no preconditions.
-            let tid = unsafe { libc::syscall(libc::SYS_gettid) } as u64;
-            let Some(b) = w.resources.claim_peak_block(tid) else {
+            let Some(b) = w.resources.claim_peak_block(tid()) else {
+                w.counters.on_dropped(DroppedReason::PeakUncounted);
                 return;
             };
             t.peak_block.set(Some(b));
@@ -996,8 +1017,46 @@ fn count_peak_freed(
     } else {
         weighed(freed.size, rate)
     };
-    w.resources
-        .add_peak_freed(block, gen, freed.stack, count, bytes);
+    let add = |b| {
+        w.resources
+            .add_peak_freed(b, gen, freed.stack, count, bytes)
+    };
+    match add(block) {
+        PeakAdd::Added => {}
+        PeakAdd::AddedInNewGeneration => {
+            w.resources.for_other_peak_blocks(tid(), block, |b| {
+                w.resources.release_counters(b);
+                false
+            });
+        }
+        PeakAdd::Full => {
+            let tid = tid();
+            let (mut held, mut taken) = (1, None);
+            w.resources.for_other_peak_blocks(tid, block, |b| {
+                held += 1;
+                if add(b) != PeakAdd::Full {
+                    taken = Some(b);
+                }
+                taken.is_some() || held >= MAX_PEAK_BLOCKS
+            });
+            if taken.is_none() && held < MAX_PEAK_BLOCKS {
+                if let Some(b) = w.resources.claim_peak_block(tid) {
+                    if add(b) != PeakAdd::Full {
+                        taken = Some(b);
+                    } else {
+                        w.resources.release_counters(b);
+                    }
+                }
+            }
+            match taken {
+                Some(b) => t.peak_block.set(Some(b)),
+                None => {
+                    t.peak_full_gen.set(gen);
+                    w.counters.on_dropped(DroppedReason::PeakUncounted);
+                }
+            }
+        }
+    }
 }
 
 /// Whether this thread may hold a freed block back (see

@@ -102,6 +102,10 @@ pub struct ThreadState {
     /// heap's peak that were allocated before it (`heapdump_table::peak`);
     /// taken at its first such free.
     pub peak_block: Cell<Option<CounterBlock>>,
+    /// The peak generation in which every peak block this thread may hold
+    /// was full (0: none): its later frees from before the peak are then
+    /// counted as uncounted at once, without looking again.
+    pub peak_full_gen: Cell<u64>,
     /// Free table nodes and pending live bytes of this thread. Only
     /// touched through [`ThreadState::nodes`] while `busy` is set.
     nodes: UnsafeCell<NodeCache>,
@@ -134,6 +138,7 @@ thread_local! {
             tables: Cell::new(std::ptr::null_mut()),
             counters: Cell::new(None),
             peak_block: Cell::new(None),
+            peak_full_gen: Cell::new(0),
             nodes: UnsafeCell::new(NodeCache::new()),
             deferred: Cell::new([0; DEFER_DEPTH]),
             no_defer: Cell::new(false),
@@ -153,6 +158,7 @@ impl ThreadState {
         self.allocs.set(0);
         self.counters.set(None);
         self.peak_block.set(None);
+        self.peak_full_gen.set(0);
         self.generation.set(generation);
         // SAFETY: called with `busy` set (see `nodes`).
         unsafe { self.nodes() }.clear();

@@ -291,3 +291,52 @@ fn watch_writes_the_peak_beside_the_heap_at_death() {
     let p = read_json(std::path::Path::new(&peak.expect("the peak snapshot")));
     check_peak_composition(&p, false);
 }
+
+/// The blocks at the peak from site_leaf of tests/c/peak_stacks.c, and
+/// the snapshot's partial reason.
+fn peak_of_many_stacks(stacks: u32, dir: &TempDir) -> (u64, Value) {
+    let t = start("peak_stacks", &[&stacks.to_string()], &[]);
+    let file = dir.str(&format!("peak-{stacks}.json"));
+    let out = heapdump(&["snapshot", &t.pid().to_string(), "--peak", "-o", &file]);
+    let j = read_json(&dir.path(&format!("peak-{stacks}.json")));
+    let leaf: u64 = j["sites"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|s| {
+            s["frames"]
+                .as_array()
+                .is_some_and(|f| f.iter().any(|f| f["function"] == "site_leaf"))
+        })
+        .map(|s| s["live_blocks"].as_u64().unwrap())
+        .sum();
+    // Exit status 2 exactly when the snapshot says it is partial.
+    assert_eq!(
+        out.status.code() == Some(2),
+        !j["partial"].is_null(),
+        "{}",
+        stderr(&out)
+    );
+    (leaf, j["partial"].clone())
+}
+
+#[test]
+fn the_peak_counts_frees_from_thousands_of_stacks_and_says_when_it_could_not() {
+    let dir = TempDir::new("peak-stacks");
+    // 3000 stacks: more than one peak block holds; every one counted.
+    let (blocks, partial) = peak_of_many_stacks(3000, &dir);
+    assert_eq!(blocks, 3000);
+    assert!(partial.is_null(), "{partial}");
+    // 12000: beyond what a thread's peak blocks hold; the rest is
+    // counted as uncounted and the snapshot says so.
+    let (blocks, partial) = peak_of_many_stacks(12000, &dir);
+    assert!(blocks < 12000, "{blocks}");
+    let why = partial.as_str().unwrap_or("");
+    let uncounted: u64 = why
+        .split_whitespace()
+        .next()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0);
+    assert_eq!(blocks + uncounted, 12000, "{why}");
+    assert!(why.contains("could not be counted"), "{why}");
+}

@@ -303,6 +303,10 @@ pub enum DroppedReason {
     UnknownAddress = 3,
     /// The event happened before the agent could set up its regions.
     NotReady = 4,
+    /// A free of a block from before the heap's peak could not be counted
+    /// for the heap at the peak (its thread's peak blocks had no room for
+    /// its stack): `--peak` then shows less than the heap held.
+    PeakUncounted = 5,
 }
 
 /// Number of dropped-event counters in the header (room for growth).
@@ -310,12 +314,13 @@ pub const DROPPED_SLOTS: usize = 16;
 
 impl DroppedReason {
     /// Every reason, in counter order.
-    pub const ALL: [DroppedReason; 5] = [
+    pub const ALL: [DroppedReason; 6] = [
         DroppedReason::AllocationsFull,
         DroppedReason::ResourcesFull,
         DroppedReason::Reentrant,
         DroppedReason::UnknownAddress,
         DroppedReason::NotReady,
+        DroppedReason::PeakUncounted,
     ];
 
     /// Short stable name (used in JSON output).
@@ -326,6 +331,7 @@ impl DroppedReason {
             DroppedReason::Reentrant => "reentrant",
             DroppedReason::UnknownAddress => "unknown_address",
             DroppedReason::NotReady => "not_ready",
+            DroppedReason::PeakUncounted => "peak_uncounted",
         }
     }
 }

@@ -34,6 +34,6 @@ pub use header::{
 };
 pub use region::{monotonic_ns, RegionReader, RegionWriter};
 pub use resources_table::{
-    ResourceKey, ResourcesReader, ResourcesWriter, StackCatalog, StackRecord, ThreadRecord,
+    PeakAdd, ResourceKey, ResourcesReader, ResourcesWriter, StackCatalog, StackRecord, ThreadRecord,
 };
 pub use shared_view::SharedView;

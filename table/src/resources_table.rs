@@ -90,6 +90,18 @@ pub const COUNTER_SLOTS: u64 = 1024;
 /// shared counters.
 const COUNTER_PROBE: u64 = 8;
 
+/// What [`ResourcesWriter::add_peak_freed`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PeakAdd {
+    /// Counted.
+    Added,
+    /// Counted, in a block emptied first (its counts were of an older
+    /// generation): the owner's other peak blocks are stale now too.
+    AddedInNewGeneration,
+    /// The block had no room near the stack's place: not counted.
+    Full,
+}
+
 /// A counter block claimed by one writer thread (see the module docs).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CounterBlock(u64);
@@ -538,8 +550,7 @@ impl<'a> ResourcesWriter<'a> {
     /// Adds `count` blocks of `bytes` from stack `key`, freed since the
     /// peak of generation `gen` and allocated before it, to `block` (a peak
     /// block only the calling thread holds). The block is emptied first if
-    /// it holds another generation's counts. False when the block had no
-    /// room near the key's place (the event is then not counted).
+    /// it holds another generation's counts. Never allocates.
     pub fn add_peak_freed(
         &self,
         block: CounterBlock,
@@ -547,9 +558,10 @@ impl<'a> ResourcesWriter<'a> {
         key: ResourceKey,
         count: u64,
         bytes: u64,
-    ) -> bool {
+    ) -> PeakAdd {
         // SAFETY: the header word of a claimed block (see `slot_word`).
         let gen_word = unsafe { self.view.atomic_u64_unchecked(block.0 + PEAK_GEN_WORD) };
+        let mut emptied = false;
         if gen_word.load(Ordering::Relaxed) != gen {
             // Another generation's counts: mark the block as being emptied
             // (generation 0: readers skip it), empty it, then publish the
@@ -562,12 +574,55 @@ impl<'a> ResourcesWriter<'a> {
                 }
             }
             gen_word.store(gen, Ordering::Release);
+            emptied = true;
         }
         let Some(i) = self.find_slot(block, key) else {
-            return false;
+            return PeakAdd::Full;
         };
         self.add_to_slot(block, i, count, bytes);
-        true
+        if emptied {
+            PeakAdd::AddedInNewGeneration
+        } else {
+            PeakAdd::Added
+        }
+    }
+
+    /// Calls `f` with each peak block `owner` holds besides `keep`, until
+    /// `f` returns true (a bounded walk of the list; a damaged list ends it
+    /// early). Never allocates: the agent calls it while freeing.
+    pub fn for_other_peak_blocks(
+        &self,
+        owner: u64,
+        keep: CounterBlock,
+        mut f: impl FnMut(CounterBlock) -> bool,
+    ) {
+        let owner = owner.max(1);
+        let mut cur = self.word(W_PEAK_BLOCKS).load(Ordering::Acquire);
+        let mut steps = 0u64;
+        let max_steps = (self.layout.data_end - self.layout.data_off) / COUNTERS_HEADER + 1;
+        let size = COUNTERS_HEADER + COUNTER_SLOTS * COUNTER_SLOT;
+        while cur != 0 && steps < max_steps {
+            steps += 1;
+            let well_formed = cur.is_multiple_of(8)
+                && cur >= self.layout.data_off
+                && cur
+                    .checked_add(size)
+                    .is_some_and(|e| e <= self.layout.data_end)
+                && self.view.load_u64(cur) == Some(u64::from(TAG_PEAK) | COUNTER_SLOTS << 32);
+            if !well_formed {
+                return;
+            }
+            // Read the link first: `f` may give the block back.
+            let next = self.view.load_u64(cur + 8);
+            if cur != keep.0 && self.view.load_u64(cur + 16) == Some(owner) && f(CounterBlock(cur))
+            {
+                return;
+            }
+            let Some(next) = next else {
+                return;
+            };
+            cur = next;
+        }
     }
 
     /// Bytes of the data area in use.

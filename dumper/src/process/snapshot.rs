@@ -854,6 +854,14 @@ pub fn take(
     if let Some(p) = peak_partial.filter(|_| peak.is_some()) {
         partial.push(format!("peak blocks: {p}"));
     }
+    let uncounted = counters.dropped[DroppedReason::PeakUncounted as usize];
+    if uncounted > 0 && peak.is_some() {
+        partial.push(format!(
+            "{uncounted} free(s) of blocks from before the peak could not be counted (their \
+             threads' peak blocks had no room for so many stacks): the heap at the peak held \
+             more than shown"
+        ));
+    }
 
     // Threads: registration order.
     let mut threads: Vec<ThreadStat> = Vec::new();
