@@ -219,8 +219,15 @@ fn init(role: Role) -> Option<&'static Writers> {
             return None;
         };
         let mut config = config;
-        config.unwind = effective_unwind(config.unwind);
-        alloc.set_unwinder(config.unwind.code());
+        let wanted = config.unwind;
+        config.unwind = effective_unwind(wanted);
+        alloc.set_unwinder(if config.unwind != wanted {
+            // Said in every snapshot: stacks stop at code without frame
+            // pointers here, and why.
+            heapdump_table::header::Unwinder::FramePointerNoCfi.code()
+        } else {
+            config.unwind.code()
+        });
         alloc.set_sample_rate(config.sample_rate);
         crate::sampling::configure(config.sample_rate, config.sample_seed);
         (*WRITERS.0.get()).write(Writers {

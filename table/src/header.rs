@@ -162,6 +162,11 @@ pub enum Unwinder {
     CfiWithFramePointerFallback,
     /// CFI only (`HEAPDUMP_UNWIND=cfi`).
     Cfi,
+    /// Frame pointers only, though CFI was asked for: it is not available
+    /// where the agent runs (glibc before 2.35 has no `_dl_find_object`,
+    /// which the agent's CFI walk needs to find a counter's module without
+    /// a lock; or not x86_64).
+    FramePointerNoCfi,
 }
 
 impl Unwinder {
@@ -172,6 +177,7 @@ impl Unwinder {
             Unwinder::FramePointer => 1,
             Unwinder::CfiWithFramePointerFallback => 2,
             Unwinder::Cfi => 3,
+            Unwinder::FramePointerNoCfi => 4,
         }
     }
 
@@ -182,17 +188,20 @@ impl Unwinder {
             1 => Unwinder::FramePointer,
             2 => Unwinder::CfiWithFramePointerFallback,
             3 => Unwinder::Cfi,
+            4 => Unwinder::FramePointerNoCfi,
             _ => Unwinder::Unknown,
         }
     }
 
-    /// A short name for reports (`fp`, `cfi+fp`, `cfi`, `unknown`).
+    /// A short name for reports (`fp`, `cfi+fp`, `cfi`, `fp-no-cfi`,
+    /// `unknown`).
     pub fn name(self) -> &'static str {
         match self {
             Unwinder::Unknown => "unknown",
             Unwinder::FramePointer => "fp",
             Unwinder::CfiWithFramePointerFallback => "cfi+fp",
             Unwinder::Cfi => "cfi",
+            Unwinder::FramePointerNoCfi => "fp-no-cfi",
         }
     }
 }
@@ -219,6 +228,9 @@ pub enum HeapSource {
     JemallocStatsAllocated,
     /// tcmalloc's `generic.current_allocated_bytes`.
     TcmallocCurrentAllocated,
+    /// glibc's `mallinfo()` (before 2.33, which has no `mallinfo2`):
+    /// `uordblks + hblkhd` in 32-bit counters that wrap past 4 GiB.
+    GlibcMallinfo,
 }
 
 impl HeapSource {
@@ -228,6 +240,7 @@ impl HeapSource {
             HeapSource::GlibcMallinfo2 => 1,
             HeapSource::JemallocStatsAllocated => 2,
             HeapSource::TcmallocCurrentAllocated => 3,
+            HeapSource::GlibcMallinfo => 4,
         }
     }
 
@@ -237,6 +250,7 @@ impl HeapSource {
             1 => Some(HeapSource::GlibcMallinfo2),
             2 => Some(HeapSource::JemallocStatsAllocated),
             3 => Some(HeapSource::TcmallocCurrentAllocated),
+            4 => Some(HeapSource::GlibcMallinfo),
             _ => None,
         }
     }
@@ -247,6 +261,7 @@ impl HeapSource {
             HeapSource::GlibcMallinfo2 => "glibc's mallinfo2",
             HeapSource::JemallocStatsAllocated => "jemalloc's stats.allocated",
             HeapSource::TcmallocCurrentAllocated => "tcmalloc's current_allocated_bytes",
+            HeapSource::GlibcMallinfo => "glibc's mallinfo (32-bit: wraps past 4 GiB)",
         }
     }
 }

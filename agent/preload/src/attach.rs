@@ -291,15 +291,42 @@ fn allocator_heap() -> Option<(HeapSource, u64)> {
             fordblks: usize,
             keepcost: usize,
         }
-        let f = sym(c"mallinfo2")?;
-        // SAFETY: glibc's `struct mallinfo2 mallinfo2(void)`, returned in
-        // memory (the struct is larger than two words) as the C ABI says;
-        // the Rust declaration has the same layout and ABI.
+        if let Some(f) = sym(c"mallinfo2") {
+            // SAFETY: glibc's `struct mallinfo2 mallinfo2(void)`, returned
+            // in memory (the struct is larger than two words) as the C ABI
+            // says; the Rust declaration has the same layout and ABI.
+            let m = unsafe {
+                let f: unsafe extern "C" fn() -> MallInfo2 = std::mem::transmute(f);
+                f()
+            };
+            return Some((HeapSource::GlibcMallinfo2, (m.uordblks + m.hblkhd) as u64));
+        }
+        /// glibc's `struct mallinfo` (before 2.33 the only one): ten `int`s.
+        #[repr(C)]
+        #[allow(dead_code)] // the layout needs every field; two are read
+        struct MallInfo {
+            arena: c_int,
+            ordblks: c_int,
+            smblks: c_int,
+            hblks: c_int,
+            hblkhd: c_int,
+            usmblks: c_int,
+            fsmblks: c_int,
+            uordblks: c_int,
+            fordblks: c_int,
+            keepcost: c_int,
+        }
+        // glibc before 2.33: 32-bit counters, which wrap past 4 GiB (the
+        // source's name says so in every report).
+        let f = sym(c"mallinfo")?;
+        // SAFETY: glibc's `struct mallinfo mallinfo(void)`, returned in
+        // memory as the C ABI says; same layout and ABI here.
         let m = unsafe {
-            let f: unsafe extern "C" fn() -> MallInfo2 = std::mem::transmute(f);
+            let f: unsafe extern "C" fn() -> MallInfo = std::mem::transmute(f);
             f()
         };
-        return Some((HeapSource::GlibcMallinfo2, (m.uordblks + m.hblkhd) as u64));
+        let bytes = u64::from(m.uordblks as u32) + u64::from(m.hblkhd as u32);
+        return Some((HeapSource::GlibcMallinfo, bytes));
     }
     None
 }

@@ -24,7 +24,7 @@
 //!   "selection": null | {"older_than": null | "RFC 3339", "newer_than": null | "RFC 3339",
 //!                        "live_bytes", "live_blocks"},
 //!   "notes": ["what the snapshot cannot show, e.g. no allocation recorded and why"],
-//!   "unwinder": "cfi+fp" | "cfi" | "fp" | "unknown",
+//!   "unwinder": "cfi+fp" | "cfi" | "fp" | "fp-no-cfi" | "unknown",
 //!   "sampling": null | {"rate_bytes": 524288, "estimated": true},
 //!   "recording": null | {"attached_at": "RFC 3339", "detached_at": null | "RFC 3339",
 //!                        "allocator_heap": null | {"source", "bytes", "read_at"}},

@@ -62,6 +62,9 @@ pub fn render(s: &Snapshot, opts: TextOptions) -> String {
             "fp" => "frame pointers",
             "cfi" => "CFI",
             "cfi+fp" => "CFI and frame pointers",
+            "fp-no-cfi" =>
+                "frame pointers only (CFI needs glibc 2.35's _dl_find_object, missing here, or \
+                 x86_64: stacks stop at code built without frame pointers)",
             _ => "an unrecorded unwinder",
         }
     );
