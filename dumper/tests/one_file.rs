@@ -148,3 +148,59 @@ fn a_damaged_bundle_is_refused_with_a_clear_error_and_runs_nothing() {
     assert!(e.contains("damaged") && e.contains("checksum"), "{e}");
     assert!(!marker.exists(), "the program ran without its agent");
 }
+
+#[test]
+fn where_tmp_is_mounted_noexec_the_libraries_go_to_var_tmp() {
+    // SAFETY: geteuid has no preconditions.
+    let root = unsafe { libc::geteuid() } == 0;
+    if !heapdump_tests::real_dependency(
+        "root and unshare (a private mount namespace)",
+        root && Path::new("/usr/bin/unshare").exists(),
+    ) {
+        return;
+    }
+    // Outside /tmp (a tmpfs is mounted over it below), and two levels
+    // below target/debug (whose libraries `run` would otherwise find).
+    let home = heapdump_tests::profile_dir()
+        .join("one-file")
+        .join(format!("noexec-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&home);
+    std::fs::create_dir_all(&home).unwrap();
+    let tmp_home = TempDir::new("one-file-noexec");
+    let built = bundle(&tmp_home);
+    let exe = home.join("heapdump");
+    std::fs::copy(&built, &exe).unwrap();
+    let prog = home.join("attach_target");
+    std::fs::copy(compile_c("attach_target"), &prog).unwrap();
+    let mut cmd = Command::new("/usr/bin/unshare");
+    cmd.args(["-m", "--propagation", "private", "--", "sh", "-c"])
+        .arg(format!(
+            "mount -t tmpfs -o noexec none /tmp && exec {} run -- {}",
+            exe.display(),
+            prog.display()
+        ))
+        .env_remove("HEAPDUMP_PRELOAD")
+        .env_remove("LD_PRELOAD");
+    let mut t = Target::spawn(cmd);
+    let pid: u32 = t.last_line()["ready ".len()..].trim().parse().unwrap();
+    t.send("alloc");
+    t.wait_line("allocated");
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap();
+    let lib = maps
+        .lines()
+        .filter_map(|l| l.split_whitespace().nth(5))
+        .find(|p| p.ends_with("/libheapdump_preload.so"))
+        .unwrap_or_else(|| panic!("no agent mapped:\n{maps}"))
+        .to_string();
+    assert!(lib.starts_with("/var/tmp/heapdump-agent-"), "{lib}");
+    let out = TempDir::new("one-file-noexec-out");
+    let j = snapshot_sites(&exe, pid, &out, "noexec");
+    assert_eq!(
+        live_by_leaf(&j).get("site_after_malloc"),
+        Some(&(50, 50_000))
+    );
+    t.send("quit");
+    t.wait_line("eintr ");
+    assert!(t.finish().success());
+    let _ = std::fs::remove_dir_all(&home);
+}

@@ -14,8 +14,9 @@
 //!   directory, such as `/tmp`, counts as safe: nobody else can rename
 //!   what root put there).
 //! - Otherwise the bytes are copied to `/tmp/heapdump-agent-HASH/` inside
-//!   the target's root (HASH names the content). `/tmp` is resolved
-//!   without symbolic links; the directory is made with `mkdirat` (never
+//!   the target's root (HASH names the content; `/var/tmp` or `/dev/shm`
+//!   when `/tmp` is mounted `noexec`, where no library can be mapped
+//!   executable). The parent is resolved without symbolic links; the directory is made with `mkdirat` (never
 //!   following a link) or, if it exists, used only when it is a real
 //!   directory owned by heapdump's user and writable by no one else; else a
 //!   fresh directory with a random suffix is made. The file is written
@@ -131,7 +132,7 @@ fn our_directory(tmp: &OwnedFd, name: &str) -> Result<Option<OwnedFd>> {
     if made != 0 {
         let e = std::io::Error::last_os_error();
         if e.raw_os_error() != Some(libc::EEXIST) {
-            return Err(e).context(format!("creating /tmp/{name}"));
+            return Err(e).context(format!("creating {name}"));
         }
     }
     // O_NOFOLLOW: a symbolic link planted under this name is refused.
@@ -143,7 +144,7 @@ fn our_directory(tmp: &OwnedFd, name: &str) -> Result<Option<OwnedFd>> {
     ) {
         Ok(d) => d,
         Err(_) if made != 0 => return Ok(None),
-        Err(e) => return Err(e).context(format!("opening /tmp/{name}")),
+        Err(e) => return Err(e).context(format!("opening {name}")),
     };
     let st = target_files::fstat(&dir)?;
     if st.st_uid != euid() || st.st_mode & 0o022 != 0 {
@@ -244,24 +245,58 @@ pub fn place(pid: u32, lib: &Path) -> Result<Placement> {
     })
 }
 
+/// Where placement directories may go, in order: a directory owned by
+/// root (or heapdump's user), on a file system mounted without `noexec`
+/// (a library there could not be mapped executable: hardened hosts mount
+/// `/tmp` so).
+const PARENTS: [&str; 3] = ["/tmp", "/var/tmp", "/dev/shm"];
+
+/// The first of [`PARENTS`] inside `root` that can hold the library, and
+/// its open descriptor; an error saying why each was passed over.
+fn placement_parent(root: &TargetRoot) -> Result<(&'static str, OwnedFd)> {
+    let mut why = Vec::new();
+    for parent in PARENTS {
+        let dir = match root.resolve(Path::new(parent), true) {
+            Ok(d) => d,
+            Err(e) => {
+                why.push(format!("{parent}: {e}"));
+                continue;
+            }
+        };
+        let st = target_files::fstat(&dir)?;
+        if st.st_mode & libc::S_IFMT != libc::S_IFDIR || !(st.st_uid == 0 || st.st_uid == euid()) {
+            why.push(format!("{parent}: not a directory owned by root"));
+            continue;
+        }
+        // SAFETY: an all-zero statvfs is a valid value to be filled in.
+        let mut vfs: libc::statvfs = unsafe { std::mem::zeroed() };
+        // SAFETY: `dir` is an open descriptor, `vfs` a valid out pointer.
+        if unsafe { libc::fstatvfs(dir.as_raw_fd(), &mut vfs) } != 0 {
+            why.push(format!("{parent}: {}", std::io::Error::last_os_error()));
+            continue;
+        }
+        if vfs.f_flag & libc::ST_NOEXEC != 0 {
+            why.push(format!("{parent}: mounted noexec"));
+            continue;
+        }
+        return Ok((parent, dir));
+    }
+    bail!(
+        "no directory to place the agent library in ({}): pass --library (or set \
+         HEAPDUMP_PRELOAD) with a path the process sees, in a directory only root can write, on \
+         a file system mounted without noexec",
+        why.join("; ")
+    )
+}
+
 /// Puts `files` (name, bytes) into one directory of heapdump's own under
 /// `/tmp` inside `root`, named for their content, following the module's
 /// rules (made with `mkdirat`, trusted only when ours and writable by no
 /// one else, files written under a temporary name and renamed, each read
-/// back and compared). Returns the directory as seen inside `root`
-/// (`/tmp/heapdump-agent-HASH`).
+/// back and compared), under the first usable of [`PARENTS`]. Returns
+/// the directory as seen inside `root` (`/tmp/heapdump-agent-HASH`).
 pub fn place_files(root: &TargetRoot, files: &[(&str, &[u8])]) -> Result<String> {
-    let tmp = root
-        .resolve(Path::new("/tmp"), true)
-        .context("finding /tmp")?;
-    let st = target_files::fstat(&tmp)?;
-    if st.st_mode & libc::S_IFMT != libc::S_IFDIR || !(st.st_uid == 0 || st.st_uid == euid()) {
-        bail!(
-            "/tmp is not a directory owned by root, so the agent library cannot be placed there \
-             safely: pass --library (or set HEAPDUMP_PRELOAD) with a path in a directory only \
-             root can write"
-        );
-    }
+    let (parent, tmp) = placement_parent(root)?;
     // One library: named for its bytes; several: for their names and bytes.
     let hash = match files {
         [(_, bytes)] => content_name(bytes),
@@ -283,7 +318,7 @@ pub fn place_files(root: &TargetRoot, files: &[(&str, &[u8])]) -> Result<String>
         // Someone else holds the name: a fresh one of ours.
         tries += 1;
         if tries > 8 {
-            bail!("could not make a directory of heapdump's own under /tmp");
+            bail!("could not make a directory of heapdump's own under {parent}");
         }
         let mut r = [0u8; 8];
         // SAFETY: `r` is a valid 8-byte buffer (the system call: glibc's
@@ -306,11 +341,11 @@ pub fn place_files(root: &TargetRoot, files: &[(&str, &[u8])]) -> Result<String>
         if !holds_file(&dir, file, bytes) {
             write_file(&dir, file, bytes)?;
             if !holds_file(&dir, file, bytes) {
-                bail!("the copy of {file} in /tmp/{name} does not read back intact");
+                bail!("the copy of {file} in {parent}/{name} does not read back intact");
             }
         }
     }
-    let path = format!("/tmp/{name}");
+    let path = format!("{parent}/{name}");
     // The dlopen path must not contain what a C string cannot.
     if path.as_bytes().contains(&0) {
         bail!("bad placement path");
