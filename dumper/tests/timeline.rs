@@ -292,9 +292,11 @@ fn watch_writes_the_peak_beside_the_heap_at_death() {
     check_peak_composition(&p, false);
 }
 
-/// The blocks at the peak from site_leaf of tests/c/peak_stacks.c, and
-/// the snapshot's partial reason.
-fn peak_of_many_stacks(stacks: u32, dir: &TempDir) -> (u64, Value) {
+/// The blocks at the peak from site_leaf of tests/c/peak_stacks.c, the
+/// snapshot's partial reason, and how many of the 4 KiB blocks the
+/// stated tolerance allows to be missing (the last 1/64 of the rise may
+/// come after the recorded moment of the peak).
+fn peak_of_many_stacks(stacks: u32, dir: &TempDir) -> (u64, Value, u64) {
     let t = start("peak_stacks", &[&stacks.to_string()], &[]);
     let file = dir.str(&format!("peak-{stacks}.json"));
     let out = heapdump(&["snapshot", &t.pid().to_string(), "--peak", "-o", &file]);
@@ -317,26 +319,34 @@ fn peak_of_many_stacks(stacks: u32, dir: &TempDir) -> (u64, Value) {
         "{}",
         stderr(&out)
     );
-    (leaf, j["partial"].clone())
+    let slack = j["peak"]["tolerance"].as_u64().unwrap() / 4096 + 1;
+    (leaf, j["partial"].clone(), slack)
 }
 
 #[test]
 fn the_peak_counts_frees_from_thousands_of_stacks_and_says_when_it_could_not() {
     let dir = TempDir::new("peak-stacks");
-    // 3000 stacks: more than one peak block holds; every one counted.
-    let (blocks, partial) = peak_of_many_stacks(3000, &dir);
-    assert_eq!(blocks, 3000);
+    // 3000 stacks: more than one peak block holds; every one counted
+    // (within the stated tolerance), nothing partial.
+    let (blocks, partial, slack) = peak_of_many_stacks(3000, &dir);
+    assert!(
+        blocks <= 3000 && blocks + slack >= 3000,
+        "{blocks} (slack {slack})"
+    );
     assert!(partial.is_null(), "{partial}");
     // 12000: beyond what a thread's peak blocks hold; the rest is
     // counted as uncounted and the snapshot says so.
-    let (blocks, partial) = peak_of_many_stacks(12000, &dir);
-    assert!(blocks < 12000, "{blocks}");
+    let (blocks, partial, slack) = peak_of_many_stacks(12000, &dir);
     let why = partial.as_str().unwrap_or("");
+    assert!(why.contains("could not be counted"), "{why}");
     let uncounted: u64 = why
         .split_whitespace()
         .next()
         .and_then(|n| n.parse().ok())
         .unwrap_or(0);
-    assert_eq!(blocks + uncounted, 12000, "{why}");
-    assert!(why.contains("could not be counted"), "{why}");
+    assert!(uncounted > 0 && blocks < 12000, "{why}");
+    assert!(
+        blocks + uncounted <= 12000 && blocks + uncounted + slack >= 12000,
+        "{blocks} + {uncounted} (slack {slack}): {why}"
+    );
 }
