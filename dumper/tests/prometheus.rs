@@ -189,17 +189,24 @@ fn prometheus_scrapes_each_processs_heap_with_the_token_and_marks_a_tokenless_jo
         );
     }
 
-    // Two programs with known live sets.
-    let start = || {
+    // Two programs with known live sets (100 blocks of 300 bytes at
+    // site_hostile): one in exact mode, one sampled (one allocation per
+    // 256 bytes on average; a fixed seed, so the estimate is the same at
+    // every run).
+    let start = |sampled: bool| {
         let mut cmd = Command::new(compile_c("hostile"));
         cmd.env("LD_PRELOAD", preload_lib());
+        if sampled {
+            cmd.env("HEAPDUMP_SAMPLE_RATE", "256")
+                .env("HEAPDUMP_SAMPLE_SEED", "7");
+        }
         let mut t = Target::spawn(cmd);
         t.send("alloc");
         t.wait_line("allocated");
         t
     };
-    let a = start();
-    let b = start();
+    let a = start(false);
+    let b = start(true);
     let (pa, pb) = (a.pid().to_string(), b.pid().to_string());
     let mut serve = Command::new(bin())
         .args(["serve", "--listen", "127.0.0.1:0", "--token-file"])
@@ -272,8 +279,8 @@ fn prometheus_scrapes_each_processs_heap_with_the_token_and_marks_a_tokenless_jo
     assert!(federate.contains(&prom_addr), "{federate}");
     let (mut central_fed, fed_addr) = start_prometheus(&dir, "central-fed", &federate, &[]);
     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        // Each program's live bytes, as its snapshot gives them (exact
-        // mode, the programs quiescent).
+        // Each program's live bytes, as its snapshot gives them (the
+        // programs quiescent: in sampled mode the same estimate).
         let live = wait_for(&prom_addr, "heapdump_live_bytes{job=\"heapdump\"}", |r| {
             r.len() == 2
         });
@@ -297,7 +304,21 @@ fn prometheus_scrapes_each_processs_heap_with_the_token_and_marks_a_tokenless_jo
             "heapdump_site_live_bytes{job=\"heapdump\",site=\"site_hostile ← main\"}",
             |r| r.len() == 2,
         );
-        assert!(sites.iter().all(|(_, v)| *v == 30_000.0), "{sites:?}");
+        let site_of = |pid: &str| {
+            sites
+                .iter()
+                .find(|(m, _)| m["pid"] == pid)
+                .map(|(m, v)| (m["mode"].as_str().unwrap_or("").to_string(), *v))
+                .unwrap()
+        };
+        assert_eq!(site_of(&pa), ("exact".to_string(), 30_000.0), "{sites:?}");
+        // Sampled: an estimate of the 30 000 bytes; at this rate its
+        // standard deviation is about 2 000 bytes (each 300-byte block is
+        // sampled with probability 1 - e^(-300/256), weighed by its
+        // inverse), so it lies within five of them.
+        let (mode, v) = site_of(&pb);
+        assert_eq!(mode, "sampled");
+        assert!((20_000.0..=40_000.0).contains(&v), "{sites:?}");
         // The job without the token: refused (401), so down.
         wait_for(&prom_addr, "up{job=\"notoken\"}", |r| {
             r.len() == 1 && r[0].1 == 0.0
