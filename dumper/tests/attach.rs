@@ -346,6 +346,50 @@ fn a_program_without_dlopen_is_refused_before_anything_is_injected() {
 }
 
 #[test]
+fn a_user_who_may_not_debug_the_process_is_told_why_and_nothing_changes() {
+    // SAFETY: geteuid has no preconditions.
+    let root = unsafe { libc::geteuid() } == 0;
+    if !real_dependency(
+        "root and setpriv (another user's heapdump)",
+        root && std::path::Path::new("/usr/bin/setpriv").exists(),
+    ) {
+        return;
+    }
+    let t = start();
+    let out = Command::new("/usr/bin/setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups", "--"])
+        .arg(bin())
+        .args(["attach", &t.pid().to_string()])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let e = stderr(&out);
+    assert!(
+        e.contains("may not look into process") && e.contains("belongs to uid 0"),
+        "{e}"
+    );
+    let maps = std::fs::read_to_string(format!("/proc/{}/maps", t.pid())).unwrap();
+    assert!(!maps.contains("libheapdump_preload"), "{maps}");
+    // Attached by root, a detach by that user is refused for the same
+    // reason (not "not attached").
+    attach_ok(t.pid(), &[]);
+    let out = Command::new("/usr/bin/setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups", "--"])
+        .arg(bin())
+        .args(["detach", &t.pid().to_string()])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains("may not look into process"),
+        "{}",
+        stderr(&out)
+    );
+    detach_ok(t.pid());
+    quit_without_eintr(t);
+}
+
+#[test]
 fn heapdump_does_not_attach_to_itself() {
     // `exec` keeps the shell's pid: heapdump is asked to attach to itself.
     let out = Command::new("sh")

@@ -88,6 +88,24 @@ fn agent_state(pid: u32) -> AgentState {
     }
 }
 
+/// Whether heapdump may look into `pid` as a debugger would: reading its
+/// `/proc/PID/maps` takes the same permission as `ptrace` (a denial there
+/// used to surface later as a false reason, "maps no dlopen").
+fn check_access(pid: u32) -> Result<()> {
+    match std::fs::File::open(format!("/proc/{pid}/maps")) {
+        Ok(_) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => {
+            let name = crate::process::discovery::process_name(pid);
+            bail!(
+                "heapdump may not look into process {pid} ({name}): attaching takes the \
+                 permission a debugger needs ({})",
+                crate::attach::inject::permission_hint(pid, nix::errno::Errno::EACCES)
+            )
+        }
+        Err(e) => Err(e).with_context(|| format!("reading /proc/{pid}/maps")),
+    }
+}
+
 /// Refusals that need no ptrace: (process state, tracer).
 fn check_process(pid: u32) -> Result<()> {
     // SAFETY: getpid has no preconditions.
@@ -217,6 +235,7 @@ fn attach_held(a: AttachArgs) -> Result<i32> {
     let pid = a.pid;
     refuse_other_architectures()?;
     check_process(pid)?;
+    check_access(pid)?;
     let name = crate::process::discovery::process_name(pid);
     let state = agent_state(pid);
     match state {
@@ -389,6 +408,7 @@ pub fn detach(a: DetachArgs) -> Result<i32> {
     let pid = a.pid;
     refuse_other_architectures()?;
     check_process(pid)?;
+    check_access(pid)?;
     let name = crate::process::discovery::process_name(pid);
     match agent_state(pid) {
         AgentState::Attached => {}
