@@ -159,11 +159,11 @@ fn where_tmp_is_mounted_noexec_the_libraries_go_to_var_tmp() {
     ) {
         return;
     }
-    // Outside /tmp (a tmpfs is mounted over it below), and two levels
-    // below target/debug (whose libraries `run` would otherwise find).
-    let home = heapdump_tests::profile_dir()
-        .join("one-file")
-        .join(format!("noexec-{}", std::process::id()));
+    // Outside /tmp (a tmpfs is mounted over it below, and the checkout
+    // itself may be under /tmp), with no agent library in the directory
+    // or its parent (where `run` would otherwise find one).
+    let top = Path::new("/var/tmp").join(format!("heapdump-test-noexec-{}", std::process::id()));
+    let home = top.join("bin-dir");
     let _ = std::fs::remove_dir_all(&home);
     std::fs::create_dir_all(&home).unwrap();
     let tmp_home = TempDir::new("one-file-noexec");
@@ -202,5 +202,5 @@ fn where_tmp_is_mounted_noexec_the_libraries_go_to_var_tmp() {
     t.send("quit");
     t.wait_line("eintr ");
     assert!(t.finish().success());
-    let _ = std::fs::remove_dir_all(&home);
+    let _ = std::fs::remove_dir_all(&top);
 }
