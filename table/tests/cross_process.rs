@@ -169,7 +169,15 @@ fn per_stack_total(s: u64) -> (u64, u64) {
 
 #[test]
 fn parent_reads_child_regions_through_proc() {
-    let mut child = Command::new(std::env::current_exe().unwrap())
+    // Under an emulator (the aarch64 tests run in qemu-user, which cannot
+    // run a guest program's exec of another guest program by itself),
+    // the child goes through the same runner: HEAPDUMP_TEST_RUNNER, set by
+    // scripts/aarch64-qemu.
+    let runner = std::env::var("HEAPDUMP_TEST_RUNNER").unwrap_or_default();
+    let mut argv: Vec<String> = runner.split_whitespace().map(str::to_string).collect();
+    argv.push(std::env::current_exe().unwrap().display().to_string());
+    let mut child = Command::new(&argv[0])
+        .args(&argv[1..])
         .args(["--exact", "child", "--nocapture", "--test-threads=1"])
         .env(CHILD_ENV, "1")
         .stdin(Stdio::piped())
