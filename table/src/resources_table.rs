@@ -403,32 +403,21 @@ impl<'a> ResourcesWriter<'a> {
 
     fn claim_block(&self, list: u64, tag: u32, owner: u64) -> Option<CounterBlock> {
         let owner = owner.max(1);
-        let head = self.word(list).load(Ordering::Acquire);
-        let mut cur = head;
-        let mut steps = 0u64;
-        let limit = (self.layout.data_end - self.layout.data_off) / COUNTERS_HEADER + 1;
-        while cur != 0 && steps < limit {
-            steps += 1;
-            // Only a well-formed block inside the data area is reused: the
-            // counting path trusts a claimed block's bounds.
-            let size = COUNTERS_HEADER + COUNTER_SLOTS * COUNTER_SLOT;
-            let well_formed = cur.is_multiple_of(8)
-                && cur >= self.layout.data_off
-                && cur
-                    .checked_add(size)
-                    .is_some_and(|e| e <= self.layout.data_end)
-                && self.view.load_u64(cur) == Some(u64::from(tag) | COUNTER_SLOTS << 32);
-            if !well_formed {
-                break;
-            }
-            let w = self.view.atomic_u64(cur + 16)?;
+        let mut claimed = None;
+        self.for_each_block(list, tag, |cur| {
+            let Some(w) = self.view.atomic_u64(cur + 16) else {
+                return true;
+            };
             if w.load(Ordering::Relaxed) == 0
                 && w.compare_exchange(0, owner, Ordering::Acquire, Ordering::Relaxed)
                     .is_ok()
             {
-                return Some(CounterBlock(cur));
+                claimed = Some(CounterBlock(cur));
             }
-            cur = self.view.load_u64(cur + 8)?;
+            claimed.is_some()
+        });
+        if claimed.is_some() {
+            return claimed;
         }
         let size = COUNTERS_HEADER + COUNTER_SLOTS * COUNTER_SLOT;
         let off = self.reserve(size).ok()?;
@@ -597,25 +586,35 @@ impl<'a> ResourcesWriter<'a> {
         mut f: impl FnMut(CounterBlock) -> bool,
     ) {
         let owner = owner.max(1);
-        let mut cur = self.word(W_PEAK_BLOCKS).load(Ordering::Acquire);
+        self.for_each_block(W_PEAK_BLOCKS, TAG_PEAK, |cur| {
+            cur != keep.0 && self.view.load_u64(cur + 16) == Some(owner) && f(CounterBlock(cur))
+        });
+    }
+
+    /// Calls `f` with the offset of each block of the writer's list at
+    /// `list` (blocks tagged `tag`), until `f` returns true. Only
+    /// well-formed blocks inside the data area are handed out (the
+    /// counting path trusts a claimed block's bounds); the walk is bounded
+    /// and a damaged block ends it. The next link is read before `f` runs
+    /// (`f` may give the block back). Never allocates.
+    fn for_each_block(&self, list: u64, tag: u32, mut f: impl FnMut(u64) -> bool) {
+        let mut cur = self.word(list).load(Ordering::Acquire);
         let mut steps = 0u64;
-        let max_steps = (self.layout.data_end - self.layout.data_off) / COUNTERS_HEADER + 1;
+        let limit = (self.layout.data_end - self.layout.data_off) / COUNTERS_HEADER + 1;
         let size = COUNTERS_HEADER + COUNTER_SLOTS * COUNTER_SLOT;
-        while cur != 0 && steps < max_steps {
+        while cur != 0 && steps < limit {
             steps += 1;
             let well_formed = cur.is_multiple_of(8)
                 && cur >= self.layout.data_off
                 && cur
                     .checked_add(size)
                     .is_some_and(|e| e <= self.layout.data_end)
-                && self.view.load_u64(cur) == Some(u64::from(TAG_PEAK) | COUNTER_SLOTS << 32);
+                && self.view.load_u64(cur) == Some(u64::from(tag) | COUNTER_SLOTS << 32);
             if !well_formed {
                 return;
             }
-            // Read the link first: `f` may give the block back.
             let next = self.view.load_u64(cur + 8);
-            if cur != keep.0 && self.view.load_u64(cur + 16) == Some(owner) && f(CounterBlock(cur))
-            {
+            if f(cur) {
                 return;
             }
             let Some(next) = next else {
