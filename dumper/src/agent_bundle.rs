@@ -56,19 +56,6 @@ pub struct AgentLibraries {
     pub jemalloc: Option<Vec<u8>>,
 }
 
-/// FNV-1a, 64 bits, over `parts` in order (a check against damage, not
-/// against an adversary: the executable is our own).
-fn checksum(parts: &[&[u8]]) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for p in parts {
-        for b in *p {
-            h ^= u64::from(*b);
-            h = h.wrapping_mul(0x0100_0000_01b3);
-        }
-    }
-    h
-}
-
 fn word(footer: &[u8], i: usize) -> u64 {
     u64::from_le_bytes(footer[i * 8..i * 8 + 8].try_into().expect("8 bytes"))
 }
@@ -126,7 +113,7 @@ pub fn read_from(exe: &Path) -> Result<Option<AgentLibraries>> {
     let jemalloc = (w[3] != 0)
         .then(|| read_at(&mut file, w[2], w[3]))
         .transpose()?;
-    let sum = checksum(&[&preload, jemalloc.as_deref().unwrap_or(&[])]);
+    let sum = library_placement::fnv1a(&[&preload, jemalloc.as_deref().unwrap_or(&[])]);
     if sum != w[4] {
         bail!(
             "the agent libraries appended to {} are damaged (checksum mismatch): download the \
@@ -168,7 +155,7 @@ pub fn write_bundle(exe: &Path, libs: &AgentLibraries, out: &Path) -> Result<()>
         libs.preload.len() as u64,
         jem_off,
         jemalloc.len() as u64,
-        checksum(&[&libs.preload, jemalloc]),
+        library_placement::fnv1a(&[&libs.preload, jemalloc]),
         elf_len,
         0,
     ];

@@ -100,12 +100,18 @@ fn usable_in_place(root: &TargetRoot, lib: &Path, ours: &libc::stat) -> bool {
 /// bytes are compared in full), only so that one library version shares
 /// one directory.
 pub fn content_name(bytes: &[u8]) -> String {
+    format!("{:016x}", fnv1a(&[bytes]))
+}
+
+/// FNV-1a, 64 bits, over `parts` in order: a name for content, or a check
+/// against damage (not against an adversary).
+pub fn fnv1a(parts: &[&[u8]]) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in bytes {
+    for b in parts.iter().flat_map(|p| p.iter()) {
         h ^= u64::from(*b);
         h = h.wrapping_mul(0x0100_0000_01b3);
     }
-    format!("{h:016x}")
+    h
 }
 
 fn cstr(s: &str) -> Result<CString> {
