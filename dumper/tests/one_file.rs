@@ -41,16 +41,29 @@ fn run_bundled(exe: &Path, args: &[&str]) -> Output {
         .expect("run the bundled heapdump")
 }
 
-fn snapshot_sites(exe: &Path, pid: u32, dir: &TempDir, name: &str) -> serde_json::Value {
+/// The bundle's JSON snapshot of an attach_target that ran `alloc`, by
+/// leaf function, its 50 blocks at site_after_malloc checked.
+fn after_alloc_sites(
+    exe: &Path,
+    pid: u32,
+    dir: &TempDir,
+    name: &str,
+) -> std::collections::BTreeMap<String, (u64, u64)> {
     let file = dir.str(&format!("{name}.json"));
     let o = run_bundled(exe, &["snapshot", &pid.to_string(), "-o", &file]);
     assert!(o.status.success(), "{}", stderr(&o));
-    read_json(&dir.path(&format!("{name}.json")))
+    let sites = live_by_leaf(&read_json(&dir.path(&format!("{name}.json"))));
+    assert_eq!(
+        sites.get("site_after_malloc"),
+        Some(&(50, 50_000)),
+        "{name}: {sites:#?}"
+    );
+    sites
 }
 
-/// The agent library the process mapped, and that it is the very library
-/// the bundle carries, written out under /tmp.
-fn mapped_agent_is_the_bundled_one(pid: u32) {
+/// The agent library the process mapped: the very library the bundle
+/// carries, written out into a directory whose path starts with `under`.
+fn mapped_agent_is_the_bundled_one(pid: u32, under: &str) {
     let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap();
     let path = maps
         .lines()
@@ -59,8 +72,8 @@ fn mapped_agent_is_the_bundled_one(pid: u32) {
         .unwrap_or_else(|| panic!("no agent mapped in {pid}:\n{maps}"))
         .to_string();
     assert!(
-        path.starts_with("/tmp/heapdump-agent-"),
-        "the agent was loaded from {path}, not from the bundle's copy"
+        path.starts_with(under),
+        "the agent was loaded from {path}, not from the bundle's copy under {under}"
     );
     assert_eq!(
         std::fs::read(&path).unwrap(),
@@ -91,14 +104,8 @@ fn the_bundled_heapdump_alone_runs_attaches_and_snapshots_a_c_program() {
     let pid: u32 = t.last_line()["ready ".len()..].trim().parse().unwrap();
     t.send("alloc");
     t.wait_line("allocated");
-    mapped_agent_is_the_bundled_one(pid);
-    let j = snapshot_sites(&exe, pid, &out, "run");
-    let sites = live_by_leaf(&j);
-    assert_eq!(
-        sites.get("site_after_malloc"),
-        Some(&(50, 50_000)),
-        "{sites:#?}"
-    );
+    mapped_agent_is_the_bundled_one(pid, "/tmp/heapdump-agent-");
+    after_alloc_sites(&exe, pid, &out, "run");
     t.send("quit");
     t.wait_line("eintr ");
     assert!(t.finish().success());
@@ -112,14 +119,8 @@ fn the_bundled_heapdump_alone_runs_attaches_and_snapshots_a_c_program() {
     assert!(o.status.success(), "attach failed: {}", stderr(&o));
     t.send("alloc");
     t.wait_line("allocated");
-    mapped_agent_is_the_bundled_one(pid);
-    let j = snapshot_sites(&exe, pid, &out, "attach");
-    let sites = live_by_leaf(&j);
-    assert_eq!(
-        sites.get("site_after_malloc"),
-        Some(&(50, 50_000)),
-        "{sites:#?}"
-    );
+    mapped_agent_is_the_bundled_one(pid, "/tmp/heapdump-agent-");
+    let sites = after_alloc_sites(&exe, pid, &out, "attach");
     assert_eq!(sites.get("pre_attach"), None, "{sites:#?}");
     let o = run_bundled(&exe, &["detach", &pid.to_string()]);
     assert!(o.status.success(), "detach failed: {}", stderr(&o));
@@ -185,20 +186,9 @@ fn where_tmp_is_mounted_noexec_the_libraries_go_to_var_tmp() {
     let pid: u32 = t.last_line()["ready ".len()..].trim().parse().unwrap();
     t.send("alloc");
     t.wait_line("allocated");
-    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap();
-    let lib = maps
-        .lines()
-        .filter_map(|l| l.split_whitespace().nth(5))
-        .find(|p| p.ends_with("/libheapdump_preload.so"))
-        .unwrap_or_else(|| panic!("no agent mapped:\n{maps}"))
-        .to_string();
-    assert!(lib.starts_with("/var/tmp/heapdump-agent-"), "{lib}");
+    mapped_agent_is_the_bundled_one(pid, "/var/tmp/heapdump-agent-");
     let out = TempDir::new("one-file-noexec-out");
-    let j = snapshot_sites(&exe, pid, &out, "noexec");
-    assert_eq!(
-        live_by_leaf(&j).get("site_after_malloc"),
-        Some(&(50, 50_000))
-    );
+    after_alloc_sites(&exe, pid, &out, "noexec");
     t.send("quit");
     t.wait_line("eintr ");
     assert!(t.finish().success());

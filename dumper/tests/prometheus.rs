@@ -229,7 +229,6 @@ fn prometheus_scrapes_each_processs_heap_with_the_token_and_marks_a_tokenless_jo
     let remote_write = std::fs::read_to_string(dist.join("remote-write.yml"))
         .unwrap()
         .replace("central-store:9090", &rw_addr);
-    let prom_port = free_port();
     let config = format!(
         "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n\
          scrape_configs:\n\
@@ -241,34 +240,8 @@ fn prometheus_scrapes_each_processs_heap_with_the_token_and_marks_a_tokenless_jo
          {remote_write}",
         token.display()
     );
-    // The host's Prometheus on a port chosen before its configuration.
-    let (mut prom, prom_addr) = {
-        let addr = format!("127.0.0.1:{prom_port}");
-        let file = dir.path("prometheus.yml");
-        std::fs::write(&file, &config).unwrap();
-        let check = Command::new("promtool")
-            .args(["check", "config"])
-            .arg(&file)
-            .output()
-            .unwrap();
-        assert!(
-            check.status.success(),
-            "{}",
-            String::from_utf8_lossy(&check.stdout)
-        );
-        let child = Command::new("prometheus")
-            .arg(format!("--config.file={}", file.display()))
-            .arg(format!(
-                "--storage.tsdb.path={}",
-                dir.path("data").display()
-            ))
-            .arg(format!("--web.listen-address={addr}"))
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        (child, addr)
-    };
+    // The host's Prometheus, which scrapes serve and remote-writes.
+    let (mut prom, prom_addr) = start_prometheus(&dir, "prometheus", &config, &[]);
     let federate = std::fs::read_to_string(dist.join("federate.yml"))
         .unwrap()
         .replace("scrape_interval: 1m", "scrape_interval: 1s")
