@@ -319,12 +319,15 @@ fn mapping_of(maps: &str, addr: u64) -> Option<(u64, u64, bool)> {
     })
 }
 
-/// The address of `name` defined in a mapped library whose file name
-/// starts with one of `libs` (the first found).
+/// The address of `name` defined in a mapped glibc library of one of
+/// `libs` (stems, see [`super::is_glibc_library`]; the first found).
 fn function_in(modules: &mut Modules, libs: &[&str], name: &str) -> Option<u64> {
     let maps = modules.maps.clone();
     for lib in libs {
-        for m in maps.iter().filter(|m| m.basename().starts_with(lib)) {
+        for m in maps
+            .iter()
+            .filter(|m| super::is_glibc_library(m.basename(), lib))
+        {
             let Some(file) = modules.file(m) else {
                 continue;
             };
@@ -351,7 +354,7 @@ struct Loader {
 
 impl Loader {
     fn find(modules: &mut Modules) -> Option<Loader> {
-        let libs = ["libc.so", "libdl.so"];
+        let libs = ["libc", "libdl"];
         Some(Loader {
             dlopen: function_in(modules, &libs, "dlopen")?,
             dlsym: function_in(modules, &libs, "dlsym")?,

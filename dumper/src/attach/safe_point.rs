@@ -122,7 +122,7 @@ impl Danger {
         let maps = modules.maps.clone();
         for m in &maps {
             let base = m.basename();
-            if base.starts_with("ld-linux") || base.starts_with("ld-") && base.contains(".so") {
+            if super::is_glibc_library(base, "ld") {
                 d.ranges
                     .push((m.start, m.end, "in the dynamic loader".to_string()));
                 continue;
@@ -135,9 +135,10 @@ impl Danger {
                 ));
                 continue;
             }
-            let is_libc = base.starts_with("libc.so") || base.starts_with("libc-");
+            let is_libc = super::is_glibc_library(base, "libc");
             let is_cxx = base.starts_with("libstdc++") || base.starts_with("libc++");
-            let is_dl = base.starts_with("libdl.so") || base.starts_with("libpthread.so");
+            let is_dl = super::is_glibc_library(base, "libdl")
+                || super::is_glibc_library(base, "libpthread");
             if !(is_libc || is_cxx || is_dl) {
                 continue;
             }
