@@ -60,13 +60,21 @@ struct DlFindObject {
     reserved: [u64; 16],
 }
 
-/// Looks `_dl_find_object` up (may allocate: call during set-up only).
+/// Looks `_dl_find_object` up, and without it (glibc before 2.35) builds
+/// the agent's own module table ([`crate::module_table`]). May allocate
+/// (dlsym): call during set-up only. `table_only`: use the table even
+/// where glibc has `_dl_find_object` (`HEAPDUMP_MODULE_LOOKUP=table`).
 /// Returns whether CFI unwinding is possible in this process.
-pub fn init() -> bool {
-    // SAFETY: dlsym with a NUL-terminated name; the result is only stored.
-    let f = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"_dl_find_object".as_ptr()) } as usize;
+pub fn init(table_only: bool) -> bool {
+    let f = if table_only {
+        0
+    } else {
+        // SAFETY: dlsym with a NUL-terminated name; the result is only
+        // stored.
+        unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"_dl_find_object".as_ptr()) as usize }
+    };
     FIND_OBJECT.store(f, Ordering::Relaxed);
-    f != 0
+    f != 0 || crate::module_table::init()
 }
 
 /// Tells the unwinder a module may have been unloaded.
@@ -255,7 +263,11 @@ impl RuleCache {
         } else {
             key - 1
         };
-        let r = rule_for(addr);
+        let Some(r) = rule_for(addr) else {
+            // Not known right now (see `module_table`): the frame pointer
+            // for this frame, and nothing cached.
+            return (Rule::NO_CFI, 0);
+        };
         let o = if r.kind() == K_RSP_RA8 {
             (r.0 >> 8) as u32 - 8
         } else {
@@ -307,14 +319,23 @@ fn breg6_expression(expr: &[u8], deref: bool) -> Option<i64> {
     }
 }
 
-/// The rule for program counter `addr`, computed from its module's CFI.
-/// Cold: runs once per counter per thread (then the cache answers).
+/// The rule for program counter `addr`, computed from its module's CFI;
+/// `None` when its module cannot be told right now (the answer must not
+/// be cached). Cold: runs once per counter per thread (then the cache
+/// answers).
 #[cold]
 #[inline(never)]
-fn rule_for(addr: u64) -> Rule {
+fn rule_for(addr: u64) -> Option<Rule> {
     let f = FIND_OBJECT.load(Ordering::Relaxed);
     if f == 0 {
-        return Rule::NO_CFI;
+        // glibc before 2.35: the agent's own module table.
+        return match crate::module_table::find(addr as usize) {
+            crate::module_table::Lookup::Found { end, hdr, .. } if hdr != 0 => {
+                Some(rule_from_module(addr, hdr, end).unwrap_or(Rule::NO_CFI))
+            }
+            crate::module_table::Lookup::Transient => None,
+            _ => Some(Rule::NO_CFI),
+        };
     }
     // SAFETY: `f` is glibc's `int _dl_find_object(void *pc, struct
     // dl_find_object *result)`, which is lock-free and async-signal-safe;
@@ -326,14 +347,14 @@ fn rule_for(addr: u64) -> Rule {
         (find(addr as *mut c_void, &mut dlfo) == 0).then_some(dlfo)
     };
     let Some(dlfo) = found else {
-        return Rule::NO_CFI;
+        return Some(Rule::NO_CFI);
     };
     let hdr = dlfo.eh_frame as usize;
     let end = dlfo.map_end as usize;
     if hdr == 0 || end <= hdr {
-        return Rule::NO_CFI;
+        return Some(Rule::NO_CFI);
     }
-    rule_from_module(addr, hdr, end).unwrap_or(Rule::NO_CFI)
+    Some(rule_from_module(addr, hdr, end).unwrap_or(Rule::NO_CFI))
 }
 
 /// Evaluates the CFI of the module whose `.eh_frame_hdr` is at `hdr` (its
@@ -869,7 +890,7 @@ mod tests {
 
     #[test]
     fn walks_that_reuse_the_previous_walk_equal_fresh_walks() {
-        assert!(init());
+        assert!(init(false));
         let cache = RuleCache::new();
         let mut memo = StackMemo::new();
         // Depths that share the outer frames with the walk before them in
@@ -906,7 +927,7 @@ mod tests {
 
     #[test]
     fn cfi_walk_sees_the_recursion_and_its_callers_and_repeats_exactly() {
-        assert!(init(), "_dl_find_object is present in glibc >= 2.35");
+        assert!(init(false), "_dl_find_object is present in glibc >= 2.35");
         let cache = RuleCache::new();
         let mut runs = Vec::new();
         // One call site, so every run walks the same frames: the first
@@ -930,5 +951,50 @@ mod tests {
         assert!(same >= 15, "{first:x?}");
         assert_eq!(&runs[1], first);
         assert_eq!(&runs[2], first);
+    }
+
+    #[test]
+    fn the_module_table_finds_the_same_rules_as_dl_find_object() {
+        assert!(init(false), "_dl_find_object is present in glibc >= 2.35");
+        assert!(crate::module_table::init());
+        let f = FIND_OBJECT.load(Ordering::Relaxed);
+        // Counters in this test binary, in libc, and in the loader.
+        let mut pcs = vec![
+            the_module_table_finds_the_same_rules_as_dl_find_object as *const () as usize + 4,
+            recurse as *const () as usize + 8,
+            libc::malloc as *const () as usize + 16,
+            libc::qsort as *const () as usize + 12,
+            libc::dlsym as *const () as usize + 4,
+        ];
+        let mut out = [0u64; 64];
+        let n = recurse(5, &mut out, &RuleCache::new(), false);
+        pcs.extend(out[..n].iter().map(|&pc| pc as usize - 1));
+        let mut compared = 0;
+        for pc in pcs {
+            // SAFETY: as in `rule_for`.
+            let dlfo = unsafe {
+                let find: unsafe extern "C" fn(*mut c_void, *mut DlFindObject) -> libc::c_int =
+                    std::mem::transmute(f);
+                let mut dlfo: DlFindObject = std::mem::zeroed();
+                (find(pc as *mut c_void, &mut dlfo) == 0).then_some(dlfo)
+            }
+            .expect("every counter here is in a loaded module");
+            let crate::module_table::Lookup::Found { start, end, hdr } =
+                crate::module_table::find(pc)
+            else {
+                panic!("{pc:#x} not in the module table");
+            };
+            assert_eq!(
+                (start, end, hdr),
+                (
+                    dlfo.map_start as usize,
+                    dlfo.map_end as usize,
+                    dlfo.eh_frame as usize
+                ),
+                "{pc:#x}"
+            );
+            compared += 1;
+        }
+        assert!(compared >= 8);
     }
 }

@@ -61,6 +61,11 @@ pub struct Config {
     pub quiet: bool,
     /// `HEAPDUMP_UNWIND`: how stacks are walked (default `auto`).
     pub unwind: UnwindMode,
+    /// `HEAPDUMP_MODULE_LOOKUP=table`: find a counter's module (for CFI)
+    /// in the agent's own table even where glibc has `_dl_find_object`,
+    /// as on glibc before 2.35 (`auto`, the default: glibc's where it has
+    /// one). See `module_table`.
+    pub module_table: bool,
     /// `HEAPDUMP_SAMPLE_RATE`: mean bytes between sampled allocations
     /// (`512KiB`, `2MiB`, `524288`); 0 (the default): every allocation.
     pub sample_rate: u64,
@@ -84,6 +89,7 @@ impl Default for Config {
             resources_bytes: 256 << 20,
             quiet: false,
             unwind: UnwindMode::Auto,
+            module_table: false,
             sample_rate: 0,
             sample_seed: 0,
             ablate: 0,
@@ -329,6 +335,13 @@ impl Config {
                 _ => w.bad_unwind = true,
             }
         }
+        if let Some(v) = env(c"HEAPDUMP_MODULE_LOOKUP") {
+            match v {
+                b"auto" => c.module_table = false,
+                b"table" => c.module_table = true,
+                _ => w.bad_module_lookup = true,
+            }
+        }
         if let Some(v) = env(c"HEAPDUMP_SAMPLE_RATE") {
             let n = std::str::from_utf8(v)
                 .ok()
@@ -368,6 +381,8 @@ pub struct Warnings {
     pub bad_resources: bool,
     /// `HEAPDUMP_UNWIND` invalid.
     pub bad_unwind: bool,
+    /// `HEAPDUMP_MODULE_LOOKUP` invalid.
+    pub bad_module_lookup: bool,
     /// `HEAPDUMP_SAMPLE_RATE` or `HEAPDUMP_SAMPLE_SEED` invalid.
     pub bad_sample_rate: bool,
 }

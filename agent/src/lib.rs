@@ -22,6 +22,8 @@ pub mod config;
 mod global_alloc;
 pub mod initial_exec_tls;
 pub mod jemalloc_calls;
+#[cfg(target_arch = "x86_64")]
+pub mod module_table;
 pub mod recorder;
 pub mod sampling;
 mod signal;

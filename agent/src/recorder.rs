@@ -134,6 +134,10 @@ fn report_warnings(w: &Warnings) {
             b"heapdump: ignoring invalid HEAPDUMP_UNWIND (auto, cfi or fp)\n",
         ),
         (
+            w.bad_module_lookup,
+            b"heapdump: ignoring invalid HEAPDUMP_MODULE_LOOKUP (auto or table)\n",
+        ),
+        (
             w.bad_sample_rate,
             b"heapdump: ignoring invalid HEAPDUMP_SAMPLE_RATE / HEAPDUMP_SAMPLE_SEED (bytes such as 512KiB; a number)\n",
         ),
@@ -220,7 +224,7 @@ fn init(role: Role) -> Option<&'static Writers> {
         };
         let mut config = config;
         let wanted = config.unwind;
-        config.unwind = effective_unwind(wanted);
+        config.unwind = effective_unwind(wanted, config.module_table);
         alloc.set_unwinder(if config.unwind != wanted {
             // Said in every snapshot: stacks stop at code without frame
             // pointers here, and why.
@@ -295,15 +299,16 @@ fn init(role: Role) -> Option<&'static Writers> {
     Some(w)
 }
 
-/// The unwinder that can be used for `wanted`: CFI needs glibc's
-/// `_dl_find_object` (2.35+) and x86_64; otherwise frame pointers.
-/// May allocate (dlsym): called during set-up only.
-fn effective_unwind(wanted: UnwindMode) -> UnwindMode {
+/// The unwinder that can be used for `wanted`: CFI needs x86_64 and a
+/// way to find a counter's module (glibc's `_dl_find_object`, 2.35+, or
+/// the agent's own table: `module_table` forces it); otherwise frame
+/// pointers. May allocate (dlsym): called during set-up only.
+fn effective_unwind(wanted: UnwindMode, module_table: bool) -> UnwindMode {
     #[cfg(target_arch = "x86_64")]
-    if wanted != UnwindMode::FramePointer && crate::cfi_unwind::init() {
+    if wanted != UnwindMode::FramePointer && crate::cfi_unwind::init(module_table) {
         return wanted;
     }
-    let _ = wanted;
+    let _ = (wanted, module_table);
     UnwindMode::FramePointer
 }
 

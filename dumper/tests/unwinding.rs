@@ -64,9 +64,16 @@ fn build_chain_program() -> PathBuf {
 }
 
 fn under_agent(exe: &Path, unwind: &str) -> Target {
+    under_agent_finding_modules_by(exe, unwind, "auto")
+}
+
+/// `lookup`: `HEAPDUMP_MODULE_LOOKUP` (`table`: the agent's own module
+/// table, what glibc before 2.35 gets, instead of `_dl_find_object`).
+fn under_agent_finding_modules_by(exe: &Path, unwind: &str, lookup: &str) -> Target {
     let mut cmd = Command::new(exe);
     cmd.env("LD_PRELOAD", preload_lib())
-        .env("HEAPDUMP_UNWIND", unwind);
+        .env("HEAPDUMP_UNWIND", unwind)
+        .env("HEAPDUMP_MODULE_LOOKUP", lookup);
     Target::spawn(cmd)
 }
 
@@ -144,10 +151,10 @@ fn down_to_main(site: &Value) -> Vec<String> {
     f[..=end].to_vec()
 }
 
-fn check_chain_program(unwind: &str) {
+fn check_chain_program(unwind: &str, lookup: &str) {
     let exe = chain_program();
-    let mut target = under_agent(&exe, unwind);
-    let j = snapshot(target.pid(), &format!("chain-{unwind}"));
+    let mut target = under_agent_finding_modules_by(&exe, unwind, lookup);
+    let j = snapshot(target.pid(), &format!("chain-{unwind}-{lookup}"));
     assert!(j["partial"].is_null());
     assert_eq!(
         j["unwinder"],
@@ -221,12 +228,17 @@ fn check_chain_program(unwind: &str) {
 
 #[test]
 fn whole_chains_through_an_executable_and_library_without_frame_pointers() {
-    check_chain_program("auto");
+    check_chain_program("auto", "auto");
+}
+
+#[test]
+fn the_agents_module_table_for_old_glibc_gives_the_same_chains() {
+    check_chain_program("auto", "table");
 }
 
 #[test]
 fn cfi_only_mode_gives_the_same_chains() {
-    check_chain_program("cfi");
+    check_chain_program("cfi", "auto");
 }
 
 #[test]
@@ -303,13 +315,34 @@ fn debian_python3_allocations_reach_py_bytesmain_through_the_interpreter() {
 
 #[test]
 fn dlclose_while_threads_allocate_then_another_library_at_the_same_place() {
-    let a = compile_nofp("dl_a.c", "libdl_a.so", &["-fPIC", "-shared"]);
-    let b = compile_nofp("dl_b.c", "libdl_b.so", &["-fPIC", "-shared"]);
-    let exe = compile_nofp("dlstress.c", "dlstress", &["-ldl"]);
+    check_dlclose_stress("auto");
+}
+
+#[test]
+fn dlclose_and_a_library_at_the_same_place_with_the_agents_module_table() {
+    check_dlclose_stress("table");
+}
+
+fn check_dlclose_stress(lookup: &str) {
+    // Built per test (the two run in parallel in one process).
+    let a = compile_nofp(
+        "dl_a.c",
+        &format!("libdl_a-{lookup}.so"),
+        &["-fPIC", "-shared"],
+    );
+    let b = compile_nofp(
+        "dl_b.c",
+        &format!("libdl_b-{lookup}.so"),
+        &["-fPIC", "-shared"],
+    );
+    let exe = compile_nofp("dlstress.c", &format!("dlstress-{lookup}"), &["-ldl"]);
     let mut cmd = Command::new(&exe);
-    cmd.arg(&a).arg(&b).env("LD_PRELOAD", preload_lib());
+    cmd.arg(&a)
+        .arg(&b)
+        .env("LD_PRELOAD", preload_lib())
+        .env("HEAPDUMP_MODULE_LOOKUP", lookup);
     let mut target = Target::spawn(cmd);
-    let j = snapshot(target.pid(), "dlstress");
+    let j = snapshot(target.pid(), &format!("dlstress-{lookup}"));
     assert!(j["partial"].is_null());
     // B's blocks, whatever address B took (the program says; usually A's):
     // 2 threads x 50 blocks, the stack through B's function and the

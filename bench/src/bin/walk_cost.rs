@@ -136,7 +136,7 @@ mod x86_64 {
             }
         }
         assert!(
-            cfi_unwind::init(),
+            cfi_unwind::init(false),
             "CFI unwinding needs glibc's _dl_find_object"
         );
         let cache = Box::new(cfi_unwind::RuleCache::new());

@@ -1,0 +1,331 @@
+//! Where each loaded module's CFI is, for glibc before 2.35: the CFI
+//! unwinder's stand-in for `_dl_find_object` (RHEL 8 and 9, Debian 11,
+//! Ubuntu 20.04 and older have none).
+//!
+//! A table of the loaded modules (mapping range and `.eh_frame_hdr`),
+//! built with `dl_iterate_phdr` off the hot path and read lock-free by
+//! [`crate::cfi_unwind`] when a thread's rule cache misses.
+//!
+//! Invariants:
+//! - One writer at a time (a try-lock: a thread that finds another
+//!   rebuilding does not wait, its lookup is [`Lookup::Transient`]).
+//!   Readers never wait either: the table is a seqlock (odd while being
+//!   written); a lookup that overlaps a rebuild is `Transient`, which the
+//!   caller must not cache.
+//! - Every entry describes a module that was loaded when the table was
+//!   built. A module can leave only through `dlclose`: the preload's
+//!   `dlclose` hook calls [`closing`] before forwarding (lookups answer
+//!   `Transient` from then on) and [`closed`] after, which rebuilds the
+//!   table before lookups use it again. So a lookup never returns a range
+//!   of an unloaded module, and a program counter on the caller's own
+//!   stack, found inside an entry's range, is inside that module, which
+//!   stays loaded while it runs (as with `_dl_find_object`).
+//! - A program counter in no entry (a module loaded since the table was
+//!   built, or JIT code) makes the lookup ask the loader whether modules
+//!   were added or removed since (`dl_iterate_phdr`'s `dlpi_adds` and
+//!   `dlpi_subs`, read from the first module only) and rebuild if so; JIT
+//!   code then answers `Missing`, which the rule cache keeps.
+//! - `dl_iterate_phdr` takes the loader's (recursive) lock: called only
+//!   on a rule-cache miss, never while this thread holds one of the
+//!   agent's locks or is inside the allocator, and its callback neither
+//!   allocates nor locks.
+
+use std::ffi::{c_int, c_void};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+
+/// Most modules the table holds; modules beyond it have no CFI here (the
+/// frame pointer is used for their frames).
+pub const MAX_MODULES: usize = 2048;
+
+/// One module: `[start, end)` spans its loaded segments, `hdr` is the
+/// address of its `.eh_frame_hdr` (0: none).
+struct Entry {
+    start: AtomicUsize,
+    end: AtomicUsize,
+    hdr: AtomicUsize,
+}
+
+#[allow(clippy::declare_interior_mutable_const)]
+const EMPTY: Entry = Entry {
+    start: AtomicUsize::new(0),
+    end: AtomicUsize::new(0),
+    hdr: AtomicUsize::new(0),
+};
+
+/// Entries sorted by `start`, `LEN` of them valid.
+static ENTRIES: [Entry; MAX_MODULES] = [EMPTY; MAX_MODULES];
+static LEN: AtomicUsize = AtomicUsize::new(0);
+/// Seqlock over `ENTRIES` and `LEN`: odd while a rebuild writes them.
+static SEQ: AtomicU64 = AtomicU64::new(0);
+/// The writers' try-lock.
+static WRITING: AtomicBool = AtomicBool::new(false);
+/// `dlclose` calls under way (see the module doc).
+static CLOSING: AtomicUsize = AtomicUsize::new(0);
+/// The loader's `adds + subs` when the table was last built.
+static BUILT_AT: AtomicU64 = AtomicU64::new(u64::MAX);
+/// Whether the table is in use (set by [`init`]).
+static ENABLED: AtomicBool = AtomicBool::new(false);
+
+/// What [`find`] knows of a program counter.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Lookup {
+    /// In this loaded module: its mapping `[start, end)` and its
+    /// `.eh_frame_hdr` (0: none).
+    Found {
+        /// The module's lowest mapped address.
+        start: usize,
+        /// Its end.
+        end: usize,
+        /// Its `.eh_frame_hdr`, or 0.
+        hdr: usize,
+    },
+    /// In no module (JIT code, or the table is full).
+    Missing,
+    /// Not known right now (a rebuild or a `dlclose` under way): use the
+    /// frame pointer for this frame and do not cache the answer.
+    Transient,
+}
+
+/// Builds the table; from then on [`find`] answers. Returns whether a
+/// table could be built. Call during set-up.
+pub fn init() -> bool {
+    ENABLED.store(true, Ordering::Relaxed);
+    rebuild() && LEN.load(Ordering::Relaxed) > 0
+}
+
+/// The module holding `pc`.
+pub fn find(pc: usize) -> Lookup {
+    if !ENABLED.load(Ordering::Relaxed) {
+        return Lookup::Missing;
+    }
+    match read(pc) {
+        Lookup::Missing => {
+            // A module loaded since the table was built? Ask the loader.
+            if loader_changes() != Some(BUILT_AT.load(Ordering::Relaxed)) {
+                if !rebuild() {
+                    return Lookup::Transient;
+                }
+                return read(pc);
+            }
+            Lookup::Missing
+        }
+        other => other,
+    }
+}
+
+/// Called by the `dlclose` hook before it forwards the call.
+pub fn closing() {
+    CLOSING.fetch_add(1, Ordering::SeqCst);
+}
+
+/// Called by the `dlclose` hook after the call returned: the table is
+/// rebuilt before lookups use it again.
+pub fn closed() {
+    if ENABLED.load(Ordering::Relaxed) {
+        // A rebuild that cannot run now (another thread is writing) is
+        // forced by the next lookup that misses: the loader's counters
+        // moved.
+        if !rebuild() {
+            BUILT_AT.store(u64::MAX, Ordering::Relaxed);
+        }
+    }
+    CLOSING.fetch_sub(1, Ordering::SeqCst);
+}
+
+/// One lock-free read of the table.
+fn read(pc: usize) -> Lookup {
+    // SeqCst: ordered with the dlclose hook's increment, so a lookup that
+    // starts after a `dlclose` began sees it.
+    if CLOSING.load(Ordering::SeqCst) != 0 {
+        return Lookup::Transient;
+    }
+    let s1 = SEQ.load(Ordering::Acquire);
+    if s1 & 1 != 0 {
+        return Lookup::Transient;
+    }
+    let len = LEN.load(Ordering::Relaxed).min(MAX_MODULES);
+    // The last entry starting at or below `pc` (entries sorted by start).
+    let (mut lo, mut hi) = (0, len);
+    while lo < hi {
+        let mid = (lo + hi) / 2;
+        if ENTRIES[mid].start.load(Ordering::Relaxed) <= pc {
+            lo = mid + 1;
+        } else {
+            hi = mid;
+        }
+    }
+    let found = lo.checked_sub(1).map(|i| {
+        let e = &ENTRIES[i];
+        (
+            e.start.load(Ordering::Relaxed),
+            e.end.load(Ordering::Relaxed),
+            e.hdr.load(Ordering::Relaxed),
+        )
+    });
+    // The seqlock's read side: the loads above happen before this fence,
+    // and a writer that started meanwhile has bumped SEQ before its stores.
+    std::sync::atomic::fence(Ordering::Acquire);
+    if SEQ.load(Ordering::Relaxed) != s1 || CLOSING.load(Ordering::SeqCst) != 0 {
+        return Lookup::Transient;
+    }
+    match found {
+        Some((start, end, hdr)) if start <= pc && pc < end => Lookup::Found { start, end, hdr },
+        _ => Lookup::Missing,
+    }
+}
+
+/// The loader's count of modules added and removed so far (`None` when
+/// it cannot be told).
+fn loader_changes() -> Option<u64> {
+    unsafe extern "C" fn first(
+        info: *mut libc::dl_phdr_info,
+        size: usize,
+        data: *mut c_void,
+    ) -> c_int {
+        if size >= std::mem::size_of::<libc::dl_phdr_info>() - 16 {
+            // SAFETY: the loader passes a valid `info` of `size` bytes,
+            // which covers `dlpi_adds` and `dlpi_subs` (checked above);
+            // `data` is the `Option<u64>` below.
+            unsafe {
+                let i = &*info;
+                *(data as *mut Option<u64>) = Some(i.dlpi_adds.wrapping_add(i.dlpi_subs));
+            }
+        }
+        1 // stop after the first module
+    }
+    let mut out: Option<u64> = None;
+    // SAFETY: `first` matches the callback type and only writes `out`.
+    unsafe { libc::dl_iterate_phdr(Some(first), &mut out as *mut Option<u64> as *mut c_void) };
+    out
+}
+
+/// Rebuilds the table from the loader's list. False when another thread
+/// is writing it.
+fn rebuild() -> bool {
+    if WRITING
+        .compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed)
+        .is_err()
+    {
+        return false;
+    }
+    // Odd: readers from now on answer `Transient`. The fence orders this
+    // store before the entries' stores (the seqlock's write side).
+    SEQ.fetch_add(1, Ordering::Relaxed);
+    std::sync::atomic::fence(Ordering::Release);
+    let mut b = Builder {
+        len: 0,
+        changes: None,
+    };
+    // SAFETY: `collect` matches the callback type and only touches the
+    // builder and the table, which this thread writes alone (WRITING).
+    unsafe { libc::dl_iterate_phdr(Some(collect), &mut b as *mut Builder as *mut c_void) };
+    sort(b.len);
+    LEN.store(b.len, Ordering::Relaxed);
+    BUILT_AT.store(b.changes.unwrap_or(u64::MAX), Ordering::Relaxed);
+    SEQ.fetch_add(1, Ordering::Release);
+    WRITING.store(false, Ordering::Release);
+    true
+}
+
+struct Builder {
+    len: usize,
+    changes: Option<u64>,
+}
+
+/// `dl_iterate_phdr`'s callback: one module into the table.
+unsafe extern "C" fn collect(
+    info: *mut libc::dl_phdr_info,
+    size: usize,
+    data: *mut c_void,
+) -> c_int {
+    // SAFETY: `data` is the rebuild's `Builder`; the loader passes a valid
+    // `info` whose program headers (`dlpi_phdr`, `dlpi_phnum` of them) are
+    // mapped for as long as the callback runs.
+    let (b, i) = unsafe { (&mut *(data as *mut Builder), &*info) };
+    if b.changes.is_none() && size >= std::mem::size_of::<libc::dl_phdr_info>() - 16 {
+        b.changes = Some(i.dlpi_adds.wrapping_add(i.dlpi_subs));
+    }
+    if b.len == MAX_MODULES || i.dlpi_phdr.is_null() {
+        return 0;
+    }
+    // SAFETY: as above.
+    let phdrs = unsafe { std::slice::from_raw_parts(i.dlpi_phdr, i.dlpi_phnum as usize) };
+    let bias = i.dlpi_addr as usize;
+    let (mut start, mut end, mut hdr) = (usize::MAX, 0usize, 0usize);
+    for p in phdrs {
+        match p.p_type {
+            libc::PT_LOAD => {
+                let s = bias.wrapping_add(p.p_vaddr as usize);
+                start = start.min(s);
+                end = end.max(s.wrapping_add(p.p_memsz as usize));
+            }
+            libc::PT_GNU_EH_FRAME => hdr = bias.wrapping_add(p.p_vaddr as usize),
+            _ => {}
+        }
+    }
+    if start < end && (hdr == 0 || (start..end).contains(&hdr)) {
+        let e = &ENTRIES[b.len];
+        e.start.store(start, Ordering::Relaxed);
+        e.end.store(end, Ordering::Relaxed);
+        e.hdr.store(hdr, Ordering::Relaxed);
+        b.len += 1;
+    }
+    0
+}
+
+/// Sorts `ENTRIES[..len]` by start (insertion sort, in place: no
+/// allocation; the loader's list is nearly sorted already).
+fn sort(len: usize) {
+    let get = |i: usize| {
+        let e = &ENTRIES[i];
+        (
+            e.start.load(Ordering::Relaxed),
+            e.end.load(Ordering::Relaxed),
+            e.hdr.load(Ordering::Relaxed),
+        )
+    };
+    let set = |i: usize, v: (usize, usize, usize)| {
+        let e = &ENTRIES[i];
+        e.start.store(v.0, Ordering::Relaxed);
+        e.end.store(v.1, Ordering::Relaxed);
+        e.hdr.store(v.2, Ordering::Relaxed);
+    };
+    for i in 1..len {
+        let v = get(i);
+        let mut j = i;
+        while j > 0 && get(j - 1).0 > v.0 {
+            set(j, get(j - 1));
+            j -= 1;
+        }
+        set(j, v);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn finds_loaded_modules_misses_the_heap_and_waits_out_a_dlclose() {
+        assert!(init());
+        let here =
+            finds_loaded_modules_misses_the_heap_and_waits_out_a_dlclose as *const () as usize;
+        let Lookup::Found { start, end, hdr } = find(here) else {
+            panic!("{:?}", find(here));
+        };
+        assert!(start <= here && here < end && hdr != 0 && (start..end).contains(&hdr));
+        assert!(matches!(
+            find(libc::malloc as *const () as usize),
+            Lookup::Found { .. }
+        ));
+        let heap = Box::new(0u64);
+        assert_eq!(find(&*heap as *const u64 as usize), Lookup::Missing);
+        closing();
+        assert_eq!(find(libc::malloc as *const () as usize), Lookup::Transient);
+        closed();
+        assert!(matches!(
+            find(libc::malloc as *const () as usize),
+            Lookup::Found { .. }
+        ));
+    }
+}
