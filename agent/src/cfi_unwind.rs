@@ -3,6 +3,13 @@
 //! `.eh_frame_hdr`), with the frame pointer as the fallback where a
 //! program counter has none (JIT code, a module without `.eh_frame`).
 //!
+//! On x86_64 and aarch64: "rbp" below is the frame pointer (`x29` on
+//! aarch64) and the return address is aarch64's link register `x30` where
+//! saved. The walk starts at the hook's caller: from the hook's frame
+//! record on x86_64; on aarch64, where the record's place in a frame is
+//! the compiler's choice, through the hook's own CFI (`hook_caller`).
+//! x86_64 crosses signal frames; on aarch64 one ends the walk.
+//!
 //! How a frame is stepped: the rule for a program counter (where the
 //! canonical frame address is, where the return address and the caller's
 //! `rbp` are saved) comes from the thread's rule cache ([`RuleCache`], one
@@ -35,12 +42,28 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use gimli::{
     BaseAddresses, CfaRule, EhFrame, EhFrameHdr, EndianSlice, LittleEndian, Pointer, Register,
-    RegisterRule, UnwindContext, UnwindContextStorage, UnwindSection, UnwindTableRow, X86_64,
+    RegisterRule, UnwindContext, UnwindContextStorage, UnwindSection, UnwindTableRow,
 };
 
 use crate::stack_capture::{is_return_address, TraceHash};
 use crate::stack_memo::{End, StackMemo, Step, Visited, MEMO_ENTRIES};
 use heapdump_table::stack_compression::MAX_FRAMES;
+
+/// The DWARF registers the walk follows, per architecture: the stack
+/// pointer, the frame pointer (named `rbp` throughout this module) and
+/// the return address (x86_64's pseudo-register, aarch64's link register).
+#[cfg(target_arch = "x86_64")]
+mod regs {
+    pub const SP: gimli::Register = gimli::X86_64::RSP;
+    pub const FP: gimli::Register = gimli::X86_64::RBP;
+    pub const RA: gimli::Register = gimli::X86_64::RA;
+}
+#[cfg(target_arch = "aarch64")]
+mod regs {
+    pub const SP: gimli::Register = gimli::AArch64::SP;
+    pub const FP: gimli::Register = gimli::AArch64::X29;
+    pub const RA: gimli::Register = gimli::AArch64::X30;
+}
 
 /// Bumped when a module may have been unloaded (see the module doc).
 pub static GENERATION: AtomicU64 = AtomicU64::new(0);
@@ -48,7 +71,7 @@ pub static GENERATION: AtomicU64 = AtomicU64::new(0);
 /// glibc's `_dl_find_object` (2.35 and later), or 0 when absent.
 static FIND_OBJECT: AtomicUsize = AtomicUsize::new(0);
 
-/// `struct dl_find_object` of `<dlfcn.h>` on x86_64 (no `dlfo_eh_dbase`,
+/// `struct dl_find_object` of `<dlfcn.h>` on x86_64 and aarch64 (no `dlfo_eh_dbase`,
 /// no `dlfo_eh_count`), with generous reserved room.
 #[repr(C)]
 struct DlFindObject {
@@ -102,7 +125,8 @@ const K_CFA_RBP: u64 = 2;
 /// CFA = *(rbp + off) (a frame that realigned its stack).
 const K_CFA_DEREF_RBP: u64 = 3;
 /// A signal trampoline (`__restore_rt`): the interrupted registers are in
-/// the `ucontext_t` at the stack pointer.
+/// the `ucontext_t` at the stack pointer. x86_64 only: on aarch64 a
+/// signal frame ends the walk (its `ucontext_t` layout is not read).
 const K_SIGNAL: u64 = 4;
 /// No CFI for this counter: use the frame pointer (mode `auto`).
 const K_NO_CFI: u64 = 5;
@@ -287,19 +311,28 @@ impl Default for RuleCache {
 }
 
 /// Fixed-size storage for gimli's unwind context: x86_64 CFI names at most
-/// the 17 general registers and the return address; two rows cover
+/// the 17 general registers and the return address, aarch64's at most the
+/// 31 general registers and `d8`-`d15`; two rows cover
 /// `DW_CFA_remember_state` as compilers emit it.
 struct StoreOnStack;
 
+/// Register rules one row may hold (see [`StoreOnStack`]).
+const MAX_REGISTER_RULES: usize = if cfg!(target_arch = "aarch64") {
+    40
+} else {
+    24
+};
+
 impl<T: gimli::ReaderOffset> UnwindContextStorage<T> for StoreOnStack {
-    type Rules = [(Register, RegisterRule<T>); 24];
+    type Rules = [(Register, RegisterRule<T>); MAX_REGISTER_RULES];
     type Stack = [UnwindTableRow<T, Self>; 2];
 }
 
 type Slice = EndianSlice<'static, LittleEndian>;
 
-/// `DW_OP_breg6` (rbp + SLEB offset) and `DW_OP_deref`, as bytes.
-const DW_OP_BREG6: u8 = gimli::DW_OP_breg6.0;
+/// `DW_OP_bregN` of the frame pointer (x86_64's `DW_OP_breg6`: rbp +
+/// SLEB offset) and `DW_OP_deref`, as bytes.
+const DW_OP_BREG6: u8 = gimli::DW_OP_breg0.0 + regs::FP.0 as u8;
 const DW_OP_DEREF: u8 = gimli::DW_OP_deref.0;
 
 /// `rbp + off` if `expr` is exactly `DW_OP_breg6 off` (and then, with
@@ -388,19 +421,24 @@ fn rule_from_module(addr: u64, hdr: usize, end: usize) -> Option<Rule> {
         .fde_for_address(&eh_frame, &bases, addr, EhFrame::cie_from_offset)
         .ok()?;
     if fde.is_signal_trampoline() {
-        return Some(Rule::SIGNAL);
+        // aarch64: the kernel's trampoline is not crossed (see K_SIGNAL).
+        return Some(if cfg!(target_arch = "x86_64") {
+            Rule::SIGNAL
+        } else {
+            Rule::STOP
+        });
     }
     let mut ctx: UnwindContext<usize, StoreOnStack> = UnwindContext::new_in();
     let row = fde
         .unwind_info_for_address(&eh_frame, &bases, &mut ctx, addr)
         .ok()?;
-    let ra_off = match row.register(X86_64::RA) {
+    let ra_off = match row.register(regs::RA) {
         RegisterRule::Offset(o) => o,
         // The outermost frame (`_start`, a thread's start routine) marks
         // its return address undefined.
         _ => return Some(Rule::STOP),
     };
-    let (rbp, rbp_off) = match row.register(X86_64::RBP) {
+    let (rbp, rbp_off) = match row.register(regs::FP) {
         RegisterRule::Undefined | RegisterRule::SameValue => (RBP_SAME, 0),
         RegisterRule::Offset(o) => (RBP_AT_CFA, o),
         RegisterRule::Expression(e) => match e
@@ -414,10 +452,10 @@ fn rule_from_module(addr: u64, hdr: usize, end: usize) -> Option<Rule> {
         _ => (RBP_UNKNOWN, 0),
     };
     let rule = match row.cfa() {
-        CfaRule::RegisterAndOffset { register, offset } if *register == X86_64::RSP => {
+        CfaRule::RegisterAndOffset { register, offset } if *register == regs::SP => {
             Rule::new(K_CFA_RSP, rbp, *offset, ra_off, rbp_off)
         }
-        CfaRule::RegisterAndOffset { register, offset } if *register == X86_64::RBP => {
+        CfaRule::RegisterAndOffset { register, offset } if *register == regs::FP => {
             if (*offset, ra_off, rbp, rbp_off) == (16, -8, RBP_AT_CFA, -16) {
                 Rule::FP_FRAME
             } else {
@@ -438,11 +476,16 @@ fn rule_from_module(addr: u64, hdr: usize, end: usize) -> Option<Rule> {
 }
 
 /// Offsets in the `ucontext_t` that a signal frame's stack pointer points
-/// at (x86_64 Linux): `uc_mcontext.gregs` starts at byte 40; `REG_RBP` is
-/// greg 10, `REG_RSP` 15, `REG_RIP` 16.
+/// at (x86_64 Linux; aarch64 signal frames end the walk):
+/// `uc_mcontext.gregs` starts at byte 40; `REG_RBP` is greg 10, `REG_RSP`
+/// 15, `REG_RIP` 16.
+#[cfg(target_arch = "x86_64")]
 const UC_GREGS: usize = 40;
+#[cfg(target_arch = "x86_64")]
 const REG_RBP: usize = 10;
+#[cfg(target_arch = "x86_64")]
 const REG_RSP: usize = 15;
+#[cfg(target_arch = "x86_64")]
 const REG_RIP: usize = 16;
 
 /// Registers of one frame while walking.
@@ -508,11 +551,22 @@ pub fn walk(
             std::ptr::read_volatile((fp + 8) as *const usize),
         )
     };
+    // x86_64: the hook's frame record sits just below its caller's stack
+    // pointer (the return address pushed by the call, then rbp).
+    #[cfg(target_arch = "x86_64")]
     let f = Frame {
         pc: ret as u64,
         sp: fp + 16,
         rbp: caller_rbp,
     };
+    // aarch64: where the record sits in the hook's frame is the compiler's
+    // choice; the hook's CFI says where its caller's stack pointer is.
+    #[cfg(target_arch = "aarch64")]
+    let f = hook_caller(fp, sp, top, cache, fallback_fp).unwrap_or(Frame {
+        pc: ret as u64,
+        sp: fp + 16,
+        rbp: caller_rbp,
+    });
     let max = out.len().min(MAX_FRAMES);
     let mut visited = [const { std::mem::MaybeUninit::<Visited>::uninit() }; MEMO_ENTRIES];
     let memo_start = memo.start(top, generation);
@@ -551,6 +605,67 @@ pub fn walk(
             }
             done
         }
+    }
+}
+
+/// aarch64: the state of the hook's caller, from the hook's frame pointer
+/// `fp`. The frame record chain from this function up leads to a record
+/// whose saved frame pointer is `fp`: the return address beside it lies in
+/// the hook, and the hook's CFI row there locates its CFA (the caller's
+/// stack pointer, `x29`-based in code that keeps frame pointers, as the
+/// agent does), the caller's `x29` and the return address. `None` when
+/// the chain or the rule does not allow it. Every read lies in `[sp, top +
+/// 8)`, the readable stack.
+#[cfg(target_arch = "aarch64")]
+#[inline(never)]
+fn hook_caller(
+    fp: usize,
+    sp: usize,
+    top: usize,
+    cache: &RuleCache,
+    fallback_fp: bool,
+) -> Option<Frame> {
+    let read = |a: usize| -> Option<usize> {
+        if a < sp || a > top || !a.is_multiple_of(8) {
+            return None;
+        }
+        // SAFETY: `[a, a + 8)` lies in `[sp, top + 8)`, the live part of
+        // this thread's own stack (the caller's guarantee).
+        Some(unsafe { std::ptr::read_volatile(a as *const usize) })
+    };
+    let mut r = crate::stack_capture::frame_pointer();
+    let mut in_hook = None;
+    // A handful of the agent's frames lie between here and the hook.
+    for _ in 0..32 {
+        // Records below the hook's, rising towards it.
+        if r >= fp || r.checked_add(16)? > fp {
+            return None;
+        }
+        let next = read(r)?;
+        if next == fp {
+            in_hook = Some(read(r + 8)?);
+            break;
+        }
+        if next <= r {
+            return None;
+        }
+        r = next;
+    }
+    let in_hook = in_hook? as u64;
+    if !is_return_address(in_hook) {
+        return None;
+    }
+    let (rule, _) = cache.rule(in_hook);
+    // The hook's stack pointer is at least the end of the record found
+    // (its callee's CFA is at or above it).
+    let f = Frame {
+        pc: in_hook,
+        sp: r + 16,
+        rbp: fp,
+    };
+    match rule.kind() {
+        K_FP_FRAME | K_CFA_RBP => step_other(rule, f, sp, top, fallback_fp),
+        _ => None,
     }
 }
 
@@ -776,6 +891,7 @@ fn step_other(rule: Rule, f: Frame, sp: usize, top: usize, fallback_fp: bool) ->
                 rbp: rbp.unwrap_or(0),
             }
         }
+        #[cfg(target_arch = "x86_64")]
         K_SIGNAL => {
             let uc = f.sp + UC_GREGS;
             Frame {
@@ -847,6 +963,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg(target_arch = "x86_64")]
     fn gcc_realignment_expressions_are_recognised() {
         // DW_OP_breg6 -8; DW_OP_deref
         assert_eq!(breg6_expression(&[0x76, 0x78, 0x06], true), Some(-8));
@@ -984,15 +1101,15 @@ mod tests {
             else {
                 panic!("{pc:#x} not in the module table");
             };
+            // The same module and CFI; the table's end is the end of the
+            // highest segment in memory (`.bss` included), which glibc's
+            // `map_end` may stop short of for the main program.
             assert_eq!(
-                (start, end, hdr),
-                (
-                    dlfo.map_start as usize,
-                    dlfo.map_end as usize,
-                    dlfo.eh_frame as usize
-                ),
+                (start, hdr),
+                (dlfo.map_start as usize, dlfo.eh_frame as usize),
                 "{pc:#x}"
             );
+            assert!(end >= dlfo.map_end as usize && pc < end, "{pc:#x}");
             compared += 1;
         }
         assert!(compared >= 8);

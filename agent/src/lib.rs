@@ -16,19 +16,16 @@
 #![deny(missing_docs)]
 
 pub mod ablation;
-#[cfg(target_arch = "x86_64")]
 pub mod cfi_unwind;
 pub mod config;
 mod global_alloc;
 pub mod initial_exec_tls;
 pub mod jemalloc_calls;
-#[cfg(target_arch = "x86_64")]
 pub mod module_table;
 pub mod recorder;
 pub mod sampling;
 mod signal;
 pub mod stack_capture;
-#[cfg(target_arch = "x86_64")]
 pub mod stack_memo;
 pub mod thread_state;
 pub mod thread_tables;

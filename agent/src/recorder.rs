@@ -299,16 +299,14 @@ fn init(role: Role) -> Option<&'static Writers> {
     Some(w)
 }
 
-/// The unwinder that can be used for `wanted`: CFI needs x86_64 and a
-/// way to find a counter's module (glibc's `_dl_find_object`, 2.35+, or
+/// The unwinder that can be used for `wanted`: CFI needs a way to find a
+/// counter's module (glibc's `_dl_find_object`, 2.35+, or
 /// the agent's own table: `module_table` forces it); otherwise frame
 /// pointers. May allocate (dlsym): called during set-up only.
 fn effective_unwind(wanted: UnwindMode, module_table: bool) -> UnwindMode {
-    #[cfg(target_arch = "x86_64")]
     if wanted != UnwindMode::FramePointer && crate::cfi_unwind::init(module_table) {
         return wanted;
     }
-    let _ = (wanted, module_table);
     UnwindMode::FramePointer
 }
 
@@ -620,7 +618,6 @@ fn stack_key<'t>(
         stack_capture::walk(0, 1, 0, &mut [])
     } else {
         match w.config.unwind {
-            #[cfg(target_arch = "x86_64")]
             UnwindMode::Auto | UnwindMode::Cfi => crate::cfi_unwind::walk(
                 fp,
                 sp,

@@ -27,7 +27,6 @@
 //!   `fork` starts with an empty, unlocked pool ([`after_fork_child`]).
 
 use std::cell::Cell;
-#[cfg(target_arch = "x86_64")]
 use std::cell::UnsafeCell;
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -40,10 +39,8 @@ pub struct ThreadTables {
     /// `recorder::stack_key`), in 4-way sets.
     pub cache: [CacheSet; CACHE_SETS],
     /// CFI rules of recently seen program counters.
-    #[cfg(target_arch = "x86_64")]
     pub rules: crate::cfi_unwind::RuleCache,
     /// An earlier CFI walk of the thread (see `stack_memo`).
-    #[cfg(target_arch = "x86_64")]
     memo: UnsafeCell<crate::stack_memo::StackMemo>,
     /// The next block of the pool while this one is in it (under the
     /// pool's lock only).
@@ -56,7 +53,6 @@ impl ThreadTables {
     /// # Safety
     /// Only by the owning thread, with its `busy` flag set (see
     /// `ThreadState::nodes`): the returned reference is then unique.
-    #[cfg(target_arch = "x86_64")]
     #[allow(clippy::mut_from_ref)]
     pub unsafe fn memo(&self) -> &mut crate::stack_memo::StackMemo {
         // SAFETY: uniqueness per the contract above.

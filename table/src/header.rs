@@ -163,9 +163,9 @@ pub enum Unwinder {
     /// CFI only (`HEAPDUMP_UNWIND=cfi`).
     Cfi,
     /// Frame pointers only, though CFI was asked for: it is not available
-    /// where the agent runs (not x86_64, or no loaded module could be
-    /// found: glibc before 2.35 has no `_dl_find_object`, and the agent's
-    /// own module table came out empty).
+    /// where the agent runs (no loaded module could be found: glibc before
+    /// 2.35 has no `_dl_find_object`, and the agent's own module table
+    /// came out empty).
     FramePointerNoCfi,
 }
 

@@ -18,14 +18,10 @@ pub unsafe extern "C" fn dlclose(handle: *mut c_void) -> c_int {
     let Some(f) = next::dlclose() else {
         return -1;
     };
-    #[cfg(target_arch = "x86_64")]
     heapdump_agent::module_table::closing();
     // SAFETY: glibc's dlclose, forwarded with the caller's argument.
     let r = unsafe { f(handle) };
-    #[cfg(target_arch = "x86_64")]
-    {
-        heapdump_agent::module_table::closed();
-        heapdump_agent::cfi_unwind::module_unloaded();
-    }
+    heapdump_agent::module_table::closed();
+    heapdump_agent::cfi_unwind::module_unloaded();
     r
 }

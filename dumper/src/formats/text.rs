@@ -63,8 +63,8 @@ pub fn render(s: &Snapshot, opts: TextOptions) -> String {
             "cfi" => "CFI",
             "cfi+fp" => "CFI and frame pointers",
             "fp-no-cfi" =>
-                "frame pointers only (the agent's CFI walk is x86_64's and found no loaded \
-                 module here: stacks stop at code built without frame pointers)",
+                "frame pointers only (the agent found no loaded module to read CFI from: \
+                 stacks stop at code built without frame pointers)",
             _ => "an unrecorded unwinder",
         }
     );
