@@ -24,13 +24,18 @@
 //!   must be above the previous one, so the walk ends in at most
 //!   `(hi - sp) / 8` steps, and at `out.len()` frames anyway.
 //! - CFI is read from modules' mapped `.eh_frame_hdr` / `.eh_frame`, found
-//!   with glibc's lock-free `_dl_find_object`, only for a program counter
+//!   with glibc's lock-free `_dl_find_object` (before glibc 2.35: the
+//!   agent's [`crate::module_table`]), only for a program counter
 //!   taken from this thread's own stack: the thread is executing inside
 //!   that module's call chain, so the module cannot be unloaded while it is
 //!   read (unloading it would be the program's own use-after-free).
 //! - Nothing here allocates or takes a lock: gimli's parsers run on
 //!   borrowed slices with a fixed-size [`UnwindContext`] on the stack of a
-//!   cold, non-inlined function.
+//!   cold, non-inlined function. One exception, before glibc 2.35 only: a
+//!   rule-cache miss for a counter in no module the agent's table knows
+//!   asks the loader (`dl_iterate_phdr`, whose lock is recursive and is
+//!   never held by a thread waiting on this one: see `module_table`),
+//!   as libgcc's unwinder does for every C++ exception on those systems.
 //! - Cached rules are forgotten when a module is unloaded: the preload
 //!   library's `dlclose` bumps [`GENERATION`], and a thread that sees a new
 //!   generation clears its cache before walking (a stale rule could only
