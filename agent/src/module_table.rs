@@ -87,10 +87,35 @@ pub enum Lookup {
 }
 
 /// Builds the table; from then on [`find`] answers. Returns whether a
-/// table could be built. Call during set-up.
+/// table could be built. Call during set-up. Again in a fork child (the
+/// agent starts afresh there) it keeps the parent's table, which
+/// describes the modules the child inherited, and calls nothing: the
+/// loader's lock may be held by a parent thread that the child does not
+/// have (see [`after_fork_child`]).
 pub fn init() -> bool {
-    ENABLED.store(true, Ordering::Relaxed);
+    if ENABLED.swap(true, Ordering::Relaxed) {
+        return true;
+    }
     rebuild() && LEN.load(Ordering::Relaxed) > 0
+}
+
+/// In a fork child (single-threaded, from the atfork handler): a rebuild
+/// or a `dlclose` of a parent thread that was under way is not the
+/// child's; the table is then emptied, to be rebuilt at the first lookup
+/// that misses (the loader's counters will not match).
+pub fn after_fork_child() {
+    let in_flux = WRITING.load(Ordering::Relaxed)
+        || SEQ.load(Ordering::Relaxed) & 1 != 0
+        || CLOSING.load(Ordering::Relaxed) != 0;
+    if in_flux {
+        LEN.store(0, Ordering::Relaxed);
+        BUILT_AT.store(u64::MAX, Ordering::Relaxed);
+        if SEQ.load(Ordering::Relaxed) & 1 != 0 {
+            SEQ.fetch_add(1, Ordering::Relaxed);
+        }
+        CLOSING.store(0, Ordering::Relaxed);
+        WRITING.store(false, Ordering::Release);
+    }
 }
 
 /// The module holding `pc`.

@@ -343,8 +343,10 @@ extern "C" fn after_fork_child() {
             std::ptr::drop_in_place((*ALLOCATIONS_REGION.0.get()).as_mut_ptr());
         }
     }
-    // A parent thread may have held the tables pool's lock.
+    // A parent thread may have held the tables pool's lock, or been
+    // rebuilding the module table.
     crate::thread_tables::after_fork_child();
+    crate::module_table::after_fork_child();
     // A parent thread was initialising: its half-built state is not ours.
     GENERATION.fetch_add(1, Ordering::Relaxed);
     // The child's curve starts afresh (it does not report inherited blocks).
