@@ -58,6 +58,21 @@ fn lookup(name: &CStr) -> usize {
     }
     // SAFETY: as above, with RTLD_DEFAULT.
     let f = unsafe { libc::dlsym(libc::RTLD_DEFAULT, name.as_ptr()) as usize };
+    if f != 0 && object_base_of(f) == object_base_of(lookup as *const () as usize) {
+        // RTLD_DEFAULT searches the global scope, then ours: a name the
+        // global scope does not define (glibc before 2.34 defines
+        // `pthread_setname_np` in libpthread, which a program that did not
+        // link it loads only as our dependency) is our own hook, and
+        // forwarding to it would recurse. The next definition after us
+        // in our scope is the one.
+        // SAFETY: as above, with RTLD_NEXT.
+        let next = unsafe { libc::dlsym(libc::RTLD_NEXT, name.as_ptr()) as usize };
+        return if next != 0 && object_base_of(next) != object_base_of(f) {
+            next
+        } else {
+            0
+        };
+    }
     if f != 0 && defines_symbol_at(f) {
         f
     } else {

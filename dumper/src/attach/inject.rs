@@ -348,18 +348,36 @@ fn function_in(modules: &mut Modules, libs: &[&str], name: &str) -> Option<u64> 
 struct Loader {
     dlopen: u64,
     dlsym: u64,
+    /// 0: none (the private entry points report no message).
     dlerror: u64,
     dlclose: u64,
 }
 
 impl Loader {
+    /// `dlopen` and its kin: in libc.so.6 from glibc 2.34, in libdl.so.2
+    /// before; else, in a program on an older glibc that does not link
+    /// libdl, libc's own `__libc_dlopen_mode`, `__libc_dlsym` and
+    /// `__libc_dlclose` (GLIBC_PRIVATE, the same loader calls without
+    /// `dlerror`; what debuggers use to load a library into such a
+    /// process).
     fn find(modules: &mut Modules) -> Option<Loader> {
         let libs = ["libc", "libdl"];
+        let public = |modules: &mut Modules| -> Option<Loader> {
+            Some(Loader {
+                dlopen: function_in(modules, &libs, "dlopen")?,
+                dlsym: function_in(modules, &libs, "dlsym")?,
+                dlerror: function_in(modules, &libs, "dlerror")?,
+                dlclose: function_in(modules, &libs, "dlclose")?,
+            })
+        };
+        if let Some(l) = public(modules) {
+            return Some(l);
+        }
         Some(Loader {
-            dlopen: function_in(modules, &libs, "dlopen")?,
-            dlsym: function_in(modules, &libs, "dlsym")?,
-            dlerror: function_in(modules, &libs, "dlerror")?,
-            dlclose: function_in(modules, &libs, "dlclose")?,
+            dlopen: function_in(modules, &["libc"], "__libc_dlopen_mode")?,
+            dlsym: function_in(modules, &["libc"], "__libc_dlsym")?,
+            dlerror: 0,
+            dlclose: function_in(modules, &["libc"], "__libc_dlclose")?,
         })
     }
 }
@@ -488,7 +506,8 @@ pub fn inject(pid: u32, library: &str, action: &Action) -> Result<Injected, Inje
     let loader = Loader::find(&mut modules).ok_or_else(|| {
         InjectError::Unsupported(
             "the process has no dlopen (neither glibc 2.34+'s libc.so.6 nor libdl.so.2 is \
-             mapped), so no library can be loaded into it"
+             mapped, nor an older libc's __libc_dlopen_mode), so no library can be loaded \
+             into it"
                 .into(),
         )
     })?;
@@ -621,7 +640,11 @@ fn run_calls(
                 "the agent library is not loaded in the process: it was never attached".into(),
             ));
         }
-        let msg = c.call(loader.dlerror, &[])?;
+        let msg = if loader.dlerror == 0 {
+            0
+        } else {
+            c.call(loader.dlerror, &[])?
+        };
         let text = if msg == 0 {
             "dlopen failed without a message".to_string()
         } else {
@@ -635,7 +658,10 @@ fn run_calls(
             "{library} has no {entry}: is it heapdump's agent, of this version?"
         )));
     }
-    let result = c.call(f, &[scratch + settings_off])? as u32 as i32 as i64;
+    let result = c.call(f, &[scratch + settings_off]).map_err(|e| match e {
+        InjectError::CallFailed(m) => InjectError::AgentFailed(m),
+        other => other,
+    })? as u32 as i32 as i64;
     if matches!(action, Action::Detach) {
         // Drop the reference RTLD_NOLOAD took (the library is NODELETE).
         c.call(loader.dlclose, &[handle])?;

@@ -23,6 +23,10 @@ pub enum InjectError {
     /// A call into the process failed.
     #[error("{0}")]
     CallFailed(String),
+    /// The agent's own entry point failed after its library was loaded:
+    /// the library stays (it cannot be unloaded) and may have started.
+    #[error("{0}")]
+    AgentFailed(String),
     /// Something the injector needs is missing.
     #[error("{0}")]
     Unsupported(String),

@@ -176,6 +176,13 @@ fn loaded_library(pid: u32) -> Option<String> {
 
 fn explain(e: InjectError, pid: u32) -> anyhow::Error {
     let name = crate::process::discovery::process_name(pid);
+    if matches!(e, InjectError::AgentFailed(_)) {
+        return anyhow::anyhow!("{e}").context(format!(
+            "attaching to {pid} ({name}) failed inside the agent, after its library was \
+             loaded: the library stays loaded (it cannot be unloaded) and the agent may have \
+             started; heapdump detach {pid} puts back whatever it redirected"
+        ));
+    }
     anyhow::anyhow!("{e}").context(format!(
         "attaching to {pid} ({name}) failed; the process was left as it was"
     ))
@@ -257,7 +264,8 @@ fn attach_held(a: AttachArgs) -> Result<i32> {
     if !inject::has_dlopen(pid) {
         bail!(
             "process {pid} ({name}) maps no dlopen (neither glibc 2.34+'s libc.so.6 nor \
-             libdl.so.2), so the agent cannot be loaded into it"
+             libdl.so.2, nor an older libc's __libc_dlopen_mode), so the agent cannot be \
+             loaded into it"
         );
     }
     // A process attached before and detached catches SIGUSR2 with the
