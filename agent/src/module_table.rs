@@ -14,12 +14,15 @@
 //!   caller must not cache.
 //! - Every entry describes a module that was loaded when the table was
 //!   built. A module can leave only through `dlclose`: the preload's
-//!   `dlclose` hook calls [`closing`] before forwarding (lookups answer
-//!   `Transient` from then on) and [`closed`] after, which rebuilds the
-//!   table before lookups use it again. So a lookup never returns a range
-//!   of an unloaded module, and a program counter on the caller's own
-//!   stack, found inside an entry's range, is inside that module, which
-//!   stays loaded while it runs (as with `_dl_find_object`).
+//!   `dlclose` hook calls [`closing`] before forwarding and [`closed`]
+//!   after; lookups answer `Transient` in between. Both bump `CLOSES`,
+//!   and a table is used only if the `CLOSES` its rebuild read before
+//!   asking the loader is the current one: a table whose listing may have
+//!   overlapped a `dlclose` (or predates one) is rebuilt first. So a
+//!   lookup never returns a range of an unloaded module, and a program
+//!   counter on the caller's own stack, found inside an entry's range, is
+//!   inside that module, which stays loaded while it runs (as with
+//!   `_dl_find_object`).
 //! - A program counter in no entry (a module loaded since the table was
 //!   built, or JIT code) makes the lookup ask the loader whether modules
 //!   were added or removed since (`dl_iterate_phdr`'s `dlpi_adds` and
@@ -61,6 +64,11 @@ static SEQ: AtomicU64 = AtomicU64::new(0);
 static WRITING: AtomicBool = AtomicBool::new(false);
 /// `dlclose` calls under way (see the module doc).
 static CLOSING: AtomicUsize = AtomicUsize::new(0);
+/// Bumped at the start and at the end of every `dlclose`.
+static CLOSES: AtomicU64 = AtomicU64::new(0);
+/// `CLOSES` as the rebuild that made the table read it before listing
+/// the modules (under the seqlock with the entries).
+static TABLE_CLOSES: AtomicU64 = AtomicU64::new(u64::MAX);
 /// The loader's `adds + subs` when the table was last built.
 static BUILT_AT: AtomicU64 = AtomicU64::new(u64::MAX);
 /// Whether the table is in use (set by [`init`]).
@@ -81,6 +89,9 @@ pub enum Lookup {
     },
     /// In no module (JIT code, or the table is full).
     Missing,
+    /// The table may predate a `dlclose` (internal to [`find`]: it
+    /// rebuilds, or answers `Transient`).
+    Stale,
     /// Not known right now (a rebuild or a `dlclose` under way): use the
     /// frame pointer for this frame and do not cache the answer.
     Transient,
@@ -110,6 +121,7 @@ pub fn after_fork_child() {
     if in_flux {
         LEN.store(0, Ordering::Relaxed);
         BUILT_AT.store(u64::MAX, Ordering::Relaxed);
+        TABLE_CLOSES.store(u64::MAX, Ordering::Relaxed);
         if SEQ.load(Ordering::Relaxed) & 1 != 0 {
             SEQ.fetch_add(1, Ordering::Relaxed);
         }
@@ -123,6 +135,10 @@ pub fn find(pc: usize) -> Lookup {
     if !ENABLED.load(Ordering::Relaxed) {
         return Lookup::Missing;
     }
+    let fresh = || match read(pc) {
+        Lookup::Stale => Lookup::Transient,
+        other => other,
+    };
     match read(pc) {
         Lookup::Missing => {
             // A module loaded since the table was built? Ask the loader.
@@ -130,9 +146,15 @@ pub fn find(pc: usize) -> Lookup {
                 if !rebuild() {
                     return Lookup::Transient;
                 }
-                return read(pc);
+                return fresh();
             }
             Lookup::Missing
+        }
+        Lookup::Stale => {
+            if !rebuild() {
+                return Lookup::Transient;
+            }
+            fresh()
         }
         other => other,
     }
@@ -141,19 +163,14 @@ pub fn find(pc: usize) -> Lookup {
 /// Called by the `dlclose` hook before it forwards the call.
 pub fn closing() {
     CLOSING.fetch_add(1, Ordering::SeqCst);
+    CLOSES.fetch_add(1, Ordering::SeqCst);
 }
 
-/// Called by the `dlclose` hook after the call returned: the table is
-/// rebuilt before lookups use it again.
+/// Called by the `dlclose` hook after the call returned: every table
+/// built so far is stale (its listing may have seen the closed module),
+/// and the next lookup rebuilds it.
 pub fn closed() {
-    if ENABLED.load(Ordering::Relaxed) {
-        // A rebuild that cannot run now (another thread is writing) is
-        // forced by the next lookup that misses: the loader's counters
-        // moved.
-        if !rebuild() {
-            BUILT_AT.store(u64::MAX, Ordering::Relaxed);
-        }
-    }
+    CLOSES.fetch_add(1, Ordering::SeqCst);
     CLOSING.fetch_sub(1, Ordering::SeqCst);
 }
 
@@ -179,6 +196,7 @@ fn read(pc: usize) -> Lookup {
             hi = mid;
         }
     }
+    let built_at = TABLE_CLOSES.load(Ordering::Relaxed);
     let found = lo.checked_sub(1).map(|i| {
         let e = &ENTRIES[i];
         (
@@ -192,6 +210,11 @@ fn read(pc: usize) -> Lookup {
     std::sync::atomic::fence(Ordering::Acquire);
     if SEQ.load(Ordering::Relaxed) != s1 || CLOSING.load(Ordering::SeqCst) != 0 {
         return Lookup::Transient;
+    }
+    // SeqCst: a lookup that sees a `dlclose` ended (CLOSING back to 0)
+    // sees both of its bumps.
+    if built_at != CLOSES.load(Ordering::SeqCst) {
+        return Lookup::Stale;
     }
     match found {
         Some((start, end, hdr)) if start <= pc && pc < end => Lookup::Found { start, end, hdr },
@@ -237,6 +260,8 @@ fn rebuild() -> bool {
     // store before the entries' stores (the seqlock's write side).
     SEQ.fetch_add(1, Ordering::Relaxed);
     std::sync::atomic::fence(Ordering::Release);
+    // Read before the loader lists the modules (see the module doc).
+    let closes = CLOSES.load(Ordering::SeqCst);
     let mut b = Builder {
         len: 0,
         changes: None,
@@ -246,6 +271,7 @@ fn rebuild() -> bool {
     unsafe { libc::dl_iterate_phdr(Some(collect), &mut b as *mut Builder as *mut c_void) };
     sort(b.len);
     LEN.store(b.len, Ordering::Relaxed);
+    TABLE_CLOSES.store(closes, Ordering::Relaxed);
     BUILT_AT.store(b.changes.unwrap_or(u64::MAX), Ordering::Relaxed);
     SEQ.fetch_add(1, Ordering::Release);
     WRITING.store(false, Ordering::Release);
@@ -347,7 +373,11 @@ mod tests {
         assert_eq!(find(&*heap as *const u64 as usize), Lookup::Missing);
         closing();
         assert_eq!(find(libc::malloc as *const () as usize), Lookup::Transient);
+        // A rebuild while the dlclose is under way (another thread's) may
+        // have listed the closing module: not used once it ended.
+        assert!(rebuild());
         closed();
+        assert_eq!(read(libc::malloc as *const () as usize), Lookup::Stale);
         assert!(matches!(
             find(libc::malloc as *const () as usize),
             Lookup::Found { .. }
