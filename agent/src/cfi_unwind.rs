@@ -619,8 +619,10 @@ pub fn walk(
 /// the hook, and the hook's CFI row there locates its CFA (the caller's
 /// stack pointer, `x29`-based in code that keeps frame pointers, as the
 /// agent does), the caller's `x29` and the return address. `None` when
-/// the chain or the rule does not allow it. Every read lies in `[sp, top +
-/// 8)`, the readable stack.
+/// the chain or the rule does not allow it. Every read lies in `[lo, top +
+/// 8)`, `lo` being this function's own stack pointer: the readable stack,
+/// the frames of the agent's calls under way below the walk's `sp`
+/// included.
 #[cfg(target_arch = "aarch64")]
 #[inline(never)]
 fn hook_caller(
@@ -630,12 +632,15 @@ fn hook_caller(
     cache: &RuleCache,
     fallback_fp: bool,
 ) -> Option<Frame> {
+    let lo = crate::stack_capture::stack_pointer().min(sp);
     let read = |a: usize| -> Option<usize> {
-        if a < sp || a > top || !a.is_multiple_of(8) {
+        if a < lo || a > top || !a.is_multiple_of(8) {
             return None;
         }
-        // SAFETY: `[a, a + 8)` lies in `[sp, top + 8)`, the live part of
-        // this thread's own stack (the caller's guarantee).
+        // SAFETY: `[a, a + 8)` lies in `[lo, top + 8)`: from this
+        // function's own stack pointer up to the top of the live part of
+        // this thread's stack (the caller's guarantee for `[sp, top + 8)`;
+        // from `lo` to `sp` lie the frames of the calls under way).
         Some(unsafe { std::ptr::read_volatile(a as *const usize) })
     };
     let mut r = crate::stack_capture::frame_pointer();
@@ -1118,5 +1123,30 @@ mod tests {
             compared += 1;
         }
         assert!(compared >= 8);
+    }
+
+    #[test]
+    #[cfg(target_arch = "aarch64")]
+    fn the_hooks_caller_is_found_through_the_hooks_own_cfi() {
+        assert!(init(false), "_dl_find_object is present in glibc >= 2.35");
+        #[inline(never)]
+        fn inner(fp: usize, sp: usize, top: usize, cache: &RuleCache) -> Option<Frame> {
+            std::hint::black_box(hook_caller(fp, sp, top, cache, true))
+        }
+        /// Plays the hook: its frame record, and the walk called below it.
+        #[inline(never)]
+        fn hook(cache: &RuleCache) -> (Option<Frame>, usize, usize, usize) {
+            let fp = crate::stack_capture::frame_pointer();
+            let sp = crate::stack_capture::stack_pointer();
+            let hi = crate::stack_capture::thread_stack_top(sp).expect("stack top");
+            let f = inner(fp, sp, hi - 8, cache);
+            // SAFETY: this function's own frame record, two words at `fp`.
+            let (saved, ret) = unsafe { (*(fp as *const usize), *((fp + 8) as *const usize)) };
+            (f, fp, saved, ret)
+        }
+        let (f, fp, saved, ret) = hook(&RuleCache::new());
+        let f = f.expect("the hook's caller found through its CFI");
+        assert_eq!((f.pc, f.rbp), (ret as u64, saved));
+        assert!(f.sp >= fp + 16, "{:#x} {fp:#x}", f.sp);
     }
 }
