@@ -337,15 +337,15 @@ type Slice = EndianSlice<'static, LittleEndian>;
 
 /// `DW_OP_bregN` of the frame pointer (x86_64's `DW_OP_breg6`: rbp +
 /// SLEB offset) and `DW_OP_deref`, as bytes.
-const DW_OP_BREG6: u8 = gimli::DW_OP_breg0.0 + regs::FP.0 as u8;
+const DW_OP_BREG_FP: u8 = gimli::DW_OP_breg0.0 + regs::FP.0 as u8;
 const DW_OP_DEREF: u8 = gimli::DW_OP_deref.0;
 
 /// `rbp + off` if `expr` is exactly `DW_OP_breg6 off` (and then, with
 /// `deref`, `DW_OP_deref`): the forms GCC emits for frames that realign
 /// their stack.
-fn breg6_expression(expr: &[u8], deref: bool) -> Option<i64> {
+fn fp_breg_expression(expr: &[u8], deref: bool) -> Option<i64> {
     let (&op, rest) = expr.split_first()?;
-    if op != DW_OP_BREG6 {
+    if op != DW_OP_BREG_FP {
         return None;
     }
     let mut r = EndianSlice::new(rest, LittleEndian);
@@ -449,7 +449,7 @@ fn rule_from_module(addr: u64, hdr: usize, end: usize) -> Option<Rule> {
         RegisterRule::Expression(e) => match e
             .get(&eh_frame)
             .ok()
-            .and_then(|x| breg6_expression(x.0.slice(), false))
+            .and_then(|x| fp_breg_expression(x.0.slice(), false))
         {
             Some(o) => (RBP_AT_RBP, o),
             None => (RBP_UNKNOWN, 0),
@@ -470,7 +470,7 @@ fn rule_from_module(addr: u64, hdr: usize, end: usize) -> Option<Rule> {
         CfaRule::Expression(e) => match e
             .get(&eh_frame)
             .ok()
-            .and_then(|x| breg6_expression(x.0.slice(), true))
+            .and_then(|x| fp_breg_expression(x.0.slice(), true))
         {
             Some(o) => Rule::new(K_CFA_DEREF_RBP, rbp, o, ra_off, rbp_off),
             None => Rule::STOP,
@@ -976,12 +976,12 @@ mod tests {
     #[cfg(target_arch = "x86_64")]
     fn gcc_realignment_expressions_are_recognised() {
         // DW_OP_breg6 -8; DW_OP_deref
-        assert_eq!(breg6_expression(&[0x76, 0x78, 0x06], true), Some(-8));
-        assert_eq!(breg6_expression(&[0x76, 0x78], false), Some(-8));
-        assert_eq!(breg6_expression(&[0x76, 0x00], false), Some(0));
-        assert_eq!(breg6_expression(&[0x77, 0x78, 0x06], true), None);
-        assert_eq!(breg6_expression(&[0x76, 0x78, 0x06, 0x06], true), None);
-        assert_eq!(breg6_expression(&[], true), None);
+        assert_eq!(fp_breg_expression(&[0x76, 0x78, 0x06], true), Some(-8));
+        assert_eq!(fp_breg_expression(&[0x76, 0x78], false), Some(-8));
+        assert_eq!(fp_breg_expression(&[0x76, 0x00], false), Some(0));
+        assert_eq!(fp_breg_expression(&[0x77, 0x78, 0x06], true), None);
+        assert_eq!(fp_breg_expression(&[0x76, 0x78, 0x06, 0x06], true), None);
+        assert_eq!(fp_breg_expression(&[], true), None);
     }
 
     #[inline(never)]
