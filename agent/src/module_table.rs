@@ -89,9 +89,6 @@ pub enum Lookup {
     },
     /// In no module (JIT code, or the table is full).
     Missing,
-    /// The table may predate a `dlclose` (internal to [`find`]: it
-    /// rebuilds, or answers `Transient`).
-    Stale,
     /// Not known right now (a rebuild or a `dlclose` under way): use the
     /// frame pointer for this frame and do not cache the answer.
     Transient,
@@ -135,29 +132,20 @@ pub fn find(pc: usize) -> Lookup {
     if !ENABLED.load(Ordering::Relaxed) {
         return Lookup::Missing;
     }
-    let fresh = || match read(pc) {
-        Lookup::Stale => Lookup::Transient,
-        other => other,
+    let rebuild_first = match read(pc) {
+        // The table may predate a `dlclose`.
+        None => true,
+        // A module loaded since the table was built? Ask the loader.
+        Some(Lookup::Missing) => loader_changes() != Some(BUILT_AT.load(Ordering::Relaxed)),
+        Some(known) => return known,
     };
-    match read(pc) {
-        Lookup::Missing => {
-            // A module loaded since the table was built? Ask the loader.
-            if loader_changes() != Some(BUILT_AT.load(Ordering::Relaxed)) {
-                if !rebuild() {
-                    return Lookup::Transient;
-                }
-                return fresh();
-            }
-            Lookup::Missing
-        }
-        Lookup::Stale => {
-            if !rebuild() {
-                return Lookup::Transient;
-            }
-            fresh()
-        }
-        other => other,
+    if !rebuild_first {
+        return Lookup::Missing;
     }
+    if !rebuild() {
+        return Lookup::Transient;
+    }
+    read(pc).unwrap_or(Lookup::Transient)
 }
 
 /// Called by the `dlclose` hook before it forwards the call.
@@ -175,15 +163,16 @@ pub fn closed() {
 }
 
 /// One lock-free read of the table.
-fn read(pc: usize) -> Lookup {
+/// `None`: the table may predate a `dlclose` (see the module doc).
+fn read(pc: usize) -> Option<Lookup> {
     // SeqCst: ordered with the dlclose hook's increment, so a lookup that
     // starts after a `dlclose` began sees it.
     if CLOSING.load(Ordering::SeqCst) != 0 {
-        return Lookup::Transient;
+        return Some(Lookup::Transient);
     }
     let s1 = SEQ.load(Ordering::Acquire);
     if s1 & 1 != 0 {
-        return Lookup::Transient;
+        return Some(Lookup::Transient);
     }
     let len = LEN.load(Ordering::Relaxed).min(MAX_MODULES);
     // The last entry starting at or below `pc` (entries sorted by start).
@@ -209,17 +198,17 @@ fn read(pc: usize) -> Lookup {
     // and a writer that started meanwhile has bumped SEQ before its stores.
     std::sync::atomic::fence(Ordering::Acquire);
     if SEQ.load(Ordering::Relaxed) != s1 || CLOSING.load(Ordering::SeqCst) != 0 {
-        return Lookup::Transient;
+        return Some(Lookup::Transient);
     }
     // SeqCst: a lookup that sees a `dlclose` ended (CLOSING back to 0)
     // sees both of its bumps.
     if built_at != CLOSES.load(Ordering::SeqCst) {
-        return Lookup::Stale;
+        return None;
     }
-    match found {
+    Some(match found {
         Some((start, end, hdr)) if start <= pc && pc < end => Lookup::Found { start, end, hdr },
         _ => Lookup::Missing,
-    }
+    })
 }
 
 /// The loader's count of modules added and removed so far (`None` when
@@ -377,7 +366,7 @@ mod tests {
         // have listed the closing module: not used once it ended.
         assert!(rebuild());
         closed();
-        assert_eq!(read(libc::malloc as *const () as usize), Lookup::Stale);
+        assert_eq!(read(libc::malloc as *const () as usize), None);
         assert!(matches!(
             find(libc::malloc as *const () as usize),
             Lookup::Found { .. }
