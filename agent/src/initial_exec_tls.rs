@@ -33,14 +33,24 @@ pub fn sample_countdown() -> *mut i64 {
     imp::sample_countdown()
 }
 
+/// A word for the address of this thread's agent state (see
+/// `thread_state::with`), valid for the calling thread's lifetime and
+/// starting at 0; `None` without initial-exec TLS (the state is then
+/// reached directly, and a word in a `thread_local!` would only add a
+/// second access). A constant per build: the check compiles away.
+#[inline(always)]
+pub fn thread_state_slot() -> Option<*mut usize> {
+    imp::thread_state_slot()
+}
+
 #[cfg(all(
     feature = "initial-exec-tls",
     target_arch = "x86_64",
     target_os = "linux"
 ))]
 mod imp {
-    // One 8-byte word in the thread-local BSS, global (so the inline
-    // assembly in any object file of the crate can name it) but hidden.
+    // Two 8-byte words in the thread-local BSS, global (so the inline
+    // assembly in any object file of the crate can name them) but hidden.
     std::arch::global_asm!(
         ".pushsection .tbss,\"awT\",@nobits",
         ".p2align 3",
@@ -50,8 +60,29 @@ mod imp {
         ".size heapdump_agent_sample_countdown, 8",
         "heapdump_agent_sample_countdown:",
         ".zero 8",
+        ".globl heapdump_agent_thread_state",
+        ".hidden heapdump_agent_thread_state",
+        ".type heapdump_agent_thread_state, @object",
+        ".size heapdump_agent_thread_state, 8",
+        "heapdump_agent_thread_state:",
+        ".zero 8",
         ".popsection",
     );
+
+    #[inline(always)]
+    pub fn thread_state_slot() -> Option<*mut usize> {
+        let p: usize;
+        // SAFETY: as in `sample_countdown`, for the second word.
+        unsafe {
+            std::arch::asm!(
+                "mov {p}, qword ptr fs:[0]",
+                "add {p}, qword ptr [rip + heapdump_agent_thread_state@GOTTPOFF]",
+                p = out(reg) p,
+                options(pure, nomem, nostack),
+            );
+        }
+        Some(p as *mut usize)
+    }
 
     #[inline(always)]
     pub fn sample_countdown() -> *mut i64 {
@@ -89,6 +120,11 @@ mod imp {
     pub fn sample_countdown() -> *mut i64 {
         COUNTDOWN.with(|c| c.as_ptr())
     }
+
+    #[inline(always)]
+    pub fn thread_state_slot() -> Option<*mut usize> {
+        None
+    }
 }
 
 #[cfg(test)]
@@ -116,5 +152,29 @@ mod tests {
         // SAFETY: as above.
         assert_eq!(unsafe { *p }, 42);
         assert_eq!(sample_countdown(), p);
+    }
+
+    #[test]
+    fn the_thread_state_word_is_per_thread_and_starts_at_zero() {
+        let Some(p) = thread_state_slot() else {
+            return; // no initial-exec TLS in this build: nothing to test
+        };
+        // SAFETY: this thread's word, valid while the thread lives. (Put
+        // back at the end: `thread_state::with` on this thread reads it.)
+        let kept = unsafe { std::ptr::replace(p, 0x1234) };
+        let other = std::thread::spawn(|| {
+            let q = thread_state_slot().unwrap();
+            // SAFETY: as above, for the spawned thread.
+            (q as usize, unsafe { *q })
+        })
+        .join()
+        .unwrap();
+        assert_ne!(other.0, p as usize);
+        assert_eq!(other.1, 0);
+        // SAFETY: as above.
+        assert_eq!(unsafe { *p }, 0x1234);
+        assert_ne!(p as usize, sample_countdown() as usize);
+        // SAFETY: as above.
+        unsafe { *p = kept };
     }
 }

@@ -36,7 +36,7 @@ use heapdump_table::{
 use crate::ablation;
 use crate::config::{Config, UnwindMode, Warnings};
 use crate::stack_capture;
-use crate::thread_state::{CacheEntry, ThreadState, CACHE_SETS, CACHE_WAYS, THREAD};
+use crate::thread_state::{CacheEntry, ThreadState, CACHE_SETS, CACHE_WAYS};
 
 const UNINIT: u8 = 0;
 const INITIALIZING: u8 = 1;
@@ -447,24 +447,22 @@ extern "C" fn thread_exit(_value: *mut libc::c_void) {
 /// thread's TLS is gone.
 #[inline]
 fn with_thread<R>(f: impl FnOnce(&ThreadState) -> R) -> Option<R> {
-    THREAD
-        .try_with(|t| {
-            if t.busy.get() {
-                if t.internal.get() {
-                    return None;
-                }
-                if let Some(w) = writers() {
-                    w.counters.on_dropped(DroppedReason::Reentrant);
-                }
+    crate::thread_state::with(|t| {
+        if t.busy.get() {
+            if t.internal.get() {
                 return None;
             }
-            t.busy.set(true);
-            let r = f(t);
-            t.busy.set(false);
-            Some(r)
-        })
-        .ok()
-        .flatten()
+            if let Some(w) = writers() {
+                w.counters.on_dropped(DroppedReason::Reentrant);
+            }
+            return None;
+        }
+        t.busy.set(true);
+        let r = f(t);
+        t.busy.set(false);
+        Some(r)
+    })
+    .flatten()
 }
 
 #[inline]
@@ -474,15 +472,13 @@ fn ready_writers(role: Role) -> Option<&'static Writers> {
         None => match STATE.load(Ordering::Acquire) {
             DISABLED => None,
             _ => {
-                let w = THREAD
-                    .try_with(|t| {
-                        t.internal.set(true);
-                        let w = init(role);
-                        t.internal.set(false);
-                        w
-                    })
-                    .ok()
-                    .flatten();
+                let w = crate::thread_state::with(|t| {
+                    t.internal.set(true);
+                    let w = init(role);
+                    t.internal.set(false);
+                    w
+                })
+                .flatten();
                 if w.is_none() && STATE.load(Ordering::Relaxed) != DISABLED {
                     NOT_READY.fetch_add(1, Ordering::Relaxed);
                 }
@@ -761,19 +757,17 @@ fn sample_weight(size: usize) -> Option<u64> {
     if crate::sampling::skips(size as u64) {
         return None;
     }
-    THREAD
-        .try_with(|t| {
-            if t.busy.get() {
-                // Not recordable now: a fresh distance keeps the next
-                // allocation's weight right (see `sampling`).
-                t.sampler.redraw(rate);
-                None
-            } else {
-                t.sampler.reached(size as u64, rate)
-            }
-        })
-        .ok()
-        .flatten()
+    crate::thread_state::with(|t| {
+        if t.busy.get() {
+            // Not recordable now: a fresh distance keeps the next
+            // allocation's weight right (see `sampling`).
+            t.sampler.redraw(rate);
+            None
+        } else {
+            t.sampler.reached(size as u64, rate)
+        }
+    })
+    .flatten()
 }
 
 /// Records a block that is to be recorded, standing for `weight`
@@ -1142,7 +1136,7 @@ pub fn forwarding<R>(f: impl FnOnce() -> R) -> R {
         }
     }
     let mut f = Some(f);
-    let r = THREAD.try_with(|t| {
+    let r = crate::thread_state::with(|t| {
         let _restore = if t.busy.get() {
             // Already inside the agent or an outer forwarding call.
             Restore(None)
@@ -1154,9 +1148,9 @@ pub fn forwarding<R>(f: impl FnOnce() -> R) -> R {
         (f.take().expect("called once"))()
     });
     match r {
-        Ok(r) => r,
+        Some(r) => r,
         // This thread's TLS is gone: the hooks pass through anyway.
-        Err(_) => (f.take().expect("not called"))(),
+        None => (f.take().expect("not called"))(),
     }
 }
 

@@ -7,6 +7,9 @@
 //! - The state is a `const`-initialised thread-local without a destructor,
 //!   so touching it never allocates and it stays valid until the thread's
 //!   memory is released (also while TLS destructors of other libraries run).
+//!   [`with`] relies on it: in the preload library it keeps the state's
+//!   address in an initial-exec word, so a hook reaches the state without
+//!   a call to `__tls_get_addr`.
 //! - It stays small (a few hundred bytes): a library loaded at start has
 //!   its thread-locals in the static TLS block that glibc takes out of
 //!   every thread's stack, so every byte here is a byte less for threads
@@ -147,6 +150,52 @@ thread_local! {
     };
 }
 
+/// Runs `f` with this thread's agent state; `None` when the thread's TLS
+/// is gone (never, for this state: it has no destructor, see the module
+/// doc; the `Option` keeps the callers honest should that change).
+///
+/// With initial-exec TLS (the preload library) the state's address is
+/// kept in an initial-exec word after the thread's first call, so the
+/// hooks reach it in a few instructions instead of a call to
+/// `__tls_get_addr` each time (the general-dynamic model every
+/// `thread_local!` of a shared library uses).
+#[inline(always)]
+pub fn with<R>(f: impl FnOnce(&ThreadState) -> R) -> Option<R> {
+    let p = match crate::initial_exec_tls::thread_state_slot() {
+        Some(slot) => {
+            // SAFETY: `slot` is this thread's word, valid while the thread
+            // lives; only this thread reads or writes it.
+            let p = unsafe { *slot };
+            if p == 0 {
+                first_address(slot)?
+            } else {
+                p as *const ThreadState
+            }
+        }
+        None => THREAD.try_with(|t| t as *const ThreadState).ok()?,
+    };
+    // SAFETY: `p` is the address of this thread's `THREAD`, taken just now
+    // or stored by `first_address` on this thread (a forked child's thread
+    // inherits both the word and the state, at the same addresses).
+    // `THREAD` has no destructor, so its storage stays valid as long as the
+    // thread's TLS, which holds the word too (with initial-exec TLS the
+    // library is `STATIC_TLS`, see `initial_exec_tls`): whenever the word
+    // can be read, the state is there. Shared access only, for the
+    // duration of `f`, as `LocalKey::with` gives.
+    Some(f(unsafe { &*p }))
+}
+
+/// This thread's state's address on its first call to [`with`], kept in
+/// `slot` for the next ones.
+#[cold]
+#[inline(never)]
+fn first_address(slot: *mut usize) -> Option<*const ThreadState> {
+    let p = THREAD.try_with(|t| t as *const ThreadState).ok()?;
+    // SAFETY: `slot` is this thread's word (see `with`).
+    unsafe { *slot = p as usize };
+    Some(p)
+}
+
 impl ThreadState {
     /// Forgets every key (regions of a new generation).
     pub fn reset(&self, generation: u64) {
@@ -217,6 +266,27 @@ impl ThreadState {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn with_reaches_this_threads_own_state_every_time() {
+        let here = |t: &ThreadState| t as *const ThreadState as usize;
+        let first = with(here).unwrap();
+        // The second call takes the kept address (initial-exec builds).
+        assert_eq!(with(here), Some(first));
+        assert_eq!(THREAD.with(|t| here(t)), first);
+        with(|t| t.allocs.set(7)).unwrap();
+        let (other, allocs) =
+            std::thread::spawn(move || (with(here).unwrap(), with(|t| t.allocs.get()).unwrap()))
+                .join()
+                .unwrap();
+        assert_ne!(other, first);
+        assert_eq!(allocs, 0, "a new thread's state starts fresh");
+        assert_eq!(with(|t| t.allocs.get()), Some(7));
+        if let Some(slot) = crate::initial_exec_tls::thread_state_slot() {
+            // SAFETY: this thread's word.
+            assert_eq!(unsafe { *slot }, first);
+        }
+    }
 
     #[test]
     fn a_cache_set_is_one_line_and_entries_keep_key_and_slot() {
