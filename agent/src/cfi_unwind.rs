@@ -218,10 +218,9 @@ impl Rule {
 pub const RULE_CACHE_ENTRIES: usize = 512;
 
 /// Set in a cache key (and in [`Frame::pc`]) for a counter that a
-/// signal interrupted, whose rule is looked up at the counter itself, not
-/// at the byte before it as for a return address. User-space counters are
-/// below 2^56, so the bit never collides with an address.
-pub(crate) const EXACT: u64 = 1 << 63;
+/// signal interrupted (defined with the memo, which strips it from the
+/// frames it keeps).
+use crate::stack_memo::EXACT;
 
 /// A thread's cache from program counter to [`Rule`].
 ///

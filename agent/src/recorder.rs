@@ -21,6 +21,19 @@
 //!   at once, so a child is visible and dumpable from birth even if it
 //!   never records an event (a sampled child may not for a long time): it
 //!   never writes into its parent's regions.
+//!
+//! The exact-mode allocation path, top to bottom (the preload's
+//! `malloc_family::malloc_slow`, or the Rust `Agent`): [`on_alloc`] ->
+//! `record_weighted`: the thread's state (`thread_state::with`, busy flag),
+//! `prepare_thread`, `stack_key` (the walk, `cfi_unwind::walk` with the
+//! thread's `stack_memo`, then the thread's stack cache; interning on a
+//! miss), the clock, the table insert, the per-stack counters. A free:
+//! [`on_free_deferred`] -> `remove_block`. Budget (DESIGN §6, issue 30):
+//! at most 350 instructions added per malloc+free pair at 4 frames, 700 on
+//! the churn, 3 L1 data misses; `bench/instructions --parts` counts them
+//! per part (on 2026-11-26: +1306 and +1789 instructions, +6.2 and +9.1
+//! misses: far over; see docs/benchmarks.md), and CI fails when they grow
+//! past `bench/instructions-budget.json`.
 
 use std::cell::{Cell, UnsafeCell};
 use std::mem::MaybeUninit;

@@ -62,6 +62,13 @@
 use crate::stack_capture::TraceHash;
 use heapdump_table::stack_compression::MAX_FRAMES;
 
+/// Set in a program counter (a walk's [`Visited::pc`], a rule cache's key)
+/// for a counter that a signal interrupted, whose rule is looked up at the
+/// counter itself, not at the byte before it as for a return address. The
+/// frames a memo keeps have it cleared. User-space counters are below
+/// 2^56, so the bit never collides with an address.
+pub(crate) const EXACT: u64 = 1 << 63;
+
 /// Entries a memo holds: a walk's frames plus the state that ended it.
 pub const MEMO_ENTRIES: usize = MAX_FRAMES + 1;
 
@@ -370,13 +377,13 @@ impl StackMemo {
         self.complete = complete;
         self.first_output = usize::from(end == End::BadCounter);
         self.pc[0] = last.pc;
-        self.frames_rev[MEMO_ENTRIES - 1] = last.pc & !crate::cfi_unwind::EXACT;
+        self.frames_rev[MEMO_ENTRIES - 1] = last.pc & !EXACT;
         self.sp[0] = last.sp;
         self.rbp[0] = last.rbp;
         // Only a frame-pointer step's bounds depend on rbp.
         self.needs_rbp[0] = step == Step::FramePointer;
         self.sum[0] = if self.first_output == 0 {
-            TraceHash::mix(last.pc & !crate::cfi_unwind::EXACT)
+            TraceHash::mix(last.pc & !EXACT)
         } else {
             0
         };
@@ -448,7 +455,7 @@ impl StackMemo {
                 },
             };
             self.pc[j] = v.pc;
-            self.frames_rev[MEMO_ENTRIES - 1 - j] = v.pc & !crate::cfi_unwind::EXACT;
+            self.frames_rev[MEMO_ENTRIES - 1 - j] = v.pc & !EXACT;
             self.sp[j] = v.sp;
             self.rbp[j] = v.rbp;
             // Whether the walk from here uses this frame's rbp: a
@@ -456,7 +463,7 @@ impl StackMemo {
             // one that passes it on does if the frame below does.
             needs = !replayable | fp | (!reads_rbp & needs);
             self.needs_rbp[j] = needs;
-            let pc = v.pc & !crate::cfi_unwind::EXACT;
+            let pc = v.pc & !EXACT;
             sum = sum.wrapping_add(TraceHash::mix(pc).wrapping_mul(POW[j - fo]));
             self.sum[j] = sum;
             if replayable & (valid == j) {
