@@ -458,24 +458,26 @@ extern "C" fn thread_exit(_value: *mut libc::c_void) {
 /// Runs `f` with this thread's state marked busy; returns `None` (and
 /// records nothing) when the agent is already busy on this thread or the
 /// thread's TLS is gone.
-#[inline]
+#[inline(always)]
 fn with_thread<R>(f: impl FnOnce(&ThreadState) -> R) -> Option<R> {
-    crate::thread_state::with(|t| {
-        if t.busy.get() {
-            if t.internal.get() {
-                return None;
-            }
+    // Not `thread_state::with`: its closure would become a function of
+    // its own around the whole recording path (see `address`).
+    // SAFETY: this thread's state, valid while the thread runs
+    // (`thread_state::address`); shared references only, dropped before
+    // this function returns.
+    let t = unsafe { &*crate::thread_state::address()? };
+    if t.busy.get() {
+        if !t.internal.get() {
             if let Some(w) = writers() {
                 w.counters.on_dropped(DroppedReason::Reentrant);
             }
-            return None;
         }
-        t.busy.set(true);
-        let r = f(t);
-        t.busy.set(false);
-        Some(r)
-    })
-    .flatten()
+        return None;
+    }
+    t.busy.set(true);
+    let r = f(t);
+    t.busy.set(false);
+    Some(r)
 }
 
 #[inline]
@@ -784,8 +786,11 @@ fn sample_weight(size: usize) -> Option<u64> {
 }
 
 /// Records a block that is to be recorded, standing for `weight`
-/// allocations in the cumulative counters (see [`record_alloc`]).
-#[inline(always)]
+/// allocations in the cumulative counters (see [`record_alloc`]). Out of
+/// line, and the one caller of its closure, so that the whole recording
+/// path is one function (a closure called from several places would be a
+/// function of its own: one more call and frame per event).
+#[inline(never)]
 fn record_weighted<const DIRECT: bool>(
     addr: usize,
     size: usize,

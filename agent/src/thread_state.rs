@@ -161,28 +161,42 @@ thread_local! {
 /// `thread_local!` of a shared library uses).
 #[inline(always)]
 pub fn with<R>(f: impl FnOnce(&ThreadState) -> R) -> Option<R> {
-    let p = match crate::initial_exec_tls::thread_state_slot() {
+    let p = address()?;
+    // SAFETY: `address` gives this thread's `THREAD`, valid while the
+    // thread runs (see there). Shared access only, for the duration of
+    // `f`, as `LocalKey::with` gives.
+    Some(f(unsafe { &*p }))
+}
+
+/// The address of this thread's `THREAD`: valid (and only shared
+/// references to it may be made) for as long as the calling thread runs,
+/// to its last TLS destructor, since `THREAD` has no destructor of its
+/// own. `None` when the thread's TLS is gone (never today, see [`with`]).
+/// For a caller that must not pass a closure (the hooks' hottest path:
+/// a closure there is compiled into a function of its own, one more call
+/// and frame per event).
+#[inline(always)]
+pub(crate) fn address() -> Option<*const ThreadState> {
+    match crate::initial_exec_tls::thread_state_slot() {
         Some(slot) => {
             // SAFETY: `slot` is this thread's word, valid while the thread
             // lives; only this thread reads or writes it.
             let p = unsafe { *slot };
             if p == 0 {
-                first_address(slot)?
+                first_address(slot)
             } else {
-                p as *const ThreadState
+                // The address of this thread's `THREAD`, stored by
+                // `first_address` on this thread (a forked child's thread
+                // inherits both the word and the state, at the same
+                // addresses). The library is `STATIC_TLS` (see
+                // `initial_exec_tls`): the word and the state live in the
+                // same static TLS block, so whenever the word can be read
+                // the state is there.
+                Some(p as *const ThreadState)
             }
         }
-        None => THREAD.try_with(|t| t as *const ThreadState).ok()?,
-    };
-    // SAFETY: `p` is the address of this thread's `THREAD`, taken just now
-    // or stored by `first_address` on this thread (a forked child's thread
-    // inherits both the word and the state, at the same addresses).
-    // `THREAD` has no destructor, so its storage stays valid as long as the
-    // thread's TLS, which holds the word too (with initial-exec TLS the
-    // library is `STATIC_TLS`, see `initial_exec_tls`): whenever the word
-    // can be read, the state is there. Shared access only, for the
-    // duration of `f`, as `LocalKey::with` gives.
-    Some(f(unsafe { &*p }))
+        None => THREAD.try_with(|t| t as *const ThreadState).ok(),
+    }
 }
 
 /// This thread's state's address on its first call to [`with`], kept in

@@ -96,8 +96,9 @@ fn recorded(p: *mut c_void, size: usize, fp: usize) -> *mut c_void {
 }
 
 /// The recording path of [`recorded`]. `fp` is the hook's frame pointer:
-/// the walk starts there, above this function's frame.
-#[inline(never)]
+/// the walk starts there. Inlined: what it adds to a hook is the exact-mode
+/// check and a call (the recording itself is out of line in the recorder).
+#[inline(always)]
 fn record(p: *mut c_void, size: usize, fp: usize) {
     on_alloc(p as usize, size, fp, Role::Preload);
 }
