@@ -71,6 +71,8 @@ pub(crate) const EXACT: u64 = 1 << 63;
 
 /// Entries a memo holds: a walk's frames plus the state that ended it.
 pub const MEMO_ENTRIES: usize = MAX_FRAMES + 1;
+// One bit of `StackMemo::rbp_checked` per check (`MEMO_ENTRIES - 1`).
+const _: () = assert!(MEMO_ENTRIES - 1 <= 64);
 
 /// A walk that met the memo after stepping through at most this many
 /// frames itself leaves the memo as it is (recording costs more per frame
@@ -138,7 +140,9 @@ const POW: [u64; MEMO_ENTRIES + 1] = {
 /// return address, and the caller's `rbp` or (where the step read none)
 /// the return address again, so that a replay checks two words per entry
 /// without a branch (frames that save `rbp` and frames that do not
-/// alternate unpredictably).
+/// alternate unpredictably). Where no entry of a replay checks an `rbp`
+/// (code without frame pointers, see [`StackMemo::rbp_checked`]) it
+/// checks the return addresses alone.
 #[derive(Clone, Copy, Debug)]
 struct Check {
     ra_at: usize,
@@ -164,6 +168,10 @@ pub struct StackMemo {
     /// The trace hash's contribution of `e[first_output..=j]`.
     sum: [u64; MEMO_ENTRIES],
     needs_rbp: [bool; MEMO_ENTRIES],
+    /// Bit `i` set: `checks[i]` checks a saved `rbp` (its second word is
+    /// not the return address again). Bits at and above `len - 1` are
+    /// stale; a replay reads only bits below its entry.
+    rbp_checked: u64,
     len: usize,
     valid: usize,
     complete: bool,
@@ -196,6 +204,7 @@ impl StackMemo {
             frames_rev: [0; MEMO_ENTRIES],
             sum: [0; MEMO_ENTRIES],
             needs_rbp: [false; MEMO_ENTRIES],
+            rbp_checked: 0,
             len: 0,
             valid: 0,
             complete: false,
@@ -289,21 +298,21 @@ impl StackMemo {
         if self.sp[b] < lo || self.sp[checked] < 8 || self.sp[checked] - 8 > top {
             return None;
         }
-        let mut diff = 0;
-        for c in &self.checks[checked..b] {
-            // SAFETY: both words lie in `[sp[b], sp[checked] - 8]`, inside
-            // `[lo, top]`, the live part of this thread's stack that the
-            // walk may read (the caller's guarantee), and are aligned (both
-            // checked by `extend` and above). Volatile: nothing may be
-            // assumed of them.
-            let (ra, word) = unsafe {
-                (
-                    std::ptr::read_volatile(c.ra_at as *const u64),
-                    std::ptr::read_volatile(c.at as *const u64),
-                )
-            };
-            diff |= (ra ^ c.ra) | (word ^ c.val);
-        }
+        // Bits `checked..b` (b <= 64: `b < valid <= MEMO_ENTRIES`).
+        let range = ((1u128 << b) - (1u128 << checked)) as u64;
+        let diff = if self.rbp_checked & range == 0 {
+            // No saved `rbp` among these steps: each check's second word is
+            // its return address again.
+            let mut diff = 0;
+            for c in &self.checks[checked..b] {
+                // SAFETY: as in `check_both`, for the return address alone.
+                let ra = unsafe { std::ptr::read_volatile(c.ra_at as *const u64) };
+                diff |= ra ^ c.ra;
+            }
+            diff
+        } else {
+            self.check_both(checked, b)
+        };
         if diff != 0 {
             return None;
         }
@@ -318,6 +327,29 @@ impl StackMemo {
             }
             Some(h.finish(k))
         }
+    }
+
+    /// Both words of `checks[checked..b]`, XORed with their values and
+    /// ORed together (0: all unchanged). The caller checked that every word
+    /// lies in `[sp[b], sp[checked] - 8]`, inside the readable stack.
+    #[inline(always)]
+    fn check_both(&self, checked: usize, b: usize) -> u64 {
+        let mut diff = 0;
+        for c in &self.checks[checked..b] {
+            // SAFETY: both words lie in `[sp[b], sp[checked] - 8]`, inside
+            // `[lo, top]`, the live part of this thread's stack that the
+            // walk may read (`follow`'s caller's guarantee, checked by
+            // `follow`), and are aligned (checked by `extend`). Volatile:
+            // nothing may be assumed of them.
+            let (ra, word) = unsafe {
+                (
+                    std::ptr::read_volatile(c.ra_at as *const u64),
+                    std::ptr::read_volatile(c.at as *const u64),
+                )
+            };
+            diff |= (ra ^ c.ra) | (word ^ c.val);
+        }
+        diff
     }
 
     /// Records a walk that replayed entry `b` after visiting `visited`
@@ -341,6 +373,7 @@ impl StackMemo {
             self.sp.copy_within(drop..=b, 0);
             self.rbp.copy_within(drop..=b, 0);
             self.checks.copy_within(drop..=b, 0);
+            self.rbp_checked = self.rbp_checked.checked_shr(drop as u32).unwrap_or(0);
             self.frames_rev.copy_within(
                 MEMO_ENTRIES - 1 - b..MEMO_ENTRIES - drop,
                 MEMO_ENTRIES - 1 - b + drop,
@@ -444,6 +477,12 @@ impl StackMemo {
                 & (v.sp <= ra_at)
                 & (ra_at < below_sp)
                 & (below_sp | at | v.sp).is_multiple_of(8);
+            let bit = 1u64 << (j - 1);
+            self.rbp_checked = if check_rbp {
+                self.rbp_checked | bit
+            } else {
+                self.rbp_checked & !bit
+            };
             self.checks[j - 1] = Check {
                 ra_at,
                 ra: below_pc,
@@ -473,5 +512,107 @@ impl StackMemo {
             self.len = j + 1;
         }
         self.valid = valid;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A memo of a four-frame walk over a fake stack (innermost first:
+    /// pcs 0x1000.. at word indexes 0, 4, 8, 12), stepped out of the inner
+    /// three by `rules` (1: CFA = rsp + k, no `rbp`; 2: frame pointer) and
+    /// ended by the outermost's rule `end_rule` (3: the walk ends there).
+    fn memo_over(stack: &[u64; 32], rules: [u64; 3], end_rule: u64) -> StackMemo {
+        let base = stack.as_ptr() as usize;
+        let visited: Vec<Visited> = (0..4)
+            .map(|i| Visited {
+                pc: 0x1000 * (i as u64 + 1),
+                sp: base + 0x20 * i,
+                rbp: 0xab0 + i,
+                rule: if i < 3 { rules[i] } else { end_rule },
+            })
+            .collect();
+        let mut memo = StackMemo::new();
+        memo.start(base + 31 * 8, 1);
+        memo.record(&visited, End::Stepped, classify);
+        memo
+    }
+
+    fn classify(rule: u64) -> Step {
+        match rule {
+            1 => Step::Rsp { rbp_off: 0 },
+            2 => Step::FramePointer,
+            3 => Step::End,
+            _ => Step::Other,
+        }
+    }
+
+    /// The words the walk read: each caller's return address just below
+    /// its stack pointer, and the saved `rbp` of the second frame's caller
+    /// (0xab2) where a frame-pointer step reads it.
+    fn fake_stack() -> Box<[u64; 32]> {
+        let mut s = Box::new([0u64; 32]);
+        s[3] = 0x2000;
+        s[7] = 0x3000;
+        s[11] = 0x4000;
+        s[6] = 0xab2;
+        s
+    }
+
+    fn replay(memo: &StackMemo, stack: &[u64; 32]) -> Option<Vec<u64>> {
+        let base = stack.as_ptr() as usize;
+        let mut out = [0u64; 8];
+        let (n, _) = memo.follow(3, &mut out, 0, TraceHash::new(), base, base + 31 * 8)?;
+        Some(out[..n].to_vec())
+    }
+
+    /// `replay` with word `i` of `stack` changed for the time of it.
+    fn replay_with(memo: &StackMemo, stack: &mut [u64; 32], i: usize) -> Option<Vec<u64>> {
+        let kept = stack[i];
+        stack[i] ^= 0x10;
+        let r = replay(memo, stack);
+        stack[i] = kept;
+        r
+    }
+
+    #[test]
+    fn a_replay_without_saved_rbp_checks_every_return_address_and_nothing_else() {
+        let mut stack = fake_stack();
+        let memo = memo_over(&stack, [1, 1, 1], 3);
+        assert_eq!(memo.rbp_checked, 0);
+        let all = Some(vec![0x1000, 0x2000, 0x3000, 0x4000]);
+        assert_eq!(replay(&memo, &stack), all);
+        // A word no step read changes nothing.
+        assert_eq!(replay_with(&memo, &mut stack, 6), all);
+        for i in [3, 7, 11] {
+            assert_eq!(
+                replay_with(&memo, &mut stack, i),
+                None,
+                "return address at word {i}"
+            );
+        }
+        assert_eq!(replay(&memo, &stack), all);
+    }
+
+    #[test]
+    fn a_replay_through_a_frame_pointer_step_checks_the_saved_rbp_too() {
+        // The outermost frame is left through its frame pointer, so the
+        // walk from the frame below it depends on that frame's `rbp`, which
+        // the second frame's frame-pointer step read at word 6.
+        let mut stack = fake_stack();
+        let memo = memo_over(&stack, [1, 2, 1], 2);
+        assert_ne!(memo.rbp_checked, 0);
+        let all = Some(vec![0x1000, 0x2000, 0x3000, 0x4000]);
+        assert_eq!(replay(&memo, &stack), all);
+        assert_eq!(replay_with(&memo, &mut stack, 6), None, "saved rbp");
+        for i in [3, 7, 11] {
+            assert_eq!(
+                replay_with(&memo, &mut stack, i),
+                None,
+                "return address at word {i}"
+            );
+        }
+        assert_eq!(replay(&memo, &stack), all);
     }
 }
