@@ -49,58 +49,56 @@ pub fn thread_state_slot() -> Option<*mut usize> {
     target_os = "linux"
 ))]
 mod imp {
-    // Two 8-byte words in the thread-local BSS, global (so the inline
-    // assembly in any object file of the crate can name them) but hidden.
-    std::arch::global_asm!(
-        ".pushsection .tbss,\"awT\",@nobits",
-        ".p2align 3",
-        ".globl heapdump_agent_sample_countdown",
-        ".hidden heapdump_agent_sample_countdown",
-        ".type heapdump_agent_sample_countdown, @object",
-        ".size heapdump_agent_sample_countdown, 8",
-        "heapdump_agent_sample_countdown:",
-        ".zero 8",
-        ".globl heapdump_agent_thread_state",
-        ".hidden heapdump_agent_thread_state",
-        ".type heapdump_agent_thread_state, @object",
-        ".size heapdump_agent_thread_state, 8",
-        "heapdump_agent_thread_state:",
-        ".zero 8",
-        ".popsection",
-    );
-
-    #[inline(always)]
-    pub fn thread_state_slot() -> Option<*mut usize> {
-        let p: usize;
-        // SAFETY: as in `sample_countdown`, for the second word.
-        unsafe {
-            std::arch::asm!(
-                "mov {p}, qword ptr fs:[0]",
-                "add {p}, qword ptr [rip + heapdump_agent_thread_state@GOTTPOFF]",
-                p = out(reg) p,
-                options(pure, nomem, nostack),
+    /// Declares an 8-byte word in the thread-local BSS, global (so the
+    /// inline assembly in any object file of the crate can name it) but
+    /// hidden, and a function giving its address on the calling thread.
+    macro_rules! initial_exec_word {
+        ($fn_name:ident, $symbol:literal, $ty:ty) => {
+            std::arch::global_asm!(
+                ".pushsection .tbss,\"awT\",@nobits",
+                ".p2align 3",
+                concat!(".globl ", $symbol),
+                concat!(".hidden ", $symbol),
+                concat!(".type ", $symbol, ", @object"),
+                concat!(".size ", $symbol, ", 8"),
+                concat!($symbol, ":"),
+                ".zero 8",
+                ".popsection",
             );
-        }
-        Some(p as *mut usize)
+
+            #[inline(always)]
+            fn $fn_name() -> *mut $ty {
+                let p: usize;
+                // SAFETY: the initial-exec sequence: %fs:0 holds the thread
+                // pointer (x86_64 TLS ABI), and the GOT entry the
+                // `@GOTTPOFF` relocation names holds the word's offset from
+                // it, filled in by the loader before any code of this
+                // object runs. It reads no Rust memory and writes only `p`
+                // (and the flags `add` sets).
+                unsafe {
+                    std::arch::asm!(
+                        "mov {p}, qword ptr fs:[0]",
+                        concat!("add {p}, qword ptr [rip + ", $symbol, "@GOTTPOFF]"),
+                        p = out(reg) p,
+                        options(pure, nomem, nostack),
+                    );
+                }
+                p as *mut $ty
+            }
+        };
     }
+
+    initial_exec_word!(countdown_word, "heapdump_agent_sample_countdown", i64);
+    initial_exec_word!(thread_state_word, "heapdump_agent_thread_state", usize);
 
     #[inline(always)]
     pub fn sample_countdown() -> *mut i64 {
-        let p: usize;
-        // SAFETY: the initial-exec sequence: %fs:0 holds the thread
-        // pointer (x86_64 TLS ABI), and the GOT entry the `@GOTTPOFF`
-        // relocation names holds the word's offset from it, filled in by
-        // the loader before any code of this object runs. It reads no Rust
-        // memory and writes only `p` (and the flags `add` sets).
-        unsafe {
-            std::arch::asm!(
-                "mov {p}, qword ptr fs:[0]",
-                "add {p}, qword ptr [rip + heapdump_agent_sample_countdown@GOTTPOFF]",
-                p = out(reg) p,
-                options(pure, nomem, nostack),
-            );
-        }
-        p as *mut i64
+        countdown_word()
+    }
+
+    #[inline(always)]
+    pub fn thread_state_slot() -> Option<*mut usize> {
+        Some(thread_state_word())
     }
 }
 

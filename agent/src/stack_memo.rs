@@ -576,23 +576,31 @@ mod tests {
         r
     }
 
+    /// The frames of the fake walk.
+    const ALL: [u64; 4] = [0x1000, 0x2000, 0x3000, 0x4000];
+
+    /// The replay gives the walk's frames, and none when any return
+    /// address it relies on (words 3, 7, 11) changed.
+    fn assert_every_return_address_checked(memo: &StackMemo, stack: &mut [u64; 32]) {
+        assert_eq!(replay(memo, stack), Some(ALL.to_vec()));
+        for i in [3, 7, 11] {
+            assert_eq!(
+                replay_with(memo, stack, i),
+                None,
+                "return address at word {i}"
+            );
+        }
+        assert_eq!(replay(memo, stack), Some(ALL.to_vec()));
+    }
+
     #[test]
     fn a_replay_without_saved_rbp_checks_every_return_address_and_nothing_else() {
         let mut stack = fake_stack();
         let memo = memo_over(&stack, [1, 1, 1], 3);
         assert_eq!(memo.rbp_checked, 0);
-        let all = Some(vec![0x1000, 0x2000, 0x3000, 0x4000]);
-        assert_eq!(replay(&memo, &stack), all);
         // A word no step read changes nothing.
-        assert_eq!(replay_with(&memo, &mut stack, 6), all);
-        for i in [3, 7, 11] {
-            assert_eq!(
-                replay_with(&memo, &mut stack, i),
-                None,
-                "return address at word {i}"
-            );
-        }
-        assert_eq!(replay(&memo, &stack), all);
+        assert_eq!(replay_with(&memo, &mut stack, 6), Some(ALL.to_vec()));
+        assert_every_return_address_checked(&memo, &mut stack);
     }
 
     #[test]
@@ -603,16 +611,7 @@ mod tests {
         let mut stack = fake_stack();
         let memo = memo_over(&stack, [1, 2, 1], 2);
         assert_ne!(memo.rbp_checked, 0);
-        let all = Some(vec![0x1000, 0x2000, 0x3000, 0x4000]);
-        assert_eq!(replay(&memo, &stack), all);
         assert_eq!(replay_with(&memo, &mut stack, 6), None, "saved rbp");
-        for i in [3, 7, 11] {
-            assert_eq!(
-                replay_with(&memo, &mut stack, i),
-                None,
-                "return address at word {i}"
-            );
-        }
-        assert_eq!(replay(&memo, &stack), all);
+        assert_every_return_address_checked(&memo, &mut stack);
     }
 }
