@@ -31,7 +31,7 @@
 //! [`on_free_deferred`] -> `remove_block`. Budget (DESIGN §6, issue 30):
 //! at most 350 instructions added per malloc+free pair at 4 frames, 700 on
 //! the churn, 3 L1 data misses; `bench/instructions --parts` counts them
-//! per part (on 2026-11-26: +1306 and +1789 instructions, +6.2 and +9.1
+//! per part (on 2026-11-26: +1250 and +1657 instructions, +6.3 and +9.6
 //! misses: far over; see docs/benchmarks.md), and CI fails when they grow
 //! past `bench/instructions-budget.json`.
 
