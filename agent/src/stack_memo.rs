@@ -303,11 +303,18 @@ impl StackMemo {
         let diff = if self.rbp_checked & range == 0 {
             // No saved `rbp` among these steps: each check's second word is
             // its return address again.
+            // SAFETY: as in `check_both`, for the return address alone.
+            let changed =
+                |c: &Check| unsafe { std::ptr::read_volatile(c.ra_at as *const u64) } ^ c.ra;
+            // Four at a time: the loop's own count and branch once per four
+            // frames (the loads are independent either way).
+            let mut quads = self.checks[checked..b].chunks_exact(4);
             let mut diff = 0;
-            for c in &self.checks[checked..b] {
-                // SAFETY: as in `check_both`, for the return address alone.
-                let ra = unsafe { std::ptr::read_volatile(c.ra_at as *const u64) };
-                diff |= ra ^ c.ra;
+            for q in &mut quads {
+                diff |= changed(&q[0]) | changed(&q[1]) | changed(&q[2]) | changed(&q[3]);
+            }
+            for c in quads.remainder() {
+                diff |= changed(c);
             }
             diff
         } else {
@@ -519,18 +526,29 @@ impl StackMemo {
 mod tests {
     use super::*;
 
-    /// A memo of a four-frame walk over a fake stack (innermost first:
-    /// pcs 0x1000.. at word indexes 0, 4, 8, 12), stepped out of the inner
-    /// three by `rules` (1: CFA = rsp + k, no `rbp`; 2: frame pointer) and
-    /// ended by the outermost's rule `end_rule` (3: the walk ends there).
-    fn memo_over(stack: &[u64; 32], rules: [u64; 3], end_rule: u64) -> StackMemo {
+    /// Frames of the fake walk: enough for a replay to check its return
+    /// addresses four at a time and then one at a time.
+    const FRAMES: usize = 7;
+    /// The frames' counters, innermost first.
+    const ALL: [u64; FRAMES] = [0x1000, 0x2000, 0x3000, 0x4000, 0x5000, 0x6000, 0x7000];
+
+    /// A memo of a walk over a fake stack (innermost first: frame `i` at
+    /// word index `4 i`, counter `ALL[i]`), stepped out of the second
+    /// frame by `second` (1: CFA = rsp + k, no `rbp`; 2: frame pointer),
+    /// out of the others below the outermost by rule 1, and ended by the
+    /// outermost's rule `end_rule` (2: frame pointer; 3: the walk ends).
+    fn memo_over(stack: &[u64; 32], second: u64, end_rule: u64) -> StackMemo {
         let base = stack.as_ptr() as usize;
-        let visited: Vec<Visited> = (0..4)
+        let visited: Vec<Visited> = (0..FRAMES)
             .map(|i| Visited {
-                pc: 0x1000 * (i as u64 + 1),
+                pc: ALL[i],
                 sp: base + 0x20 * i,
                 rbp: 0xab0 + i,
-                rule: if i < 3 { rules[i] } else { end_rule },
+                rule: match i {
+                    1 => second,
+                    i if i == FRAMES - 1 => end_rule,
+                    _ => 1,
+                },
             })
             .collect();
         let mut memo = StackMemo::new();
@@ -549,21 +567,29 @@ mod tests {
     }
 
     /// The words the walk read: each caller's return address just below
-    /// its stack pointer, and the saved `rbp` of the second frame's caller
-    /// (0xab2) where a frame-pointer step reads it.
+    /// its stack pointer (word `4 i - 1`), and the saved `rbp` of the
+    /// second frame's caller (0xab2, word 6) where a frame-pointer step
+    /// reads it.
     fn fake_stack() -> Box<[u64; 32]> {
         let mut s = Box::new([0u64; 32]);
-        s[3] = 0x2000;
-        s[7] = 0x3000;
-        s[11] = 0x4000;
+        for i in 1..FRAMES {
+            s[4 * i - 1] = ALL[i];
+        }
         s[6] = 0xab2;
         s
     }
 
     fn replay(memo: &StackMemo, stack: &[u64; 32]) -> Option<Vec<u64>> {
         let base = stack.as_ptr() as usize;
-        let mut out = [0u64; 8];
-        let (n, _) = memo.follow(3, &mut out, 0, TraceHash::new(), base, base + 31 * 8)?;
+        let mut out = [0u64; 16];
+        let (n, _) = memo.follow(
+            FRAMES - 1,
+            &mut out,
+            0,
+            TraceHash::new(),
+            base,
+            base + 31 * 8,
+        )?;
         Some(out[..n].to_vec())
     }
 
@@ -576,18 +602,16 @@ mod tests {
         r
     }
 
-    /// The frames of the fake walk.
-    const ALL: [u64; 4] = [0x1000, 0x2000, 0x3000, 0x4000];
-
     /// The replay gives the walk's frames, and none when any return
-    /// address it relies on (words 3, 7, 11) changed.
+    /// address it relies on changed.
     fn assert_every_return_address_checked(memo: &StackMemo, stack: &mut [u64; 32]) {
         assert_eq!(replay(memo, stack), Some(ALL.to_vec()));
-        for i in [3, 7, 11] {
+        for i in 1..FRAMES {
+            let at = 4 * i - 1;
             assert_eq!(
-                replay_with(memo, stack, i),
+                replay_with(memo, stack, at),
                 None,
-                "return address at word {i}"
+                "return address at word {at}"
             );
         }
         assert_eq!(replay(memo, stack), Some(ALL.to_vec()));
@@ -596,7 +620,7 @@ mod tests {
     #[test]
     fn a_replay_without_saved_rbp_checks_every_return_address_and_nothing_else() {
         let mut stack = fake_stack();
-        let memo = memo_over(&stack, [1, 1, 1], 3);
+        let memo = memo_over(&stack, 1, 3);
         assert_eq!(memo.rbp_checked, 0);
         // A word no step read changes nothing.
         assert_eq!(replay_with(&memo, &mut stack, 6), Some(ALL.to_vec()));
@@ -606,10 +630,10 @@ mod tests {
     #[test]
     fn a_replay_through_a_frame_pointer_step_checks_the_saved_rbp_too() {
         // The outermost frame is left through its frame pointer, so the
-        // walk from the frame below it depends on that frame's `rbp`, which
-        // the second frame's frame-pointer step read at word 6.
+        // walk from the frames below it depends on their `rbp`, which the
+        // second frame's frame-pointer step read at word 6.
         let mut stack = fake_stack();
-        let memo = memo_over(&stack, [1, 2, 1], 2);
+        let memo = memo_over(&stack, 2, 2);
         assert_ne!(memo.rbp_checked, 0);
         assert_eq!(replay_with(&memo, &mut stack, 6), None, "saved rbp");
         assert_every_return_address_checked(&memo, &mut stack);
