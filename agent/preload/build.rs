@@ -1,9 +1,11 @@
-//! Warns at build time when the library would be built without frame
-//! pointers. Each hook reads its own frame pointer to start the stack walk;
-//! without one, every trace loses its innermost frames. The workspace sets
-//! `-C force-frame-pointers=yes` in `.cargo/config.toml`, but Cargo drops
-//! that when `RUSTFLAGS` is set or when it runs from another directory
-//! (`--manifest-path`). (The library also says so on stderr at start.)
+//! Refuses to build the library without frame pointers. Each hook's slow
+//! path reads the hook's frame record (`caller_parent_frame`) to start the
+//! stack walk: built without frame pointers, that read follows whatever
+//! `rbp` holds, and a program loaded with such a library crashed at its
+//! first `malloc` (tried: a build run with `--manifest-path` from another
+//! directory). The workspace sets `-C force-frame-pointers=yes` in
+//! `.cargo/config.toml`, but Cargo drops that when `RUSTFLAGS` is set or
+//! when it runs from another directory (`--manifest-path`).
 
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");
@@ -24,11 +26,13 @@ fn main() {
         }
     }
     if !kept {
-        println!(
-            "cargo:warning=libheapdump_preload.so is being built without frame pointers: \
-             its stack traces would miss their innermost frames. Build from the repository's \
-             directory, or add -C force-frame-pointers=yes to RUSTFLAGS (which replaces the \
-             workspace's setting)."
+        eprintln!(
+            "error: libheapdump_preload.so would be built without frame pointers, and every \
+             program it is loaded into would crash at its first malloc (each hook reads its \
+             own frame record). Build from the repository's directory (its \
+             .cargo/config.toml sets -C force-frame-pointers=yes), or add \
+             -C force-frame-pointers=yes to RUSTFLAGS (which replaces the workspace's setting)."
         );
+        std::process::exit(1);
     }
 }
