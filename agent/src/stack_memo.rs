@@ -281,7 +281,9 @@ impl StackMemo {
         lo: usize,
         top: usize,
     ) -> Option<(usize, u64)> {
-        let room = out.len().checked_sub(n)?;
+        // At least one free place (the walk asks only then): `checked` below
+        // is then at most `b`.
+        let room = out.len().checked_sub(n).filter(|&r| r > 0)?;
         let fo = self.first_output;
         let frames = b + 1 - fo;
         // The lowest entry output, and the lowest whose step is checked.
