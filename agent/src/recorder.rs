@@ -31,7 +31,7 @@
 //! [`on_free_deferred`] -> `remove_block`. Budget (DESIGN §6, issue 30):
 //! at most 350 instructions added per malloc+free pair at 4 frames, 700 on
 //! the churn, 3 L1 data misses; `bench/instructions --parts` counts them
-//! per part (on 2026-11-26: +1250 and +1657 instructions, +6.3 and +9.6
+//! per part (on 2026-11-26: +1252 and +1612 instructions, +6.4 and +9.3
 //! misses: far over; see docs/benchmarks.md), and CI fails when they grow
 //! past `bench/instructions-budget.json`.
 
@@ -460,24 +460,21 @@ extern "C" fn thread_exit(_value: *mut libc::c_void) {
 /// thread's TLS is gone.
 #[inline(always)]
 fn with_thread<R>(f: impl FnOnce(&ThreadState) -> R) -> Option<R> {
-    // Not `thread_state::with`: its closure would become a function of
-    // its own around the whole recording path (see `address`).
-    // SAFETY: this thread's state, valid while the thread runs
-    // (`thread_state::address`); shared references only, dropped before
-    // this function returns.
-    let t = unsafe { &*crate::thread_state::address()? };
-    if t.busy.get() {
-        if !t.internal.get() {
-            if let Some(w) = writers() {
-                w.counters.on_dropped(DroppedReason::Reentrant);
+    crate::thread_state::with(|t| {
+        if t.busy.get() {
+            if !t.internal.get() {
+                if let Some(w) = writers() {
+                    w.counters.on_dropped(DroppedReason::Reentrant);
+                }
             }
+            return None;
         }
-        return None;
-    }
-    t.busy.set(true);
-    let r = f(t);
-    t.busy.set(false);
-    Some(r)
+        t.busy.set(true);
+        let r = f(t);
+        t.busy.set(false);
+        Some(r)
+    })
+    .flatten()
 }
 
 #[inline]

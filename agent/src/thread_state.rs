@@ -172,11 +172,8 @@ pub fn with<R>(f: impl FnOnce(&ThreadState) -> R) -> Option<R> {
 /// references to it may be made) for as long as the calling thread runs,
 /// to its last TLS destructor, since `THREAD` has no destructor of its
 /// own. `None` when the thread's TLS is gone (never today, see [`with`]).
-/// For a caller that must not pass a closure (the hooks' hottest path:
-/// a closure there is compiled into a function of its own, one more call
-/// and frame per event).
 #[inline(always)]
-pub(crate) fn address() -> Option<*const ThreadState> {
+fn address() -> Option<*const ThreadState> {
     match crate::initial_exec_tls::thread_state_slot() {
         Some(slot) => {
             // SAFETY: `slot` is this thread's word, valid while the thread
