@@ -12,17 +12,7 @@ static void *(*next_calloc)(size_t, size_t);
 static void *(*next_realloc)(void *, size_t);
 static size_t (*next_usable)(void *);
 
-static char arena[1 << 16];
-static size_t used;
-
-static void *bump(size_t n) {
-    if (used + n > sizeof arena) return NULL;
-    void *p = arena + used;
-    used += (n + 15) & ~(size_t)15;
-    return p; /* zeroed: the arena is never reused */
-}
-
-static int in_arena(void *p) { return (char *)p >= arena && (char *)p < arena + sizeof arena; }
+#include "bump_arena.h"
 
 __attribute__((constructor)) static void bind(void) {
     next_malloc = dlsym(RTLD_NEXT, "malloc");

@@ -24,17 +24,7 @@ static void (*next_free)(void *);
 static void *(*next_calloc)(size_t, size_t);
 static void *(*next_realloc)(void *, size_t);
 
-static char arena[1 << 16];
-static size_t used;
-
-static void *bump(size_t n) {
-    if (used + n > sizeof arena) return NULL;
-    void *p = arena + used;
-    used += (n + 15) & ~(size_t)15;
-    return p;
-}
-
-static int in_arena(void *p) { return (char *)p >= arena && (char *)p < arena + sizeof arena; }
+#include "bump_arena.h"
 
 /* Live blocks: open addressing, linear probing, backward-shift deletion. */
 #define SLOTS (1u << 22)
