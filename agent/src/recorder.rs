@@ -43,13 +43,13 @@ use heapdump_table::header::{DroppedReason, HeaderCounters};
 use heapdump_table::stack_compression::{encode_into, MAX_ENCODED_LEN, MAX_FRAMES};
 use heapdump_table::{
     AllocationRecord, AllocationsConfig, AllocationsWriter, InsertError, RegionWriter, ResourceKey,
-    ResourcesWriter,
+    ResourcesWriter, YoungRegistry,
 };
 
 use crate::ablation;
 use crate::config::{Config, UnwindMode, Warnings};
 use crate::stack_capture;
-use crate::thread_state::{CacheEntry, ThreadState, CACHE_SETS, CACHE_WAYS};
+use crate::thread_state::{CacheEntry, ThreadState, CACHE_SETS, CACHE_WAYS, NO_RING};
 
 const UNINIT: u8 = 0;
 const INITIALIZING: u8 = 1;
@@ -70,6 +70,11 @@ static EXIT_KEY: AtomicU64 = AtomicU64::new(u64::MAX);
 /// The allocator's own free (`unsafe extern "C" fn(*mut c_void)`), set by
 /// the preload library; 0 = frees are never deferred.
 static RELEASE: AtomicUsize = AtomicUsize::new(0);
+
+/// The threads' young rings (exact mode: each thread's last 16 blocks,
+/// kept out of the table's shared index; see
+/// `heapdump_table::allocations_table`'s `young.rs`).
+static YOUNG: YoungRegistry = YoungRegistry::new();
 
 /// Frees of recorded blocks up to this size may have their release to the
 /// allocator deferred (bounds what a quiet thread keeps back:
@@ -360,6 +365,8 @@ extern "C" fn after_fork_child() {
     // rebuilding the module table.
     crate::thread_tables::after_fork_child();
     crate::module_table::after_fork_child();
+    // The rings hold the parent's blocks, in the parent's regions.
+    YOUNG.reset();
     // A parent thread was initialising: its half-built state is not ours.
     GENERATION.fetch_add(1, Ordering::Relaxed);
     // The child's curve starts afresh (it does not report inherited blocks).
@@ -435,6 +442,11 @@ extern "C" fn thread_exit(_value: *mut libc::c_void) {
             if t.generation.get() == GENERATION.load(Ordering::Relaxed) {
                 // SAFETY: `with_thread` set this thread's busy flag.
                 w.allocations.flush_cache(unsafe { t.nodes() });
+                // Its young blocks stay in the ring, found by any thread's
+                // free, until the ring's next owner promotes them.
+                if let Some(k) = own_ring(t) {
+                    YOUNG.release(k);
+                }
                 if let Some(block) = t.counters.take() {
                     w.resources.release_counters(block);
                 }
@@ -449,6 +461,9 @@ extern "C" fn thread_exit(_value: *mut libc::c_void) {
                 }
             }
         }
+        // Blocks it allocates from now on (other TLS destructors) go
+        // straight to the shared index.
+        t.young.set(NO_RING);
         // SAFETY: `with_thread` set this thread's busy flag, and no
         // reference to the tables is live here.
         unsafe { t.release_tables() };
@@ -804,10 +819,16 @@ fn record_weighted<const DIRECT: bool>(
         if ablation::off(ablate, ablation::ALL) {
             return 0;
         }
-        // Start fetching the index slot now; the stack walk below hides
-        // the miss (a direct block uses no index slot).
-        let prefetched = (!DIRECT).then(|| w.allocations.prefetch(addr as u64));
+        // Sampled mode: start fetching the index slot now; the stack walk
+        // below hides the miss (a direct block uses no index slot, a
+        // young one none yet).
+        let prefetched = (!DIRECT && rate != 0).then(|| w.allocations.prefetch(addr as u64));
         prepare_thread(w, t);
+        let young = if !DIRECT && rate == 0 {
+            young_ring(w, t)
+        } else {
+            None
+        };
         let key = if ablation::off(ablate, ablation::STACK) {
             fixed_stack_key(w, t)
         } else {
@@ -832,30 +853,34 @@ fn record_weighted<const DIRECT: bool>(
         let nodes = unsafe { t.nodes() };
         let mut token = 0;
         if !ablation::off(ablate, ablation::TABLE) {
-            match prefetched {
-                None => match w.allocations.insert_direct(&rec, nodes) {
+            if DIRECT {
+                match w.allocations.insert_direct(&rec, nodes) {
                     Ok(node) => token = u64::from(node) + 1,
                     Err(_) => return 0,
-                },
-                Some(prefetched) => {
-                    match w
-                        .allocations
-                        .insert_cached_prefetched(&rec, prefetched, nodes)
-                    {
-                        Ok(()) => {
-                            if rate != 0 {
-                                crate::sampling::note_recorded(addr);
-                                curve_sampled(rec.size, rate, true);
-                            }
+                }
+            } else if let Some(k) = young {
+                if w.allocations.insert_young(&rec, &YOUNG, k, nodes).is_err() {
+                    return 0;
+                }
+            } else {
+                let inserted = match prefetched {
+                    Some(p) => w.allocations.insert_cached_prefetched(&rec, p, nodes),
+                    None => w.allocations.insert_cached(&rec, nodes),
+                };
+                match inserted {
+                    Ok(()) => {
+                        if rate != 0 {
+                            crate::sampling::note_recorded(addr);
+                            curve_sampled(rec.size, rate, true);
                         }
-                        // A free we never saw (memory released behind the
-                        // allocator's back): the stale record is replaced
-                        // by the new block.
-                        Err(InsertError::Duplicate) => {
-                            let _ = w.allocations.replace(rec.address, &rec);
-                        }
-                        Err(_) => return 0,
                     }
+                    // A free we never saw (memory released behind the
+                    // allocator's back): the stale record is replaced by
+                    // the new block.
+                    Err(InsertError::Duplicate) => {
+                        let _ = w.allocations.replace(rec.address, &rec);
+                    }
+                    Err(_) => return 0,
                 }
             }
         }
@@ -964,8 +989,48 @@ fn remove_block(t: &ThreadState, w: &Writers, addr: usize, token: u64) -> Option
     if RELEASE.load(Ordering::Relaxed) != 0 {
         heapdump_table::allocations_table::prefetch_line((addr as *const u8).wrapping_sub(16));
     }
-    let freed = w.allocations.remove_cached_freed(addr as u64, nodes)?;
+    let freed = if crate::sampling::rate() == 0 {
+        // Exact mode: in this thread's young ring, the index, or another
+        // thread's ring.
+        w.allocations
+            .remove_any(addr as u64, &YOUNG, own_ring(t), nodes)?
+    } else {
+        w.allocations.remove_cached_freed(addr as u64, nodes)?
+    };
     Some(after_removal(t, w, addr, freed, true))
+}
+
+/// This thread's young ring, claiming one at its first young block
+/// (`None`: every ring is taken, or the thread is exiting). Call after
+/// `enter_generation` (a forked child's rings were all reset).
+#[inline(always)]
+fn young_ring(w: &Writers, t: &ThreadState) -> Option<u32> {
+    match t.young.get() {
+        0 => claim_ring(w, t),
+        NO_RING => None,
+        k => Some(k - 1),
+    }
+}
+
+#[cold]
+#[inline(never)]
+fn claim_ring(w: &Writers, t: &ThreadState) -> Option<u32> {
+    let k = w.allocations.claim_young(&YOUNG);
+    t.young.set(k.map_or(NO_RING, |k| k + 1));
+    if k.is_some() {
+        // Given back at thread exit.
+        arm_thread_exit();
+    }
+    k
+}
+
+/// This thread's young ring if it has one (frees never claim one).
+#[inline(always)]
+fn own_ring(t: &ThreadState) -> Option<u32> {
+    match t.young.get() {
+        0 | NO_RING => None,
+        k => Some(k - 1),
+    }
 }
 
 /// The accounting of a removed block: sampled mode's filter and curve, and

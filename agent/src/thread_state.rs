@@ -120,7 +120,14 @@ pub struct ThreadState {
     pub no_defer: Cell<bool>,
     /// Sampled mode's countdown and random source (see `sampling`).
     pub sampler: crate::sampling::SamplerState,
+    /// This thread's young ring (`recorder::YOUNG`) + 1: 0 = none claimed
+    /// yet, [`NO_RING`] = none to be had (all taken, or the thread is
+    /// exiting).
+    pub young: Cell<u32>,
 }
+
+/// [`ThreadState::young`] when the thread records without a young ring.
+pub const NO_RING: u32 = u32::MAX;
 
 /// How many freed blocks a thread keeps back from the allocator.
 pub const DEFER_DEPTH: usize = 2;
@@ -146,6 +153,7 @@ thread_local! {
             deferred: Cell::new([0; DEFER_DEPTH]),
             no_defer: Cell::new(false),
             sampler: crate::sampling::SamplerState::new(),
+            young: Cell::new(0),
         }
     };
 }
@@ -220,6 +228,9 @@ impl ThreadState {
         self.peak_block.set(None);
         self.peak_full_gen.set(0);
         self.generation.set(generation);
+        // A new generation's rings are all free (a forked child reset
+        // them; the first generation claimed none).
+        self.young.set(0);
         // SAFETY: called with `busy` set (see `nodes`).
         unsafe { self.nodes() }.clear();
     }

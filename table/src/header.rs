@@ -29,8 +29,11 @@ pub const FORMAT_MAJOR: u16 = 1;
 /// `offsets::DETACHED_AT`, `offsets::ALLOCATOR_HEAP`,
 /// `offsets::ALLOCATOR_HEAP_SOURCE`); 1.4 the memory curve in the
 /// allocations region's header page (`crate::timeline`), the peak words
-/// (`crate::peak`) and the resources region's peak blocks.
-pub const FORMAT_MINOR: u16 = 4;
+/// (`crate::peak`) and the resources region's peak blocks; 1.5 the
+/// allocations region's writer lines (layout words 6 and 7: young blocks'
+/// counts, which a 1.4 reader leaves out of live blocks and totals; its
+/// snapshots are unaffected).
+pub const FORMAT_MINOR: u16 = 5;
 /// Bytes reserved for the header at the start of every region.
 pub const HEADER_SIZE: u64 = 4096;
 

@@ -51,6 +51,13 @@ pub(super) const S_SPILLED: u64 = 48;
 // [`AllocationsWriter::insert_direct`]). `S_LEN` counts every live block
 // (readers sum it); the index holds `S_LEN - S_DIRECT` of them.
 pub(super) const S_DIRECT: u64 = 52;
+/// Size of one writer counter line (see `young.rs`).
+pub(super) const LINE_SIZE: u64 = 64;
+/// Writer counter lines in a region this version creates: one per young
+/// ring, and line 0 shared by threads that have none.
+pub(super) const WRITER_LINES: u64 = YOUNG_RINGS as u64 + 1;
+/// Most writer lines a reader accepts.
+pub(super) const MAX_LINES: u64 = 1 << 16;
 /// Addresses in one aligned range of this size share a shard group: glibc
 /// gives each thread's arena heaps of 64 MiB, aligned, so threads mostly
 /// write disjoint shards (their lock, counters and index lines stay in one
@@ -86,6 +93,11 @@ pub(super) struct Layout {
     pub(super) index_off: u64,
     pub(super) nodes_off: u64,
     pub(super) capacity: u64,
+    /// Writer counter lines (see `young.rs`): offset, 0 when the region
+    /// has none (written before format 1.5).
+    pub(super) lines_off: u64,
+    /// Number of writer counter lines (0 = none).
+    pub(super) lines: u64,
 }
 
 pub(super) fn page_up(n: u64) -> u64 {
@@ -110,7 +122,8 @@ impl Layout {
         let shards_off = HEADER_SIZE;
         let index_off = page_up(shards_off + shards * SHARD_SIZE);
         let nodes_off = page_up(index_off + shards * 2 * slots_max * 4);
-        let end = page_up(nodes_off + cfg.capacity * NODE_SIZE);
+        let lines_off = page_up(nodes_off + cfg.capacity * NODE_SIZE);
+        let end = page_up(lines_off + WRITER_LINES * LINE_SIZE);
         let l = Layout {
             shards,
             shards_off,
@@ -118,6 +131,8 @@ impl Layout {
             index_off,
             nodes_off,
             capacity: cfg.capacity,
+            lines_off,
+            lines: WRITER_LINES,
         };
         l.check(end)?;
         Ok((l, end))
@@ -131,6 +146,8 @@ impl Layout {
             index_off: w[3],
             nodes_off: w[4],
             capacity: w[5],
+            lines_off: w[6],
+            lines: w[7],
         };
         l.check(region_size)?;
         Ok(l)
@@ -166,10 +183,25 @@ impl Layout {
         if !index_fits || !self.nodes_off.is_multiple_of(4096) {
             return bad("index placement");
         }
-        match (self.capacity * NODE_SIZE).checked_add(self.nodes_off) {
-            Some(end) if end <= region_size => Ok(()),
-            _ => bad("nodes do not fit in the region"),
+        let nodes_end = match (self.capacity * NODE_SIZE).checked_add(self.nodes_off) {
+            Some(end) if end <= region_size => end,
+            _ => return bad("nodes do not fit in the region"),
+        };
+        if self.lines == 0 {
+            return Ok(());
         }
+        // lines <= MAX_LINES, so the product cannot overflow.
+        let lines_fit = self.lines <= MAX_LINES
+            && self.lines_off >= nodes_end
+            && self.lines_off.is_multiple_of(LINE_SIZE)
+            && self
+                .lines_off
+                .checked_add(self.lines * LINE_SIZE)
+                .is_some_and(|end| end <= region_size);
+        if !lines_fit {
+            return bad("writer lines placement");
+        }
+        Ok(())
     }
 
     pub(super) fn words(&self) -> [u64; 8] {
@@ -180,8 +212,8 @@ impl Layout {
             self.index_off,
             self.nodes_off,
             self.capacity,
-            0,
-            0,
+            self.lines_off,
+            self.lines,
         ]
     }
 }

@@ -88,6 +88,7 @@ mod reader;
 mod record;
 mod shards;
 mod writer;
+mod young;
 
 #[cfg(test)]
 mod tests;
@@ -95,6 +96,7 @@ mod tests;
 use index::*;
 use layout::*;
 use writer::*;
+use young::*;
 
 pub use index::{prefetch_line, Prefetched};
 pub use layout::{AllocationsConfig, MAX_NODES};
@@ -104,3 +106,4 @@ pub use reader::{
 pub use record::AllocationRecord;
 pub(crate) use shards::add_shard_counters;
 pub use writer::{AllocationsWriter, Freed, InsertError, NodeCache, LIVE_BATCH, NODE_CACHE};
+pub use young::{YoungRegistry, YoungRing, YOUNG, YOUNG_RINGS};

@@ -65,6 +65,7 @@ impl AllocationsWriter<'_> {
         );
     }
 
+    #[inline(always)]
     pub(super) fn encode(rec: &AllocationRecord) -> Option<(u32, u64, u64, u64)> {
         let sk = rec.stack.0;
         let tk = rec.thread.0;

@@ -293,8 +293,9 @@ impl AllocationsWriter<'_> {
 }
 
 /// Adds the per-shard counters of an allocations region (live blocks,
-/// total allocations and bytes) to `c`. Does nothing when the header or
-/// layout does not validate. Bounded by the shard count (at most 2^16).
+/// total allocations and bytes), and its writer lines', to `c`. Does
+/// nothing when the header or layout does not validate. Bounded by the
+/// shard and line counts (at most 2^16 each).
 pub(crate) fn add_shard_counters(view: &SharedView, c: &mut Counters) {
     let Ok(h) = parse_header(view, RegionKind::Allocations) else {
         return;
@@ -309,6 +310,26 @@ pub(crate) fn add_shard_counters(view: &SharedView, c: &mut Counters) {
         allocs = allocs.wrapping_add(view.load_u64(base + S_TOTAL_ALLOCS).unwrap_or(0));
         bytes = bytes.wrapping_add(view.load_u64(base + S_TOTAL_BYTES).unwrap_or(0));
         live = live.wrapping_add(view.load_u64(base + S_LIVE_BYTES).unwrap_or(0));
+    }
+    // Young blocks are counted in the writer lines (see `young.rs`): what
+    // each line allocated less what it freed (or moved to a shard) is live.
+    // Only the lines rings have used (line 0 says which), at most all.
+    let used = match l.lines {
+        0 => 0,
+        n => view
+            .load_u64(l.lines_off + L_USED)
+            .unwrap_or(u64::MAX)
+            .saturating_add(1)
+            .min(n),
+    };
+    for k in 0..used {
+        let base = l.lines_off + k * LINE_SIZE;
+        let ld = |f| view.load_u64(base + f).unwrap_or(0);
+        let (n, b) = (ld(L_ALLOCS), ld(L_BYTES));
+        allocs = allocs.wrapping_add(n);
+        bytes = bytes.wrapping_add(b);
+        blocks = blocks.wrapping_add(n.wrapping_sub(ld(L_FREES)));
+        live = live.wrapping_add(b.wrapping_sub(ld(L_FREED_BYTES)));
     }
     // Exact live bytes are the shard sums; the header word is the writers'
     // running total that drives the peak (it may lag by a batch per thread).

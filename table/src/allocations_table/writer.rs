@@ -329,10 +329,33 @@ impl<'a> AllocationsWriter<'a> {
         w3: u64,
         pre: Option<u32>,
     ) -> Result<(), Locked> {
+        let (win, i) = self.index_room_locked(shard, h, w1)?;
+        let node = match pre {
+            Some(n) => n,
+            None => match self.take_node(shard) {
+                Some(n) => n,
+                None => return Err(Locked::NoNode),
+            },
+        };
+        self.write_node(node, t32, w1, w2, w3);
+        self.link_slot_locked(shard, win, i, h, node);
+        Ok(())
+    }
+
+    /// The index slot (window, slot) where `addr` (hash `h`) goes in
+    /// `shard`, growing the index if it is too full; `Duplicate` if the
+    /// address is there already. Caller holds the lock.
+    #[inline(always)]
+    pub(super) fn index_room_locked(
+        &self,
+        shard: u64,
+        h: u64,
+        addr: u64,
+    ) -> Result<(u32, u64), Locked> {
         let mut cap = 1u64 << self.cap_log2(shard);
         let mut win = self.window(shard);
         // One probe finds a duplicate or the slot to use.
-        let mut free = match self.probe_for_insert(shard, win, cap, h, w1) {
+        let mut free = match self.probe_for_insert(shard, win, cap, h, addr) {
             Err(()) => return Err(Locked::Duplicate),
             Ok(free) => free,
         };
@@ -350,24 +373,23 @@ impl<'a> AllocationsWriter<'a> {
             win = self.window(shard);
             free = self.free_slot(shard, win, cap, h);
         }
-        let Some(i) = free else {
-            return Err(Locked::IndexFull);
-        };
-        let node = match pre {
-            Some(n) => n,
-            None => match self.take_node(shard) {
-                Some(n) => n,
-                None => return Err(Locked::NoNode),
-            },
-        };
-        self.write_node(node, t32, w1, w2, w3);
+        match free {
+            Some(i) => Ok((win, i)),
+            None => Err(Locked::IndexFull),
+        }
+    }
+
+    /// Points slot `i` of window `win` (from [`Self::index_room_locked`])
+    /// at `node` and counts the block in the shard's length. Caller holds
+    /// the lock.
+    #[inline(always)]
+    pub(super) fn link_slot_locked(&self, shard: u64, win: u32, i: u64, h: u64, node: u32) {
         let slot = self.slot(shard, win, i);
         if slot.load(Ordering::Relaxed) == TOMBSTONE {
             self.bump_locked(shard, S_TOMBS, u32::wrapping_sub);
         }
         slot.store(Self::tag(h) << NODE_BITS | (node + 1), Ordering::Relaxed);
         self.bump_locked(shard, S_LEN, u32::wrapping_add);
-        Ok(())
     }
 
     /// Removes `addr`; returns its size and, when `keep_node`, the freed
@@ -525,7 +547,7 @@ impl<'a> AllocationsWriter<'a> {
         self.remove_impl(addr, Some(cache))
     }
 
-    #[inline]
+    #[inline(always)]
     pub(super) fn remove_impl(
         &self,
         addr: u64,

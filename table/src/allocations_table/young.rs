@@ -1,0 +1,619 @@
+//! Young blocks: a writer thread's last [`YOUNG`] allocations stay out of
+//! the shared index, in the thread's own [`YoungRing`], so that a block
+//! its own thread frees soon after allocating it (97-98 % of redis's
+//! frees, `bench/lifetimes`) costs no shard lock and no index probe.
+//!
+//! A young block has its node written exactly as any other (readers scan
+//! nodes, never the index or the rings: nothing changes for them); only
+//! the address -> node pair is kept in the ring instead of an index slot.
+//! The allocation that finds its ring entry still occupied by a block
+//! [`YOUNG`] allocations old *promotes* that block: its node (already
+//! written) gets an index slot under its shard's lock, as if it had just
+//! been inserted. Its counts move from the thread's line to the shard.
+//!
+//! Counters: a young block is counted in its thread's *writer line* (a
+//! 64-byte line of the region, one per ring, written by that thread only
+//! with plain stores): allocations and bytes at insert; frees and freed
+//! bytes when it is freed or promoted (its shard then counts it live).
+//! Readers add every line's `allocs - frees` and `bytes - freed_bytes` to
+//! the shards' live counts (`shards.rs`), so the header's counters are
+//! exact whenever no thread is between two updates. Line 0 belongs to no
+//! ring: threads without one count there with atomic adds.
+//!
+//! Invariants:
+//! - A ring is owned by one thread at a time ([`YoungRegistry::claim`],
+//!   [`YoungRegistry::release`]); only its owner stores a non-zero address
+//!   into an entry, and only while that entry is empty. A released ring
+//!   keeps its entries (their blocks are live and still found, below);
+//!   the next owner inherits them with the ring's writer line.
+//! - An entry is *claimed* by the one compare-and-swap that turns its
+//!   address to 0, and the claimant alone then owns the entry's node: the
+//!   owner freeing its own block, the owner promoting it (under the
+//!   block's shard lock), or another thread freeing it (a block handed to
+//!   another thread). A node is written without a shard lock only by the
+//!   owner of the entry that holds it (before publishing it, or after
+//!   claiming it), so every node still has exactly one writer at a time,
+//!   inside its seqlock (`record.rs`).
+//! - Before a claimant reads an entry's node it has read the entry's
+//!   address with Acquire (the owner writes node, tag, then address with
+//!   Release); it reads the node *before* its claiming CAS (AcqRel), and
+//!   the owner writes a new node into an entry only after its own CAS on
+//!   that entry failed or succeeded, so the node read is the claimed
+//!   block's.
+//! - A block is in exactly one of: its owner's ring, the shared index, or
+//!   neither (freed). A free that finds it in neither the calling thread's
+//!   ring nor the index looks through every ring, then the index again: a
+//!   promotion (ring -> index, under the shard lock, claim inside the
+//!   lock) may have moved it between the first two looks, and the second
+//!   index look, under the same lock, sees it.
+//! - Blocks are found by address: a block freed behind the allocator's
+//!   back (a free the hooks never saw) whose address is allocated again
+//!   leaves a stale record until that address is promoted, when the stale
+//!   record is replaced (an index insert of a present address today
+//!   replaces it at once).
+
+use super::*;
+
+/// Allocations a thread keeps out of the shared index (its ring's size).
+pub const YOUNG: usize = 16;
+/// Rings a process can hand out (a thread beyond them records through the
+/// shared index alone). Bounds the work of a free that finds its block
+/// nowhere else (see the module doc).
+pub const YOUNG_RINGS: usize = 128;
+
+// Writer line fields (u64).
+pub(super) const L_ALLOCS: u64 = 0;
+pub(super) const L_BYTES: u64 = 8;
+pub(super) const L_FREES: u64 = 16;
+pub(super) const L_FREED_BYTES: u64 = 24;
+/// In line 0 only: the highest line any ring has used, so readers sum
+/// only the lines in use.
+pub(super) const L_USED: u64 = 32;
+
+/// One thread's young blocks (see the module doc): 16 entries in three
+/// cache lines.
+#[repr(C, align(64))]
+#[derive(Debug)]
+pub struct YoungRing {
+    /// Block address of each entry, 0 = empty.
+    addrs: [AtomicU64; YOUNG],
+    /// Node of each entry (meaningful while its address is not 0).
+    nodes: [AtomicU32; YOUNG],
+    /// One byte per entry, a hash of its address ([`tag`]), so a lookup
+    /// compares 16 bytes in two words before it reads any address.
+    tags: [AtomicU64; 2],
+    /// Blocks inserted (owner only): the next entry is `head % YOUNG`, the
+    /// oldest one.
+    head: AtomicU32,
+    /// 1 while a thread owns the ring.
+    owner: AtomicU32,
+}
+
+impl YoungRing {
+    const fn new() -> Self {
+        YoungRing {
+            addrs: [const { AtomicU64::new(0) }; YOUNG],
+            nodes: [const { AtomicU32::new(0) }; YOUNG],
+            tags: [const { AtomicU64::new(0) }; 2],
+            head: AtomicU32::new(0),
+            owner: AtomicU32::new(0),
+        }
+    }
+
+    /// Entries whose tag matches `addr`'s, as bits (bit i = entry i).
+    #[inline(always)]
+    fn candidates(&self, addr: u64) -> u32 {
+        let t = u64::from(tag(addr)) * 0x0101_0101_0101_0101;
+        let lo = zero_bytes(self.tags[0].load(Ordering::Relaxed) ^ t);
+        let hi = zero_bytes(self.tags[1].load(Ordering::Relaxed) ^ t);
+        lo | hi << 8
+    }
+
+    /// [`Self::candidates`] for the ring's owner, which alone writes the
+    /// tags (so a plain read of them races with no write): on x86_64 one
+    /// 16-byte compare (SSE2 is part of the baseline).
+    #[inline(always)]
+    fn own_candidates(&self, addr: u64) -> u32 {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use core::arch::x86_64::*;
+            // SAFETY: `tags` is 16 bytes (two u64, no padding) that only
+            // this thread writes (the caller owns the ring); an unaligned
+            // 16-byte load of them is in bounds. SSE2 is always present
+            // on x86_64.
+            unsafe {
+                let tags = _mm_loadu_si128(self.tags.as_ptr().cast());
+                let eq = _mm_cmpeq_epi8(tags, _mm_set1_epi8(tag(addr) as i8));
+                _mm_movemask_epi8(eq) as u32
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        self.candidates(addr)
+    }
+
+    /// The owner's [`Self::find`] (see [`Self::own_candidates`]).
+    #[inline(always)]
+    fn find_own(&self, addr: u64) -> Option<usize> {
+        let mut m = self.own_candidates(addr);
+        while m != 0 {
+            let i = m.trailing_zeros() as usize;
+            m &= m - 1;
+            if self.addrs[i].load(Ordering::Relaxed) == addr {
+                return Some(i);
+            }
+        }
+        None
+    }
+
+    /// Entry holding `addr` (verified), if any. `order` for the address
+    /// loads: Acquire for another thread's ring.
+    #[inline(always)]
+    fn find(&self, addr: u64, order: Ordering) -> Option<usize> {
+        let mut m = self.candidates(addr);
+        while m != 0 {
+            let i = m.trailing_zeros() as usize;
+            m &= m - 1;
+            if self.addrs[i].load(order) == addr {
+                return Some(i);
+            }
+        }
+        None
+    }
+
+    /// Sets entry `i`'s tag (owner only).
+    #[inline(always)]
+    fn set_tag(&self, i: usize, addr: u64) {
+        let word = &self.tags[i / 8];
+        let shift = (i % 8) * 8;
+        let v = word.load(Ordering::Relaxed) & !(0xff << shift) | u64::from(tag(addr)) << shift;
+        word.store(v, Ordering::Relaxed);
+    }
+
+    /// Empties every entry (a forked child's rings name its parent's
+    /// regions).
+    fn clear(&self) {
+        for a in &self.addrs {
+            a.store(0, Ordering::Relaxed);
+        }
+        self.head.store(0, Ordering::Relaxed);
+    }
+}
+
+/// A byte of `addr`'s bits for [`YoungRing::candidates`]: the granule
+/// bits above 16-byte alignment, folded with the page bits, so
+/// neighbouring small blocks differ.
+#[inline(always)]
+fn tag(addr: u64) -> u8 {
+    ((addr >> 4) ^ (addr >> 12)) as u8
+}
+
+/// Bit k set exactly when byte k of `x` is zero (no false positives: the
+/// carry-free form).
+#[inline(always)]
+fn zero_bytes(x: u64) -> u32 {
+    const LOW7: u64 = 0x7f7f_7f7f_7f7f_7f7f;
+    let y = !(((x & LOW7) + LOW7) | x | LOW7);
+    // The high bit of each zero byte, gathered into one byte.
+    ((y >> 7).wrapping_mul(0x0102_0408_1020_4080) >> 56) as u32
+}
+
+/// The process's young rings (a `static` of the agent's): a thread claims
+/// one at its first young allocation and gives it back at exit.
+#[derive(Debug)]
+pub struct YoungRegistry {
+    rings: [YoungRing; YOUNG_RINGS],
+    /// Rings ever claimed: lookups across rings stop here.
+    high: AtomicU32,
+}
+
+impl Default for YoungRegistry {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl YoungRegistry {
+    /// Empty rings (usable in a `static`).
+    pub const fn new() -> Self {
+        YoungRegistry {
+            rings: [const { YoungRing::new() }; YOUNG_RINGS],
+            high: AtomicU32::new(0),
+        }
+    }
+
+    /// Claims a ring for the calling thread; `None` when all are owned.
+    /// The ring may hold blocks of a thread that exited: they are the new
+    /// owner's now.
+    pub fn claim(&self) -> Option<u32> {
+        for (k, r) in self.rings.iter().enumerate() {
+            // Acquire: the last owner's entries (released with Release).
+            if r.owner.load(Ordering::Relaxed) == 0
+                && r.owner
+                    .compare_exchange(0, 1, Ordering::Acquire, Ordering::Relaxed)
+                    .is_ok()
+            {
+                // Release: a thread that sees the new bound sees the ring
+                // owned; its entries are published with their own Release.
+                self.high.fetch_max(k as u32 + 1, Ordering::Release);
+                return Some(k as u32);
+            }
+        }
+        None
+    }
+
+    /// Gives ring `k` back (its blocks stay in it, still found).
+    pub fn release(&self, k: u32) {
+        if let Some(r) = self.rings.get(k as usize) {
+            r.owner.store(0, Ordering::Release);
+        }
+    }
+
+    /// Empties and frees every ring. Only in a process with one thread
+    /// (a forked child, before it records anything).
+    pub fn reset(&self) {
+        let high = self.high.load(Ordering::Relaxed) as usize;
+        for r in self.rings.iter().take(high) {
+            r.clear();
+            r.owner.store(0, Ordering::Relaxed);
+        }
+        self.high.store(0, Ordering::Release);
+    }
+
+    /// Blocks held in ring `k` now (for tests and statistics).
+    pub fn held(&self, k: u32) -> usize {
+        self.rings.get(k as usize).map_or(0, |r| {
+            r.addrs
+                .iter()
+                .filter(|a| a.load(Ordering::Relaxed) != 0)
+                .count()
+        })
+    }
+}
+
+impl AllocationsWriter<'_> {
+    /// Whether this region has a writer line for ring `k` (a region
+    /// written before format 1.5 has none: young recording is off).
+    #[inline(always)]
+    fn has_line(&self, k: u32) -> bool {
+        u64::from(k) + 1 < self.layout.lines
+    }
+
+    #[inline(always)]
+    fn line_word(&self, line: u32, field: u64) -> &AtomicU64 {
+        debug_assert!(u64::from(line) < self.layout.lines);
+        self.u64_at(self.layout.lines_off + u64::from(line) * LINE_SIZE + field)
+    }
+
+    /// Claims a young ring of `reg` for the calling thread (see
+    /// [`YoungRegistry::claim`]) and marks its writer line as in use;
+    /// `None` when every ring is taken or this region has no lines.
+    pub fn claim_young(&self, reg: &YoungRegistry) -> Option<u32> {
+        if self.layout.lines < 2 {
+            return None;
+        }
+        let k = reg.claim()?;
+        if !self.has_line(k) {
+            reg.release(k);
+            return None;
+        }
+        self.line_word(0, L_USED)
+            .fetch_max(u64::from(k) + 1, Ordering::Relaxed);
+        Some(k)
+    }
+
+    /// Adds `v` to a field of writer line `line`: a load and a store on
+    /// the owner's own line, an atomic add on the shared line 0.
+    #[inline(always)]
+    fn line_add(&self, line: u32, field: u64, v: u64) {
+        let w = self.line_word(line, field);
+        if line == 0 {
+            w.fetch_add(v, Ordering::Relaxed);
+        } else {
+            w.store(w.load(Ordering::Relaxed).wrapping_add(v), Ordering::Relaxed);
+        }
+    }
+
+    /// Records a new live block as young in ring `ring` of `reg`, which
+    /// the calling thread owns (see the module doc), promoting the ring's
+    /// oldest block to the index if its entry is still occupied. The node
+    /// comes from `cache`. Never allocates. In a region without writer
+    /// lines this is [`Self::insert_cached`].
+    #[inline]
+    pub fn insert_young(
+        &self,
+        rec: &AllocationRecord,
+        reg: &YoungRegistry,
+        ring: u32,
+        cache: &mut NodeCache,
+    ) -> Result<(), InsertError> {
+        let Some(r) = reg.rings.get(ring as usize) else {
+            return self.insert_cached(rec, cache);
+        };
+        if !self.has_line(ring) {
+            return self.insert_cached(rec, cache);
+        }
+        let line = ring + 1;
+        let Some((t32, w1, w2, w3)) = Self::encode(rec) else {
+            return Err(InsertError::Unrepresentable);
+        };
+        let head = r.head.load(Ordering::Relaxed);
+        let i = head as usize % YOUNG;
+        // Only this thread stores a non-zero address here; another thread
+        // may have claimed the entry (stored 0) meanwhile, which is fine.
+        let old = r.addrs[i].load(Ordering::Relaxed);
+        if old != 0 {
+            self.promote(r, i, old, line, cache);
+        }
+        let node = match cache.pop() {
+            Some(n) => n,
+            None => match self.fresh_node(w1) {
+                Some(n) => n,
+                None => {
+                    self.counters.on_dropped(DroppedReason::AllocationsFull);
+                    return Err(InsertError::Full);
+                }
+            },
+        };
+        self.write_node(node, t32, w1, w2, w3);
+        r.nodes[i].store(node, Ordering::Relaxed);
+        r.set_tag(i, w1);
+        // Release: node, tag and node word before the address that
+        // another thread's lookup acquires.
+        r.addrs[i].store(w1, Ordering::Release);
+        r.head.store(head.wrapping_add(1), Ordering::Relaxed);
+        let size = w2 & SIZE_MASK;
+        self.line_add(line, L_ALLOCS, 1);
+        self.line_add(line, L_BYTES, size);
+        self.live_changed(Some(cache), size as i64);
+        Ok(())
+    }
+
+    /// A node for a young block when the thread's cache is empty: from the
+    /// home shard's free list or a fresh chunk, under its lock.
+    #[cold]
+    #[inline(never)]
+    fn fresh_node(&self, addr: u64) -> Option<u32> {
+        let home = self.home_shard(addr, hash(addr));
+        let _g = self.lock(home);
+        self.take_node(home)
+    }
+
+    /// Moves the block in entry `i` of the caller's ring (address `addr`)
+    /// into the shared index, unless another thread claimed it first (it
+    /// is freeing it). Its counts move from writer line `line` to the
+    /// shard.
+    #[inline(never)]
+    fn promote(&self, r: &YoungRing, i: usize, addr: u64, line: u32, cache: &mut NodeCache) {
+        // Read before the claim (see the module doc).
+        let node = r.nodes[i].load(Ordering::Relaxed);
+        let h = hash(addr);
+        let home = self.home_shard(addr, h);
+        let size = {
+            let _g = self.lock(home);
+            // Claimed inside the lock, so a thread whose claim then fails
+            // finds the block in the index under the same lock.
+            if r.addrs[i]
+                .compare_exchange(addr, 0, Ordering::AcqRel, Ordering::Relaxed)
+                .is_err()
+            {
+                return;
+            }
+            let size = self.node_word(node, 2).load(Ordering::Relaxed) & SIZE_MASK;
+            match self.link_locked(home, h, addr, node) {
+                Ok(()) => {
+                    self.add_live_locked(home, size, 0);
+                    Some(size)
+                }
+                Err(_) => None,
+            }
+        };
+        let size = match size {
+            Some(s) => s,
+            None => match self.promote_spilled(home, h, addr, node) {
+                Some(s) => s,
+                None => {
+                    // No index room anywhere: the block is dropped, as an
+                    // insert into a full table is.
+                    let f = self.free_young_node(node, line, cache);
+                    self.live_changed(Some(cache), -(f.size as i64));
+                    self.counters.on_dropped(DroppedReason::AllocationsFull);
+                    return;
+                }
+            },
+        };
+        self.line_add(line, L_FREES, 1);
+        self.line_add(line, L_FREED_BYTES, size);
+    }
+
+    /// Gives the (claimed) young block in `node` an index slot in
+    /// `shard`, replacing a stale record of the same address (a free that
+    /// was never seen). Caller holds the lock.
+    #[inline(always)]
+    fn link_locked(&self, shard: u64, h: u64, addr: u64, node: u32) -> Result<(), Locked> {
+        match self.index_room_locked(shard, h, addr) {
+            Err(Locked::Duplicate) => {
+                self.remove_locked(shard, h, addr, false);
+                let (win, i) = self.index_room_locked(shard, h, addr)?;
+                self.link_slot_locked(shard, win, i, h, node);
+                Ok(())
+            }
+            Err(e) => Err(e),
+            Ok((win, i)) => {
+                self.link_slot_locked(shard, win, i, h, node);
+                Ok(())
+            }
+        }
+    }
+
+    /// [`Self::link_locked`] into the spill shard of `home` (its index is
+    /// full). Returns the block's size, `None` when there is no room.
+    #[cold]
+    #[inline(never)]
+    fn promote_spilled(&self, home: u64, h: u64, addr: u64, node: u32) -> Option<u64> {
+        let spill = self.spill_shard(addr, h);
+        if spill == home {
+            return None;
+        }
+        {
+            let _g = self.lock(home);
+            self.shard_field(home, S_SPILLED)
+                .store(1, Ordering::Relaxed);
+        }
+        let _g = self.lock(spill);
+        self.link_locked(spill, h, addr, node).ok()?;
+        let size = self.node_word(node, 2).load(Ordering::Relaxed) & SIZE_MASK;
+        self.add_live_locked(spill, size, 0);
+        Some(size)
+    }
+
+    /// Empties the node of a claimed young block and counts the free in
+    /// writer line `line`; the node goes to `cache` (or back to a shard
+    /// when the cache is full). The caller settles live bytes.
+    #[inline(always)]
+    fn free_young_node(&self, node: u32, line: u32, cache: &mut NodeCache) -> Freed {
+        let w2 = self.node_word(node, 2).load(Ordering::Relaxed);
+        let w3 = self.node_word(node, 3).load(Ordering::Relaxed);
+        let size = w2 & SIZE_MASK;
+        self.write_node(node, 0, 0, 0, 0);
+        if !cache.push(node) {
+            self.give_back_node(node);
+        }
+        self.line_add(line, L_FREES, 1);
+        self.line_add(line, L_FREED_BYTES, size);
+        Freed {
+            size,
+            stack: ResourceKey((w3 & 0xffff_ffff) * 8),
+            timestamp_us: (w2 >> 48) << 32 | w3 >> 32,
+        }
+    }
+
+    /// Puts an empty node on a shard's free list (a thread's cache was
+    /// full).
+    #[cold]
+    #[inline(never)]
+    fn give_back_node(&self, node: u32) {
+        let shard = u64::from(node) & (self.layout.shards - 1);
+        let _g = self.lock(shard);
+        let free = self.shard_field(shard, S_FREE);
+        self.write_node(node, 0, 0, 0, u64::from(free.load(Ordering::Relaxed)));
+        free.store(node + 1, Ordering::Relaxed);
+    }
+
+    /// Removes the block at `addr` wherever it is recorded: in the calling
+    /// thread's ring `own` (no lock), in the shared index, or in another
+    /// thread's ring. Returns what it held, `None` if it is not recorded.
+    /// Never allocates. The node goes to `cache`.
+    #[inline(always)]
+    pub fn remove_any(
+        &self,
+        addr: u64,
+        reg: &YoungRegistry,
+        own: Option<u32>,
+        cache: &mut NodeCache,
+    ) -> Option<Freed> {
+        let own = own.filter(|k| self.has_line(*k));
+        if let Some(k) = own {
+            let r = &reg.rings[k as usize % YOUNG_RINGS];
+            if let Some(i) = r.find_own(addr) {
+                let node = r.nodes[i].load(Ordering::Relaxed);
+                // A CAS, not a store: a double free racing on another
+                // thread must not free the node twice.
+                if r.addrs[i]
+                    .compare_exchange(addr, 0, Ordering::AcqRel, Ordering::Relaxed)
+                    .is_ok()
+                {
+                    let f = self.free_young_node(node, k + 1, cache);
+                    self.live_changed(Some(cache), -(f.size as i64));
+                    return Some(f);
+                }
+            }
+        }
+        if let Some(f) = self.remove_impl(addr, Some(cache)) {
+            return Some(f);
+        }
+        if self.layout.lines == 0 {
+            return None;
+        }
+        self.remove_elsewhere(addr, reg, own, cache)
+    }
+
+    /// The rest of [`Self::remove_any`] after the caller's ring and the
+    /// index missed: the other rings, then the index again (see the
+    /// module doc).
+    #[cold]
+    #[inline(never)]
+    fn remove_elsewhere(
+        &self,
+        addr: u64,
+        reg: &YoungRegistry,
+        own: Option<u32>,
+        cache: &mut NodeCache,
+    ) -> Option<Freed> {
+        let line = own.map_or(0, |k| k + 1);
+        let high = (reg.high.load(Ordering::Acquire) as usize).min(YOUNG_RINGS);
+        if high == 0 {
+            // No ring was ever claimed: no young block anywhere.
+            return None;
+        }
+        for (k, r) in reg.rings.iter().enumerate().take(high) {
+            if Some(k as u32) == own {
+                continue;
+            }
+            let Some(i) = r.find(addr, Ordering::Acquire) else {
+                continue;
+            };
+            let node = r.nodes[i].load(Ordering::Relaxed);
+            if r.addrs[i]
+                .compare_exchange(addr, 0, Ordering::AcqRel, Ordering::Relaxed)
+                .is_ok()
+            {
+                let f = self.free_young_node(node, line, cache);
+                self.live_changed(Some(cache), -(f.size as i64));
+                return Some(f);
+            }
+            // Its owner promoted it meanwhile (under the lock the index
+            // look below takes).
+            break;
+        }
+        self.remove_impl(addr, Some(cache))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn zero_bytes_marks_exactly_the_zero_bytes() {
+        assert_eq!(zero_bytes(0), 0xff);
+        assert_eq!(zero_bytes(u64::MAX), 0);
+        assert_eq!(zero_bytes(0x0100_0000_0000_80ff), 0b0111_1100);
+        // A byte of 0x01 above a zero byte is not a zero byte (the
+        // borrowing form would say it is).
+        assert_eq!(zero_bytes(0x0000_0000_0000_0100), 0b1111_1101);
+        for k in 0..8 {
+            let x = !(0xffu64 << (8 * k));
+            assert_eq!(zero_bytes(x), 1 << k);
+        }
+    }
+
+    #[test]
+    fn a_ring_finds_each_entry_by_address_and_nothing_else() {
+        let r = YoungRing::new();
+        let addrs: Vec<u64> = (0..YOUNG as u64).map(|k| 0x5555_0000 + k * 4096).collect();
+        for (i, a) in addrs.iter().enumerate() {
+            r.set_tag(i, *a);
+            r.addrs[i].store(*a, Ordering::Relaxed);
+        }
+        for (i, a) in addrs.iter().enumerate() {
+            assert_eq!(r.find(*a, Ordering::Relaxed), Some(i));
+            assert_eq!(r.find_own(*a), Some(i));
+            assert_eq!(r.candidates(*a), r.own_candidates(*a));
+        }
+        assert_eq!(r.find(0x5555_0010, Ordering::Relaxed), None);
+        assert_eq!(r.find_own(0x5555_0010), None);
+        r.addrs[3].store(0, Ordering::Relaxed);
+        assert_eq!(r.find(addrs[3], Ordering::Relaxed), None);
+        assert_eq!(r.find_own(addrs[3]), None);
+    }
+}
