@@ -604,7 +604,7 @@ pub fn walk(
             // refreshed only when this walk had to step through more than
             // a few frames itself, so a thread whose walks keep meeting
             // the memo soon (a deep memo, a changing top) records nothing.
-            if visited.len() > crate::stack_memo::REFRESH_AFTER {
+            if visited.len() > crate::stack_memo::REFRESH_AFTER && memo.refresh_due() {
                 memo.record_above(entry, rbp, visited, classify);
             }
             done

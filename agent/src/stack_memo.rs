@@ -79,6 +79,11 @@ const _: () = assert!(MEMO_ENTRIES - 1 <= 64);
 /// than stepping; see [`crate::cfi_unwind::walk`]).
 pub const REFRESH_AFTER: usize = 3;
 
+/// Of the walks that met the memo after more than [`REFRESH_AFTER`]
+/// frames of their own, one in this many is recorded
+/// ([`StackMemo::refresh_due`]).
+pub const REFRESH_EVERY: u32 = 16;
+
 /// How a frame was stepped out of, as far as a replay is concerned.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Step {
@@ -180,6 +185,9 @@ pub struct StackMemo {
     generation: u64,
     /// Walks in a row that took nothing from the memo.
     misses: u32,
+    /// Walks that met the memo only after stepping through more than
+    /// [`REFRESH_AFTER`] frames themselves (see [`StackMemo::refresh_due`]).
+    deep_meets: u32,
 }
 
 impl Default for StackMemo {
@@ -212,6 +220,7 @@ impl StackMemo {
             top: 0,
             generation: 0,
             misses: 0,
+            deep_meets: 0,
         }
     }
 
@@ -230,6 +239,22 @@ impl StackMemo {
     pub fn missed(&mut self) -> bool {
         self.misses = self.misses.wrapping_add(1);
         self.misses <= 2 || self.misses.is_multiple_of(16)
+    }
+
+    /// Notes a walk that met the memo after stepping through more than
+    /// [`REFRESH_AFTER`] frames itself; says whether to record it (on the
+    /// first such walk, then every [`REFRESH_EVERY`]th). A thread whose
+    /// consecutive allocations come from a few call paths in turn (a
+    /// server's request loop: parse, execute, reply) would otherwise
+    /// re-record at nearly every walk, each path evicting the other, and
+    /// recording costs several times what stepping does; this way the memo
+    /// keeps one path for a while, whose walks then cost almost nothing,
+    /// and still follows a lasting change of path within a few walks.
+    #[inline(always)]
+    pub fn refresh_due(&mut self) -> bool {
+        let n = self.deep_meets;
+        self.deep_meets = n.wrapping_add(1);
+        n.is_multiple_of(REFRESH_EVERY)
     }
 
     /// Forgets the recorded walk.
@@ -617,6 +642,19 @@ mod tests {
             );
         }
         assert_eq!(replay(memo, stack), Some(ALL.to_vec()));
+    }
+
+    #[test]
+    fn deep_meetings_refresh_the_memo_on_the_first_then_every_nth() {
+        let mut memo = StackMemo::new();
+        let due: Vec<bool> = (0..2 * REFRESH_EVERY + 1)
+            .map(|_| memo.refresh_due())
+            .collect();
+        let expect: Vec<bool> = (0..2 * REFRESH_EVERY + 1)
+            .map(|k| k % REFRESH_EVERY == 0)
+            .collect();
+        assert_eq!(due, expect);
+        assert!(due[0], "a new path is recorded at once");
     }
 
     #[test]

@@ -1,10 +1,12 @@
 //! The live-allocations table: one record per live heap block.
 //!
 //! Layout (after the header page):
-//! `[shards: shard_count x 64 B][index windows][nodes: node_capacity x 32 B]`.
+//! `[shards: shard_count x 64 B][index windows][nodes: node_capacity x 32 B]
+//! [writer lines: line_count x 64 B]`.
 //! `layout[0]` shard count (power of two), `[1]` shards offset, `[2]` slots
 //! per index window (power of two, >= 1024), `[3]` index offset, `[4]` nodes
-//! offset, `[5]` node capacity. Dynamic word `KIND_WORDS+0` is the node
+//! offset, `[5]` node capacity, `[6]` writer lines offset and `[7]` their
+//! count (format 1.5; 0 before). Dynamic word `KIND_WORDS+0` is the node
 //! high-water mark (nodes handed out so far).
 //!
 //! **Nodes** are what readers read. A node is 4 words:
@@ -41,6 +43,13 @@
 //! follows the live count. Readers read only the shards' counters, never
 //! their locks or indexes.
 //!
+//! **Young blocks** (`young.rs`). A writer thread's last 16 allocations
+//! keep their address -> node pair in the thread's own ring instead of an
+//! index slot, and are counted in the thread's *writer line* instead of a
+//! shard; a free by the same thread (most frees) then takes no lock and
+//! probes nothing. The 17th allocation promotes the oldest into the index.
+//! Readers see no difference but the counters they sum (shards and lines).
+//!
 //! **Direct blocks.** A writer that can keep a block's node number with
 //! the block itself (the Rust `Agent` puts it in a header before each
 //! block) inserts with [`AllocationsWriter::insert_direct`] and removes
@@ -51,8 +60,9 @@
 //! per block. Readers see no difference.
 //!
 //! Invariants:
-//! - A node's words change only under its shard's lock, always inside a
-//!   seqlock write: `seq` made odd, a Release fence, the words, then `seq`
+//! - A node's words change only under its shard's lock (or, for a young
+//!   block, by the one thread that holds its ring entry, see `young.rs`),
+//!   always inside a seqlock write: `seq` made odd, a Release fence, the words, then `seq`
 //!   made even with a Release store. A reader accepts a node only between
 //!   two equal even readings of `seq` (Acquire fence between data and the
 //!   second reading), so it never reports a torn record.
@@ -68,8 +78,9 @@
 //! The code is one file per concept: `layout.rs` (sizing and offsets),
 //! `record.rs` (nodes and their seqlock), `index.rs` (the per-shard
 //! address index), `shards.rs` (shard choice, locks, spill, counters),
-//! `writer.rs` (the writer's operations and node caches) and `reader.rs`
-//! (the walk); each states its own invariants.
+//! `writer.rs` (the writer's operations and node caches), `young.rs`
+//! (young blocks and writer lines) and `reader.rs` (the walk); each states
+//! its own invariants.
 
 use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
 

@@ -2,7 +2,8 @@
 //! packed into a node's four words, and how a writer changes a node.
 //!
 //! Invariants:
-//! - A node's words change only under its shard's lock, always inside a
+//! - A node's words change only under its shard's lock (or by the thread
+//!   holding a young block's ring entry, `young.rs`), always inside a
 //!   seqlock write: `seq` made odd, a Release fence, the words, then `seq`
 //!   made even with a Release store. (The reader's side is in
 //!   `reader.rs`: it accepts a node only between two equal even readings.)
