@@ -823,6 +823,15 @@ fn record_weighted<const DIRECT: bool>(
         // below hides the miss (a direct block uses no index slot, a
         // young one none yet).
         let prefetched = (!DIRECT && rate != 0).then(|| w.allocations.prefetch(addr as u64));
+        // Exact mode: the same for the block this one's insert will move
+        // from the thread's young ring into the index, if any (a stale
+        // ring number, before `prepare_thread` catches a new generation,
+        // only makes the hint useless).
+        let promoting = if !DIRECT && rate == 0 {
+            own_ring(t).and_then(|k| w.allocations.prefetch_young(&YOUNG, k))
+        } else {
+            None
+        };
         prepare_thread(w, t);
         let young = if !DIRECT && rate == 0 {
             young_ring(w, t)
@@ -859,7 +868,10 @@ fn record_weighted<const DIRECT: bool>(
                     Err(_) => return 0,
                 }
             } else if let Some(k) = young {
-                if w.allocations.insert_young(&rec, &YOUNG, k, nodes).is_err() {
+                if w.allocations
+                    .insert_young_prefetched(&rec, &YOUNG, k, promoting, nodes)
+                    .is_err()
+                {
                     return 0;
                 }
             } else {

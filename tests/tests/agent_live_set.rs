@@ -27,6 +27,38 @@ fn c_program_under_preload_exact_live_set_with_threads_alive() {
     check_c_pattern(true);
 }
 
+#[test]
+fn blocks_freed_by_other_threads_while_young_leave_the_exact_live_set() {
+    // tests/c/handoff.c: threads free each other's blocks while they are
+    // still young in their allocator's ring (or just promoted), and main
+    // frees blocks left young in the rings of threads that have exited.
+    let exe = compile_c("handoff");
+    let mut cmd = Command::new(&exe);
+    cmd.env("LD_PRELOAD", preload_lib());
+    let mut target = Target::spawn(cmd);
+    let pid = target.pid();
+    let d = dump(pid);
+    assert_eq!(d.partial, None);
+    let syms = Symbols::of_process(&exe, pid);
+    let t = by_site(&d, &syms, "site_");
+    assert!(
+        !t.contains_key("site_churn"),
+        "freed blocks reported: {t:#?}"
+    );
+    let kept = t.get("site_kept").map(|e| (e.0, e.1, e.2.clone()));
+    assert_eq!(kept, Some((100, 100 * 777, vec![777])), "{t:#?}");
+    // The header's counters (shards plus the threads' writer lines) are
+    // the live set exactly: the process is quiet.
+    let live: u64 = d.blocks.iter().map(|b| b.size).sum();
+    assert_eq!(d.counters.live_blocks, d.blocks.len() as u64);
+    assert_eq!(d.counters.live_bytes, live);
+    assert!(d.counters.total_allocs >= 4 * (30_000 + 50));
+    assert_eq!(d.counters.dropped_total(), 0, "{:?}", d.counters.dropped);
+    target.send("go");
+    target.wait_line("done");
+    assert!(target.finish().success());
+}
+
 fn check_rust_pattern(hold: bool) {
     check_rust_program(env!("CARGO_BIN_EXE_rust_pattern"), "rust_pattern", hold);
 }

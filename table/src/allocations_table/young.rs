@@ -326,6 +326,21 @@ impl AllocationsWriter<'_> {
         ring: u32,
         cache: &mut NodeCache,
     ) -> Result<(), InsertError> {
+        self.insert_young_prefetched(rec, reg, ring, None, cache)
+    }
+
+    /// [`Self::insert_young`] reusing the hash [`Self::prefetch_young`]
+    /// computed for the block to promote (a token for another address is
+    /// ignored).
+    #[inline]
+    pub fn insert_young_prefetched(
+        &self,
+        rec: &AllocationRecord,
+        reg: &YoungRegistry,
+        ring: u32,
+        prefetched: Option<Prefetched>,
+        cache: &mut NodeCache,
+    ) -> Result<(), InsertError> {
         let Some(r) = reg.rings.get(ring as usize) else {
             return self.insert_cached(rec, cache);
         };
@@ -342,7 +357,11 @@ impl AllocationsWriter<'_> {
         // may have claimed the entry (stored 0) meanwhile, which is fine.
         let old = r.addrs[i].load(Ordering::Relaxed);
         if old != 0 {
-            self.promote(r, i, old, line, cache);
+            let h = match prefetched {
+                Some(p) if p.address == old => p.hash,
+                _ => hash(old),
+            };
+            self.promote(r, i, old, h, line, cache);
         }
         let node = match cache.pop() {
             Some(n) => n,
@@ -368,6 +387,23 @@ impl AllocationsWriter<'_> {
         Ok(())
     }
 
+    /// Hints the CPU to fetch the index slot that the next
+    /// [`Self::insert_young`] into ring `ring` will use to promote the
+    /// ring's oldest block, if it is still live (the caller's ring; for
+    /// another ring or a stale number it is only a useless hint). Call it
+    /// early: the allocation's stack walk then hides the miss, as
+    /// [`Self::prefetch`] does for a block inserted straight into the
+    /// index.
+    ///
+    /// Returns the hash it computed, for [`Self::insert_young_prefetched`].
+    #[inline(always)]
+    pub fn prefetch_young(&self, reg: &YoungRegistry, ring: u32) -> Option<Prefetched> {
+        let r = reg.rings.get(ring as usize)?;
+        let head = r.head.load(Ordering::Relaxed);
+        let old = r.addrs[head as usize % YOUNG].load(Ordering::Relaxed);
+        (old != 0).then(|| self.prefetch(old))
+    }
+
     /// A node for a young block when the thread's cache is empty: from the
     /// home shard's free list or a fresh chunk, under its lock.
     #[cold]
@@ -378,15 +414,23 @@ impl AllocationsWriter<'_> {
         self.take_node(home)
     }
 
-    /// Moves the block in entry `i` of the caller's ring (address `addr`)
+    /// Moves the block in entry `i` of the caller's ring (address `addr`,
+    /// hash `h`)
     /// into the shared index, unless another thread claimed it first (it
     /// is freeing it). Its counts move from writer line `line` to the
     /// shard.
     #[inline(never)]
-    fn promote(&self, r: &YoungRing, i: usize, addr: u64, line: u32, cache: &mut NodeCache) {
+    fn promote(
+        &self,
+        r: &YoungRing,
+        i: usize,
+        addr: u64,
+        h: u64,
+        line: u32,
+        cache: &mut NodeCache,
+    ) {
         // Read before the claim (see the module doc).
         let node = r.nodes[i].load(Ordering::Relaxed);
-        let h = hash(addr);
         let home = self.home_shard(addr, h);
         let size = {
             let _g = self.lock(home);
