@@ -26,20 +26,22 @@
 //!   into an entry, and only while that entry is empty. A released ring
 //!   keeps its entries (their blocks are live and still found, below);
 //!   the next owner inherits them with the ring's writer line.
-//! - An entry is *claimed* by the one compare-and-swap that turns its
-//!   address to 0, and the claimant alone then owns the entry's node: the
-//!   owner freeing its own block, the owner promoting it (under the
-//!   block's shard lock), or another thread freeing it (a block handed to
-//!   another thread). A node is written without a shard lock only by the
+//! - An entry is *claimed* by the one write that turns its address to 0,
+//!   and the claimant alone then owns the entry's node: the owner freeing
+//!   its own block (a compare-and-swap), the owner promoting it (under the
+//!   block's shard lock: a load and a store), or another thread freeing it
+//!   (a block handed to another thread: a compare-and-swap under the same
+//!   shard lock). Only a double free could race the owner's own claim with
+//!   another's; the compare-and-swaps make one of them lose. A node is written without a shard lock only by the
 //!   owner of the entry that holds it (before publishing it, or after
 //!   claiming it), so every node still has exactly one writer at a time,
 //!   inside its seqlock (`record.rs`).
 //! - Before a claimant reads an entry's node it has read the entry's
 //!   address with Acquire (the owner writes node, tag, then address with
-//!   Release); it reads the node *before* its claiming CAS (AcqRel), and
-//!   the owner writes a new node into an entry only after its own CAS on
-//!   that entry failed or succeeded, so the node read is the claimed
-//!   block's.
+//!   Release); another thread reads the node *before* its claiming CAS
+//!   (AcqRel), and the owner writes a new node into an entry only after
+//!   reading (Acquire) that the entry is empty, so the node read is the
+//!   claimed block's.
 //! - A block is in exactly one of: its owner's ring, the shared index, or
 //!   neither (freed). A free that finds it in neither the calling thread's
 //!   ring nor the index looks through every ring, then the index again: a
@@ -355,7 +357,9 @@ impl AllocationsWriter<'_> {
         let i = head as usize % YOUNG;
         // Only this thread stores a non-zero address here; another thread
         // may have claimed the entry (stored 0) meanwhile, which is fine.
-        let old = r.addrs[i].load(Ordering::Relaxed);
+        // Acquire: such a claimant read the entry's node before its claim
+        // (Release), so that read comes before our store of a new node.
+        let old = r.addrs[i].load(Ordering::Acquire);
         if old != 0 {
             let h = match prefetched {
                 Some(p) if p.address == old => p.hash,
@@ -435,13 +439,14 @@ impl AllocationsWriter<'_> {
         let size = {
             let _g = self.lock(home);
             // Claimed inside the lock, so a thread whose claim then fails
-            // finds the block in the index under the same lock.
-            if r.addrs[i]
-                .compare_exchange(addr, 0, Ordering::AcqRel, Ordering::Relaxed)
-                .is_err()
-            {
+            // finds the block in the index under the same lock. A load and
+            // a store, no CAS: every other thread claims under this lock
+            // too (`remove_elsewhere`), and the owner's own frees come
+            // before or after this on this thread.
+            if r.addrs[i].load(Ordering::Acquire) != addr {
                 return;
             }
+            r.addrs[i].store(0, Ordering::Release);
             let size = self.node_word(node, 2).load(Ordering::Relaxed) & SIZE_MASK;
             match self.link_locked(home, h, addr, node) {
                 Ok(()) => {
@@ -607,16 +612,22 @@ impl AllocationsWriter<'_> {
                 continue;
             };
             let node = r.nodes[i].load(Ordering::Relaxed);
-            if r.addrs[i]
-                .compare_exchange(addr, 0, Ordering::AcqRel, Ordering::Relaxed)
-                .is_ok()
-            {
+            // Claimed under the block's shard lock, which the owner holds
+            // to promote it (see `promote`); a CAS against the owner's own
+            // free of it, which only a double free would race with.
+            let claimed = {
+                let _g = self.lock(self.home_shard(addr, hash(addr)));
+                r.addrs[i]
+                    .compare_exchange(addr, 0, Ordering::AcqRel, Ordering::Relaxed)
+                    .is_ok()
+            };
+            if claimed {
                 let f = self.free_young_node(node, line, cache);
                 self.live_changed(Some(cache), -(f.size as i64));
                 return Some(f);
             }
-            // Its owner promoted it meanwhile (under the lock the index
-            // look below takes).
+            // Its owner promoted it meanwhile: the index look below finds
+            // it, under the lock the promotion held.
             break;
         }
         self.remove_impl(addr, Some(cache))
