@@ -476,6 +476,7 @@ impl<'a> ResourcesWriter<'a> {
             Some(hint)
         } else {
             self.find_slot(block, key)
+                .or_else(|| self.evict_for(block, key))
         };
         let Some(i) = found else {
             self.record_allocations(key, count, bytes);
@@ -518,6 +519,50 @@ impl<'a> ResourcesWriter<'a> {
             }
         }
         None
+    }
+
+    /// No slot for `key` near its place in `block` (one of the calling
+    /// thread's): the slot there with the fewest allocations hands its
+    /// counts to its own stack's record (atomic adds, as for a stack with
+    /// no slot) and takes `key`, with zero counts. So stacks counted often
+    /// keep their slots and a program with more stacks than a block has
+    /// slots (redis: ~2 200, most of them allocating once at start) does
+    /// not send its busiest stacks to the shared counters, two locked adds
+    /// per allocation, for good. `None` only for a key a slot cannot hold.
+    ///
+    /// A reader reading the slot meanwhile sees its key change (see
+    /// `block_sums`) and skips it: the evicted counts are missing from
+    /// that one reading (they are moved after the slot is emptied), never
+    /// counted for the wrong stack.
+    #[cold]
+    #[inline(never)]
+    fn evict_for(&self, block: CounterBlock, key: ResourceKey) -> Option<u64> {
+        if key.0 == 0 {
+            return None;
+        }
+        let start = (key.0 >> 3).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 54;
+        let mut victim = start & (COUNTER_SLOTS - 1);
+        let mut least = u64::MAX;
+        for p in 0..COUNTER_PROBE {
+            let i = (start + p) & (COUNTER_SLOTS - 1);
+            let c = self.slot_word(block, i, 1).load(Ordering::Relaxed);
+            if c < least {
+                (victim, least) = (i, c);
+            }
+        }
+        let old = self.slot_word(block, victim, 0).load(Ordering::Relaxed);
+        let bytes = self.slot_word(block, victim, 2).load(Ordering::Relaxed);
+        // Key 0 first (a reader skips an empty slot), Release so that a
+        // reader who sees the counts zeroed sees the key changed; the new
+        // key with Release once the counts are zero.
+        self.slot_word(block, victim, 0).store(0, Ordering::Relaxed);
+        fence(Ordering::Release);
+        self.slot_word(block, victim, 1).store(0, Ordering::Relaxed);
+        self.slot_word(block, victim, 2).store(0, Ordering::Relaxed);
+        self.slot_word(block, victim, 0)
+            .store(key.0, Ordering::Release);
+        self.record_allocations(ResourceKey(old), least, bytes);
+        Some(victim)
     }
 
     /// Adds to slot `i`'s counts. Single writer (the block's holder): a
@@ -839,9 +884,11 @@ impl<'a> ResourcesReader<'a> {
                 }
             }
         }
-        let extra = self.counter_sums(&mut partial);
-        let mut catalog = StackCatalog::default();
-        let mut by_bytes: HashMap<Vec<u8>, usize> = HashMap::new();
+        // Every record's own counters first, the blocks' slots after: a
+        // writer that hands a slot's counts to the record (`evict_for`)
+        // empties the slot first, so in this order a reading may miss
+        // those counts but never counts them twice.
+        let mut records = Vec::with_capacity(keys.len());
         for key in keys {
             let bytes = match self.stack_bytes(key) {
                 Ok(b) => b,
@@ -850,13 +897,18 @@ impl<'a> ResourcesReader<'a> {
                     continue;
                 }
             };
-            let mut rec = match self.stack(key) {
-                Ok(r) => r,
+            match self.stack(key) {
+                Ok(r) => records.push((key, bytes, r)),
                 Err(e) => {
                     partial.get_or_insert_with(|| e.to_string());
-                    continue;
                 }
-            };
+            }
+        }
+        fence(Ordering::Acquire);
+        let extra = self.counter_sums(&mut partial);
+        let mut catalog = StackCatalog::default();
+        let mut by_bytes: HashMap<Vec<u8>, usize> = HashMap::new();
+        for (key, bytes, mut rec) in records {
             if let Some((c, b)) = extra.get(&key.0) {
                 rec.alloc_count = rec.alloc_count.saturating_add(*c);
                 rec.alloc_bytes = rec.alloc_bytes.saturating_add(*b);
@@ -954,6 +1006,13 @@ impl<'a> ResourcesReader<'a> {
                 fence(Ordering::Acquire);
                 let c = self.view.load_u64(o + 8).unwrap_or(0);
                 let by = self.view.load_u64(o + 16).unwrap_or(0);
+                fence(Ordering::Acquire);
+                if self.view.load_u64(o).unwrap_or(0) != key {
+                    // Taken by another stack meanwhile (its writer moved
+                    // the counts to the old stack's record): they may be
+                    // the old stack's or the new one's, so neither.
+                    continue;
+                }
                 let e = sums.entry(key).or_default();
                 e.0 = e.0.saturating_add(c);
                 e.1 = e.1.saturating_add(by);
