@@ -102,18 +102,35 @@ impl YoungRing {
         }
     }
 
-    /// Entries whose tag matches `addr`'s, as bits (bit i = entry i).
+    /// Entries whose tag matches `addr`'s, as bits (bit i = entry i). The
+    /// tags are read with two atomic loads (the owner may be writing
+    /// them), then compared at once: on x86_64 with one SSE2 compare
+    /// (part of the baseline), elsewhere bytewise in each word.
     #[inline(always)]
     fn candidates(&self, addr: u64) -> u32 {
-        let t = u64::from(tag(addr)) * 0x0101_0101_0101_0101;
-        let lo = zero_bytes(self.tags[0].load(Ordering::Relaxed) ^ t);
-        let hi = zero_bytes(self.tags[1].load(Ordering::Relaxed) ^ t);
-        lo | hi << 8
+        let lo = self.tags[0].load(Ordering::Relaxed);
+        let hi = self.tags[1].load(Ordering::Relaxed);
+        #[cfg(target_arch = "x86_64")]
+        {
+            use core::arch::x86_64::*;
+            // SAFETY: register operations only (SSE2 is always present on
+            // x86_64).
+            unsafe {
+                let tags = _mm_set_epi64x(hi as i64, lo as i64);
+                let eq = _mm_cmpeq_epi8(tags, _mm_set1_epi8(tag(addr) as i8));
+                _mm_movemask_epi8(eq) as u32
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            let t = u64::from(tag(addr)) * 0x0101_0101_0101_0101;
+            zero_bytes(lo ^ t) | zero_bytes(hi ^ t) << 8
+        }
     }
 
     /// [`Self::candidates`] for the ring's owner, which alone writes the
     /// tags (so a plain read of them races with no write): on x86_64 one
-    /// 16-byte compare (SSE2 is part of the baseline).
+    /// 16-byte load and compare.
     #[inline(always)]
     fn own_candidates(&self, addr: u64) -> u32 {
         #[cfg(target_arch = "x86_64")]
@@ -191,6 +208,7 @@ fn tag(addr: u64) -> u8 {
 
 /// Bit k set exactly when byte k of `x` is zero (no false positives: the
 /// carry-free form).
+#[cfg_attr(target_arch = "x86_64", allow(dead_code))]
 #[inline(always)]
 fn zero_bytes(x: u64) -> u32 {
     const LOW7: u64 = 0x7f7f_7f7f_7f7f_7f7f;
