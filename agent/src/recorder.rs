@@ -27,17 +27,13 @@
 //! `record_weighted`: the thread's state (`thread_state::with`, busy flag),
 //! `prepare_thread`, `stack_key` (the walk, `cfi_unwind::walk` with the
 //! thread's `stack_memo`, then the thread's stack cache; interning on a
-//! miss), the clock, the table insert (exact mode: into the thread's young
-//! ring, `YOUNG`, promoting the ring's oldest block to the shared index),
-//! the per-stack counters. A free: [`on_free_deferred`] -> `remove_block`
-//! (the thread's ring, else the index, else the other rings). Budget
-//! (DESIGN §6, issue 30): at most 350 instructions added per malloc+free
-//! pair at 4 frames, 700 on the churn, 3 L1 data misses;
-//! `bench/instructions --parts` counts them per part (on 2026-11-27:
-//! +1405 shallow, +1774 churn, +1021 for blocks freed young as most of a
-//! service's are; +6.5, +9.5 and +1.4 misses: far over; see
-//! docs/benchmarks.md), and CI fails when they grow past
-//! `bench/instructions-budget.json`.
+//! miss), the clock, the table insert, the per-stack counters. A free:
+//! [`on_free_deferred`] -> `remove_block`. Budget (DESIGN §6, issue 30):
+//! at most 350 instructions added per malloc+free pair at 4 frames, 700 on
+//! the churn, 3 L1 data misses; `bench/instructions --parts` counts them
+//! per part (on 2026-11-26: +1252 and +1612 instructions, +6.4 and +9.3
+//! misses: far over; see docs/benchmarks.md), and CI fails when they grow
+//! past `bench/instructions-budget.json`.
 
 use std::cell::{Cell, UnsafeCell};
 use std::mem::MaybeUninit;
@@ -826,21 +822,22 @@ fn record_weighted<const DIRECT: bool>(
         // Sampled mode: start fetching the index slot now; the stack walk
         // below hides the miss (a direct block uses no index slot, a
         // young one none yet).
+        let prefetched = (!DIRECT && rate != 0).then(|| w.allocations.prefetch(addr as u64));
         // Exact mode: the same for the block this one's insert will move
         // from the thread's young ring into the index, if any (a stale
         // ring number, before `prepare_thread` catches a new generation,
-        // only makes the hint useless), unless the thread's last block
-        // went straight to the index (this one's stack is not known yet).
-        let exact = !DIRECT && rate == 0;
-        let straight = exact && t.last_indexed.get();
-        let prefetched =
-            (!DIRECT && (rate != 0 || straight)).then(|| w.allocations.prefetch(addr as u64));
-        let promoting = if exact && !straight {
+        // only makes the hint useless).
+        let promoting = if !DIRECT && rate == 0 {
             own_ring(t).and_then(|k| w.allocations.prefetch_young(&YOUNG, k))
         } else {
             None
         };
         prepare_thread(w, t);
+        let young = if !DIRECT && rate == 0 {
+            young_ring(w, t)
+        } else {
+            None
+        };
         let key = if ablation::off(ablate, ablation::STACK) {
             fixed_stack_key(w, t)
         } else {
@@ -849,14 +846,6 @@ fn record_weighted<const DIRECT: bool>(
         let Some((stack, entry)) = key else {
             return 0;
         };
-        let young = if exact && dies_young(t, stack) {
-            young_ring(w, t)
-        } else {
-            None
-        };
-        if exact {
-            t.last_indexed.set(young.is_none());
-        }
         let now_us = if ablation::off(ablate, ablation::CLOCK) {
             0
         } else {
@@ -1015,59 +1004,12 @@ fn remove_block(t: &ThreadState, w: &Writers, addr: usize, token: u64) -> Option
     let freed = if crate::sampling::rate() == 0 {
         // Exact mode: in this thread's young ring, the index, or another
         // thread's ring.
-        let freed = w
-            .allocations
-            .remove_any(addr as u64, &YOUNG, own_ring(t), nodes)?;
-        learn_lifetime(t, &freed);
-        freed
+        w.allocations
+            .remove_any(addr as u64, &YOUNG, own_ring(t), nodes)?
     } else {
         w.allocations.remove_cached_freed(addr as u64, nodes)?
     };
     Some(after_removal(t, w, addr, freed, true))
-}
-
-/// Slots of a thread's guesses of which stacks' blocks die young
-/// (`thread_tables::ThreadTables::lifetimes`).
-pub const LIFETIME_SLOTS: usize = 256;
-
-/// The thread's guess for `stack`: its slot in the thread's tables.
-#[inline(always)]
-fn lifetime_guess(t: &ThreadState, stack: ResourceKey) -> Option<&Cell<u8>> {
-    // SAFETY: the caller set this thread's busy flag.
-    let tables = unsafe { t.tables() }?;
-    let i = ((stack.0 >> 3).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 56) as usize;
-    tables.lifetimes.get(i % LIFETIME_SLOTS)
-}
-
-/// Whether a block of `stack` should start young (in the thread's ring)
-/// rather than go straight to the shared index: yes unless the thread's
-/// last frees of that stack's blocks (by a 2-bit count over a hash of the
-/// stack, `learn_lifetime`) mostly found them in the index, as a cache's
-/// or a long-lived structure's are. Such a block would only be promoted
-/// later, which costs more than inserting it into the index at once
-/// (bench/instructions: ~+110 instructions per pair on the churn). One
-/// block in 16 of such stacks still starts young, so a stack whose blocks
-/// start dying young is noticed.
-#[inline(always)]
-fn dies_young(t: &ThreadState, stack: ResourceKey) -> bool {
-    match lifetime_guess(t, stack) {
-        Some(g) => g.get() < 2 || t.allocs.get().is_multiple_of(16),
-        None => true,
-    }
-}
-
-/// Updates the thread's guess for the stack of a block it freed: found in
-/// a young ring (freed soon after its allocation) or in the index.
-#[inline(always)]
-fn learn_lifetime(t: &ThreadState, freed: &heapdump_table::allocations_table::Freed) {
-    if let Some(g) = lifetime_guess(t, freed.stack) {
-        let v = g.get();
-        g.set(if freed.young {
-            v.saturating_sub(1)
-        } else {
-            (v + 1).min(3)
-        });
-    }
 }
 
 /// This thread's young ring, claiming one at its first young block

@@ -124,11 +124,6 @@ pub struct ThreadState {
     /// yet, [`NO_RING`] = none to be had (all taken, or the thread is
     /// exiting).
     pub young: Cell<u32>,
-    /// The thread's last exact-mode block went straight to the shared
-    /// index (its stack's blocks usually outlive the young ring, see
-    /// `recorder::dies_young`): the next allocation prefetches its own
-    /// index slot rather than the ring's oldest block's.
-    pub last_indexed: Cell<bool>,
 }
 
 /// [`ThreadState::young`] when the thread records without a young ring.
@@ -159,7 +154,6 @@ thread_local! {
             no_defer: Cell::new(false),
             sampler: crate::sampling::SamplerState::new(),
             young: Cell::new(0),
-            last_indexed: Cell::new(false),
         }
     };
 }

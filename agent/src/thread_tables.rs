@@ -1,6 +1,5 @@
 //! The per-thread tables too big for thread-local storage: the stack cache
-//! (16 KiB), the CFI rule cache (10 KiB), the stack memo (5 KiB) and the
-//! guesses of which stacks' blocks die young (256 bytes).
+//! (16 KiB), the CFI rule cache (10 KiB) and the stack memo (5 KiB).
 //!
 //! Why not thread-local: a library loaded at start (the preload agent is)
 //! has its thread-local storage in every thread's static TLS block, which
@@ -43,9 +42,6 @@ pub struct ThreadTables {
     pub rules: crate::cfi_unwind::RuleCache,
     /// An earlier CFI walk of the thread (see `stack_memo`).
     memo: UnsafeCell<crate::stack_memo::StackMemo>,
-    /// How the thread's recent blocks of each stack (by a hash of its
-    /// key) ended: see `recorder::LifetimeGuess`.
-    pub lifetimes: [Cell<u8>; crate::recorder::LIFETIME_SLOTS],
     /// The next block of the pool while this one is in it (under the
     /// pool's lock only).
     next: Cell<*mut ThreadTables>,

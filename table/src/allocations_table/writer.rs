@@ -23,9 +23,6 @@ pub struct Freed {
     pub stack: ResourceKey,
     /// Its allocation time (microseconds since the clock base).
     pub timestamp_us: u64,
-    /// It was still a young block (see `young.rs`): freed soon after its
-    /// allocation.
-    pub young: bool,
 }
 
 /// Free nodes a [`NodeCache`] holds.
@@ -437,7 +434,6 @@ impl<'a> AllocationsWriter<'a> {
             size,
             stack: ResourceKey((w3 & 0xffff_ffff) * 8),
             timestamp_us: (w2 >> 48) << 32 | w3 >> 32,
-            young: false,
         };
         let kept = if keep_node {
             self.write_node(node, 0, 0, 0, 0);

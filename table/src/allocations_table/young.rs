@@ -551,7 +551,6 @@ impl AllocationsWriter<'_> {
             size,
             stack: ResourceKey((w3 & 0xffff_ffff) * 8),
             timestamp_us: (w2 >> 48) << 32 | w3 >> 32,
-            young: true,
         }
     }
 
