@@ -305,16 +305,24 @@ impl<'a> AllocationsWriter<'a> {
     /// pending live bytes. Call when the owning thread exits.
     pub fn flush_cache(&self, cache: &mut NodeCache) {
         while let Some(node) = cache.pop() {
-            let shard = u64::from(node) & (self.layout.shards - 1);
-            let _g = self.lock(shard);
-            let free = self.shard_field(shard, S_FREE);
-            self.write_node(node, 0, 0, 0, u64::from(free.load(Ordering::Relaxed)));
-            free.store(node + 1, Ordering::Relaxed);
+            self.give_back_node(node);
         }
         let p = std::mem::take(&mut cache.pending_live);
         if p != 0 {
             self.live_changed(None, p);
         }
+    }
+
+    /// Puts an empty node (a cached one, or a young block's once a
+    /// thread's cache is full) on a shard's free list.
+    #[cold]
+    #[inline(never)]
+    pub(super) fn give_back_node(&self, node: u32) {
+        let shard = u64::from(node) & (self.layout.shards - 1);
+        let _g = self.lock(shard);
+        let free = self.shard_field(shard, S_FREE);
+        self.write_node(node, 0, 0, 0, u64::from(free.load(Ordering::Relaxed)));
+        free.store(node + 1, Ordering::Relaxed);
     }
 
     #[allow(clippy::too_many_arguments)] // the encoded record's words

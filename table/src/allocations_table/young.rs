@@ -554,18 +554,6 @@ impl AllocationsWriter<'_> {
         }
     }
 
-    /// Puts an empty node on a shard's free list (a thread's cache was
-    /// full).
-    #[cold]
-    #[inline(never)]
-    fn give_back_node(&self, node: u32) {
-        let shard = u64::from(node) & (self.layout.shards - 1);
-        let _g = self.lock(shard);
-        let free = self.shard_field(shard, S_FREE);
-        self.write_node(node, 0, 0, 0, u64::from(free.load(Ordering::Relaxed)));
-        free.store(node + 1, Ordering::Relaxed);
-    }
-
     /// Removes the block at `addr` wherever it is recorded: in the calling
     /// thread's ring `own` (no lock), in the shared index, or in another
     /// thread's ring. Returns what it held, `None` if it is not recorded.
