@@ -945,8 +945,8 @@ pub fn on_free_direct(addr: usize, token: u64) -> Option<u64> {
 /// True when no recorded block can be at `addr`: in sampled mode, the
 /// cheap answer for a block that was not sampled (one load of the
 /// filter). In exact mode it is never true once the agent is configured
-/// (the filter then answers "maybe" everywhere, see
-/// [`sampling::configure`](crate::sampling::configure)), and before that
+/// (one load of a flag, see
+/// [`sampling::maybe_sampled`](crate::sampling::maybe_sampled)), and before that
 /// nothing is recorded. A hook may then release the block without
 /// calling [`on_free`].
 #[inline(always)]
