@@ -535,6 +535,56 @@ pub fn walk(
     memo: &mut StackMemo,
     fallback_fp: bool,
 ) -> (usize, u64) {
+    let t = walk_trace(fp, sp, hi, out, cache, memo, fallback_fp);
+    (t.fill(out, memo), t.hash)
+}
+
+/// A finished walk whose outer frames may still be only in the memo: its
+/// frame count and hash are known, and [`Trace::fill`] writes the frames
+/// into `out` when they are needed (the caller's trace was not in its
+/// stack cache). Most walks of a thread meet its memo and most traces are
+/// in the cache: copying frames nobody reads cost ~30 instructions per
+/// allocation (a `memcpy` call) on redis.
+#[must_use]
+pub struct Trace {
+    /// Frames of the whole trace.
+    pub frames: usize,
+    /// Its hash (see [`walk`]).
+    pub hash: u64,
+    /// `(n, b)`: `out[n..frames]` are memo entry `b`'s frames and below,
+    /// not written yet.
+    unfilled: Option<(usize, usize)>,
+}
+
+impl Trace {
+    /// Completes `out[..frames]` (from `memo`, which must be the walk's,
+    /// not recorded over since) and returns `frames`.
+    #[inline]
+    pub fn fill(&self, out: &mut [u64], memo: &StackMemo) -> usize {
+        if let Some((n, b)) = self.unfilled {
+            let k = memo.fill(out, n, b);
+            debug_assert_eq!(k, self.frames);
+        }
+        self.frames
+    }
+}
+
+/// [`walk`] without writing the frames taken from the memo (see
+/// [`Trace`]).
+pub fn walk_trace(
+    fp: usize,
+    sp: usize,
+    hi: usize,
+    out: &mut [u64],
+    cache: &RuleCache,
+    memo: &mut StackMemo,
+    fallback_fp: bool,
+) -> Trace {
+    let done = |(frames, hash): (usize, u64)| Trace {
+        frames,
+        hash,
+        unfilled: None,
+    };
     let h = TraceHash::new();
     let generation = GENERATION.load(Ordering::Relaxed);
     if cache.generation.get() != generation {
@@ -543,7 +593,7 @@ pub fn walk(
     }
     // `top`: the highest address of a readable stack word.
     if hi < 16 || sp > hi - 16 || fp < sp || fp > hi - 16 || !fp.is_multiple_of(8) {
-        return h.finish(0);
+        return done(h.finish(0));
     }
     let top = hi - 8;
     // SAFETY: `sp <= fp` and `fp + 16 <= hi`: both words lie in `[sp, hi)`,
@@ -595,19 +645,32 @@ pub fn walk(
             if memo.missed() {
                 memo.record(visited, end, classify);
             }
-            hash.finish(frames)
+            done(hash.finish(frames))
         }
-        Outcome::Replayed { entry, rbp, done } => {
+        Outcome::Replayed {
+            entry,
+            rbp,
+            replayed: (frames, hash, filled),
+        } => {
             memo.met();
+            let mut unfilled = (!filled).then_some((visited.len(), entry));
             // The memo need not be the newest walk, only one of this
             // thread's (a replay checks every word it relies on): it is
             // refreshed only when this walk had to step through more than
             // a few frames itself, so a thread whose walks keep meeting
             // the memo soon (a deep memo, a changing top) records nothing.
             if visited.len() > crate::stack_memo::REFRESH_AFTER && memo.refresh_due() {
+                // The frames first: recording moves the entries.
+                if let Some((n, b)) = unfilled.take() {
+                    memo.fill(out, n, b);
+                }
                 memo.record_above(entry, rbp, visited, classify);
             }
-            done
+            Trace {
+                frames,
+                hash,
+                unfilled,
+            }
         }
     }
 }
@@ -713,11 +776,11 @@ enum Outcome {
         hash: TraceHash,
     },
     /// By taking the rest from memo entry `entry`, met with `rbp`: the
-    /// finished `(frames, hash)`.
+    /// finished `(frames, hash, filled)` of [`StackMemo::follow`].
     Replayed {
         entry: usize,
         rbp: usize,
-        done: (usize, u64),
+        replayed: (usize, u64, bool),
     },
 }
 
@@ -834,13 +897,13 @@ fn walk_from(
                 }
             }
         };
-        if let Some(done) = memo.follow(b, out, n, h, f.sp, top) {
+        if let Some(replayed) = memo.follow(b, out, n, h, f.sp, top) {
             return Walked {
                 visited: n,
                 outcome: Outcome::Replayed {
                     entry: b,
                     rbp: f.rbp,
-                    done,
+                    replayed,
                 },
             };
         }

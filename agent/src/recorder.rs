@@ -633,30 +633,39 @@ fn stack_key<'t>(
     let mut frames = std::mem::MaybeUninit::<[u64; MAX_FRAMES]>::uninit();
     let max = w.config.max_frames.min(MAX_FRAMES);
     // SAFETY: a `[u64; N]` slice over uninitialised memory is only written
-    // by `walk` (u64 has no invalid bit patterns and no drop); the slice we
-    // read back is the prefix `walk` reported as written.
+    // by the walk (u64 has no invalid bit patterns and no drop); the slice
+    // we read back is the prefix the walk reported as written, completed
+    // by `Trace::fill` first.
     let frames = unsafe { &mut *frames.as_mut_ptr() };
     let tables = tables(w, t)?;
     let sp = stack_capture::stack_pointer();
     let hi = t.stack_hi.get();
+    // SAFETY: `with_thread` set this thread's busy flag.
+    let memo = unsafe { tables.memo() };
+    // The CFI walk leaves the frames it took from the memo there until the
+    // cache below misses (see `cfi_unwind::Trace`).
+    let mut trace = None;
     let (n, h) = if !stack_capture::walkable(sp, hi) {
         stack_capture::walk(0, 1, 0, &mut [])
     } else {
         match w.config.unwind {
-            UnwindMode::Auto | UnwindMode::Cfi => crate::cfi_unwind::walk(
-                fp,
-                sp,
-                hi,
-                &mut frames[..max],
-                &tables.rules,
-                // SAFETY: `with_thread` set this thread's busy flag.
-                unsafe { tables.memo() },
-                w.config.unwind == UnwindMode::Auto,
-            ),
+            UnwindMode::Auto | UnwindMode::Cfi => {
+                let tr = crate::cfi_unwind::walk_trace(
+                    fp,
+                    sp,
+                    hi,
+                    &mut frames[..max],
+                    &tables.rules,
+                    memo,
+                    w.config.unwind == UnwindMode::Auto,
+                );
+                let r = (tr.frames, tr.hash);
+                trace = Some(tr);
+                r
+            }
             _ => stack_capture::walk(fp, sp, hi, &mut frames[..max]),
         }
     };
-    let frames = &frames[..n];
     // 4-way set in most-recently-used order: a hit moves its entry to
     // the front, a miss replaces the last (least recently used) one.
     let set = &tables.cache[(h as usize >> 20) % CACHE_SETS].0;
@@ -672,6 +681,10 @@ fn stack_key<'t>(
             return Some((ResourceKey(e.key()), &set[0]));
         }
     }
+    if let Some(tr) = &trace {
+        tr.fill(&mut frames[..max], memo);
+    }
+    let frames = &frames[..n];
     let mut buf = [0u8; MAX_ENCODED_LEN];
     let len = encode_into(frames, &mut buf)?;
     match w.resources.intern_stack_trace(&buf[..len]) {

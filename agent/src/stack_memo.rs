@@ -293,9 +293,14 @@ impl StackMemo {
     /// Replays the walk from entry `b` (found by [`StackMemo::candidate`]),
     /// whose frames go to `out[n..]` after the `n` the walk found itself
     /// (hashed into `h` so far). Checks every stack word the replayed
-    /// steps read; returns the finished `(frames, hash)`, or `None` (and
-    /// `out[n..]` is garbage) when a word changed or the memo cannot tell
-    /// the rest of this walk. `lo..=top` is what the walk may read.
+    /// steps read; returns the finished `(frames, hash, filled)`, or `None`
+    /// (and `out[n..]` is garbage) when a word changed or the memo cannot
+    /// tell the rest of this walk. `lo..=top` is what the walk may read.
+    ///
+    /// `filled` false: the memo's frames are not in `out[n..frames]` yet
+    /// (most walks only need the hash: their trace is in the thread's
+    /// stack cache); [`StackMemo::fill`] with the same `n` and `b` puts
+    /// them there, as long as the memo is not recorded over in between.
     #[inline(never)]
     pub fn follow(
         &self,
@@ -305,7 +310,7 @@ impl StackMemo {
         h: TraceHash,
         lo: usize,
         top: usize,
-    ) -> Option<(usize, u64)> {
+    ) -> Option<(usize, u64, bool)> {
         // At least one free place (the walk asks only then): `checked` below
         // is then at most `b`.
         let room = out.len().checked_sub(n).filter(|&r| r > 0)?;
@@ -351,16 +356,31 @@ impl StackMemo {
             return None;
         }
         let k = n + (b + 1 - last);
-        out[n..k].copy_from_slice(&self.frames_rev[MEMO_ENTRIES - 1 - b..MEMO_ENTRIES - last]);
         if frames <= room {
-            Some(h.then(POW[frames], self.sum[b]).finish(k))
+            // The whole rest of the walk: its hash from the sums, its
+            // frames left to `fill`.
+            let (k, h) = h.then(POW[frames], self.sum[b]).finish(k);
+            Some((k, h, false))
         } else {
+            out[n..k].copy_from_slice(&self.frames_rev[MEMO_ENTRIES - 1 - b..MEMO_ENTRIES - last]);
             let mut h = h;
             for &pc in &out[n..k] {
                 h.add(pc);
             }
-            Some(h.finish(k))
+            let (k, h) = h.finish(k);
+            Some((k, h, true))
         }
+    }
+
+    /// Writes the frames of a replay from entry `b` that [`StackMemo::follow`]
+    /// left out (`filled` false) into `out[n..]`; returns the walk's frame
+    /// count (as `follow` did).
+    #[inline]
+    pub fn fill(&self, out: &mut [u64], n: usize, b: usize) -> usize {
+        let last = self.first_output;
+        let k = n + (b + 1 - last);
+        out[n..k].copy_from_slice(&self.frames_rev[MEMO_ENTRIES - 1 - b..MEMO_ENTRIES - last]);
+        k
     }
 
     /// Both words of `checks[checked..b]`, XORed with their values and
@@ -609,7 +629,7 @@ mod tests {
     fn replay(memo: &StackMemo, stack: &[u64; 32]) -> Option<Vec<u64>> {
         let base = stack.as_ptr() as usize;
         let mut out = [0u64; 16];
-        let (n, _) = memo.follow(
+        let (n, _, filled) = memo.follow(
             FRAMES - 1,
             &mut out,
             0,
@@ -617,6 +637,9 @@ mod tests {
             base,
             base + 31 * 8,
         )?;
+        if !filled {
+            assert_eq!(memo.fill(&mut out, 0, FRAMES - 1), n);
+        }
         Some(out[..n].to_vec())
     }
 
