@@ -51,7 +51,7 @@ use gimli::{
 };
 
 use crate::stack_capture::{is_return_address, TraceHash};
-use crate::stack_memo::{End, StackMemo, Step, Visited, MEMO_ENTRIES};
+use crate::stack_memo::{End, StackMemo, StackMemos, Step, Visited, MEMO_ENTRIES};
 use heapdump_table::stack_compression::MAX_FRAMES;
 
 /// The DWARF registers the walk follows, per architecture: the stack
@@ -532,11 +532,11 @@ pub fn walk(
     hi: usize,
     out: &mut [u64],
     cache: &RuleCache,
-    memo: &mut StackMemo,
+    memos: &mut StackMemos,
     fallback_fp: bool,
 ) -> (usize, u64) {
-    let t = walk_trace(fp, sp, hi, out, cache, memo, fallback_fp);
-    (t.fill(out, memo), t.hash)
+    let t = walk_trace(fp, sp, hi, out, cache, memos, fallback_fp);
+    (t.fill(out, memos), t.hash)
 }
 
 /// A finished walk whose outer frames may still be only in the memo: its
@@ -551,19 +551,19 @@ pub struct Trace {
     pub frames: usize,
     /// Its hash (see [`walk`]).
     pub hash: u64,
-    /// `(n, b)`: `out[n..frames]` are memo entry `b`'s frames and below,
-    /// not written yet.
-    unfilled: Option<(usize, usize)>,
+    /// `(n, b, k)`: `out[n..frames]` are entry `b`'s frames and below in
+    /// memo `k`, not written yet.
+    unfilled: Option<(usize, usize, usize)>,
 }
 
 impl Trace {
-    /// Completes `out[..frames]` (from `memo`, which must be the walk's,
+    /// Completes `out[..frames]` (from `memos`, which must be the walk's,
     /// not recorded over since) and returns `frames`.
     #[inline]
-    pub fn fill(&self, out: &mut [u64], memo: &StackMemo) -> usize {
-        if let Some((n, b)) = self.unfilled {
-            let k = memo.fill(out, n, b);
-            debug_assert_eq!(k, self.frames);
+    pub fn fill(&self, out: &mut [u64], memos: &StackMemos) -> usize {
+        if let Some((n, b, k)) = self.unfilled {
+            let f = memos.memo(k).fill(out, n, b);
+            debug_assert_eq!(f, self.frames);
         }
         self.frames
     }
@@ -577,7 +577,7 @@ pub fn walk_trace(
     hi: usize,
     out: &mut [u64],
     cache: &RuleCache,
-    memo: &mut StackMemo,
+    memos: &mut StackMemos,
     fallback_fp: bool,
 ) -> Trace {
     let done = |(frames, hash): (usize, u64)| Trace {
@@ -623,6 +623,20 @@ pub fn walk_trace(
     });
     let max = out.len().min(MAX_FRAMES);
     let mut visited = [const { std::mem::MaybeUninit::<Visited>::uninit() }; MEMO_ENTRIES];
+    // Another memo of the thread may start at this very frame (see
+    // `StackMemos`): the whole trace from there, before any step.
+    if let Some((k, b)) = memos.other_start(f.pc, f.sp, f.rbp, top, generation) {
+        let served = memos.memo(k).follow(b, &mut out[..max], 0, h, f.sp, top);
+        if let Some((frames, hash, filled)) = served {
+            memos.other_served(k);
+            return Trace {
+                frames,
+                hash,
+                unfilled: (!filled).then_some((0, b, k)),
+            };
+        }
+    }
+    let memo = memos.main();
     let memo_start = memo.start(top, generation);
     let walked = walk_from(
         f,
@@ -642,9 +656,7 @@ pub fn walk_trace(
     let classify = |rule| replay_step(Rule(rule), fallback_fp);
     match walked.outcome {
         Outcome::Ended { end, frames, hash } => {
-            if memo.missed() {
-                memo.record(visited, end, classify);
-            }
+            memos.after_miss(visited, end, classify);
             done(hash.finish(frames))
         }
         Outcome::Replayed {
@@ -652,20 +664,19 @@ pub fn walk_trace(
             rbp,
             replayed: (frames, hash, filled),
         } => {
-            memo.met();
-            let mut unfilled = (!filled).then_some((visited.len(), entry));
-            // The memo need not be the newest walk, only one of this
-            // thread's (a replay checks every word it relies on): it is
-            // refreshed only when this walk had to step through more than
-            // a few frames itself, so a thread whose walks keep meeting
-            // the memo soon (a deep memo, a changing top) records nothing.
-            if visited.len() > crate::stack_memo::REFRESH_AFTER && memo.refresh_due() {
-                // The frames first: recording moves the entries.
-                if let Some((n, b)) = unfilled.take() {
-                    memo.fill(out, n, b);
+            let mut unfilled = (!filled).then_some((visited.len(), entry, 0));
+            if memos.refresh_due(visited.len()) {
+                // The frames first: recording moves the main memo's entries.
+                if let Some((n, b, k)) = unfilled.take() {
+                    memos.memo(k).fill(out, n, b);
                 }
-                memo.record_above(entry, rbp, visited, classify);
             }
+            // The memo need not be the newest walk, only one of this
+            // thread's (a replay checks every word it relies on): the set
+            // records this walk only when it had to step through a few
+            // frames itself, and only now and then (see
+            // `StackMemos::after_replay`).
+            memos.after_replay(entry, rbp, visited, classify);
             Trace {
                 frames,
                 hash,
@@ -1048,7 +1059,7 @@ mod tests {
 
     #[inline(never)]
     fn recurse(n: u32, out: &mut [u64], cache: &RuleCache, fallback: bool) -> usize {
-        recurse_with(n, out, cache, &mut StackMemo::new(), fallback).0
+        recurse_with(n, out, cache, &mut StackMemos::new(), fallback).0
     }
 
     /// Walks at the bottom of a recursion `n` deep, with `memo`.
@@ -1057,7 +1068,7 @@ mod tests {
         n: u32,
         out: &mut [u64],
         cache: &RuleCache,
-        memo: &mut StackMemo,
+        memo: &mut StackMemos,
         fallback: bool,
     ) -> (usize, u64) {
         if n == 0 {
@@ -1081,7 +1092,7 @@ mod tests {
     fn walks_that_reuse_the_previous_walk_equal_fresh_walks() {
         assert!(init(false));
         let cache = RuleCache::new();
-        let mut memo = StackMemo::new();
+        let mut memo = Box::new(StackMemos::new());
         // Depths that share the outer frames with the walk before them in
         // every way: deeper, shallower, equal, and past the frame limit
         // (the memo then reaches the limit before its end).
@@ -1091,8 +1102,8 @@ mod tests {
             // over a literal array into two call sites).
             let mut walks = Vec::new();
             for &kept in std::hint::black_box(&[true, false][..]) {
-                let mut fresh = StackMemo::new();
-                let m = if kept { &mut memo } else { &mut fresh };
+                let mut fresh = Box::new(StackMemos::new());
+                let m = if kept { &mut *memo } else { &mut *fresh };
                 let mut out = [0u64; MAX_FRAMES];
                 let (n, h) = recurse_with(depth, &mut out, &cache, m, true);
                 walks.push((out[..n].to_vec(), h));

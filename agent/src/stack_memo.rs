@@ -16,6 +16,8 @@
 //! processor overlaps instead of a chain of dependent ones. The memo need
 //! not be the newest walk, only one of this thread's: it is refreshed when
 //! a walk had to step through more than [`REFRESH_AFTER`] frames itself.
+//! A thread keeps a few ([`StackMemos`]): the main one every walk steps
+//! with, and others for further call paths, each found by its first frame.
 //!
 //! Invariants:
 //! - Entries are stored bottom-up: `e[0]` is where the recorded walk ended,
@@ -255,6 +257,52 @@ impl StackMemo {
         let n = self.deep_meets;
         self.deep_meets = n.wrapping_add(1);
         n.is_multiple_of(REFRESH_EVERY)
+    }
+
+    /// Whether this memo, recorded with `top` and `generation`, has (`pc`,
+    /// `sp`, `rbp`) as its innermost candidate entry: a walk from that
+    /// frame may replay it whole.
+    #[inline(always)]
+    fn starts_at(&self, pc: u64, sp: usize, rbp: usize, top: usize, generation: u64) -> bool {
+        let i = self.valid.wrapping_sub(1);
+        // (`valid <= MEMO_ENTRIES`: the bound only spares a panic path.)
+        i < MEMO_ENTRIES
+            && self.sp[i] == sp
+            && self.pc[i] == pc
+            && self.top == top
+            && self.generation == generation
+            && (!self.needs_rbp[i] || self.rbp[i] == rbp)
+    }
+
+    /// Records a walk that replayed `other`'s entry `b` after visiting
+    /// `visited` itself, arriving at `b` with `rbp`: `other`'s entries up
+    /// to `b`, then the walk's own (as [`StackMemo::record_above`] would
+    /// in `other`, which stays as it is).
+    pub fn record_from(
+        &mut self,
+        other: &StackMemo,
+        b: usize,
+        rbp: usize,
+        visited: &[Visited],
+        classify: impl Fn(u64) -> Step,
+    ) {
+        let n = b + 1;
+        self.pc[..n].copy_from_slice(&other.pc[..n]);
+        self.sp[..n].copy_from_slice(&other.sp[..n]);
+        self.rbp[..n].copy_from_slice(&other.rbp[..n]);
+        self.checks[..n].copy_from_slice(&other.checks[..n]);
+        self.frames_rev[MEMO_ENTRIES - n..].copy_from_slice(&other.frames_rev[MEMO_ENTRIES - n..]);
+        self.sum[..n].copy_from_slice(&other.sum[..n]);
+        self.needs_rbp[..n].copy_from_slice(&other.needs_rbp[..n]);
+        // Bits at and above `b` are stale (`extend` rewrites them).
+        self.rbp_checked = other.rbp_checked;
+        self.len = n;
+        self.valid = other.valid;
+        self.complete = other.complete;
+        self.first_output = other.first_output;
+        self.top = other.top;
+        self.generation = other.generation;
+        self.record_above(b, rbp, visited, classify);
     }
 
     /// Forgets the recorded walk.
@@ -569,6 +617,212 @@ impl StackMemo {
     }
 }
 
+/// Memos one thread keeps ([`StackMemos`]): the main one and the others.
+pub const PATHS: usize = 4;
+const _: () = assert!(PATHS >= 2 && PATHS <= 256);
+
+/// A walk that met the main memo after stepping through at least this
+/// many frames itself (and no more than [`REFRESH_AFTER`], which refresh
+/// the main memo instead) may be recorded into another memo.
+pub const OTHER_PATH_AFTER: usize = 2;
+
+/// Of the walks that may be recorded into another memo, one in this many
+/// is, while the other memos earn their keep (see [`StackMemos`]).
+pub const OTHER_PATH_EVERY: u32 = 64;
+
+/// ... and one in this many when they do not.
+pub const OTHER_PATH_IDLE_EVERY: u32 = 4096;
+
+/// Most credit the other memos can hold (see [`StackMemos`]).
+const MAX_CREDIT: u32 = 64;
+
+/// Slots of [`StackMemos`]' route table.
+const ROUTE_SLOTS: usize = 64;
+
+/// The route slot of a first frame (`pc`, `sp`).
+#[inline(always)]
+fn route_slot(pc: u64, sp: usize) -> usize {
+    ((pc ^ (sp as u64 >> 3)).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 58) as usize % ROUTE_SLOTS
+}
+
+/// A thread's memos: the main one, which every walk steps with as with a
+/// single memo, and a few others, one per further call path the thread
+/// allocates from often. A server alternates between a few paths (parse a
+/// request, execute it, write the reply) that join only a few frames up,
+/// and a walk from a path other than the main memo's steps through its own
+/// frames until they join (on redis 27 % of walks stepped 2 or 3 frames,
+/// ~45 instructions each). Such a walk is recorded now and then into
+/// another memo (in turn), and a route table keyed by its first frame
+/// finds that memo again: a later walk whose first frame is that memo's
+/// innermost entry replays the whole trace from it before stepping at
+/// all. Walks that step through more frames refresh the main memo, as
+/// before (a deeper walk of the same path makes it serve both).
+///
+/// The other memos are recorded only while they earn their keep: each
+/// recording spends a credit, each walk they serve earns one, and with
+/// no credit left only one walk in [`OTHER_PATH_IDLE_EVERY`] is recorded
+/// (a thread whose paths never repeat exactly, like `bench/churn`'s
+/// random recursion depths, then pays almost nothing for them).
+///
+/// Invariants: each memo keeps [`StackMemo`]'s (a replay from any of them
+/// checks every word it relies on, so a stale route or memo can only cost
+/// a failed check, never change a trace); memo 0 is the main one; route
+/// entries are 0 (none) or a memo number in `1..PATHS`; `next` is 0 until
+/// another memo is first recorded (no route entry before), then in
+/// `1..PATHS`; all-zero bytes are the empty set.
+pub struct StackMemos {
+    memos: [StackMemo; PATHS],
+    /// Which other memo's innermost entry is a walk's first frame, by
+    /// [`route_slot`] of that frame (a hint, see the invariants).
+    route: [u8; ROUTE_SLOTS],
+    /// The other memo the next recording goes to (0: none recorded yet,
+    /// the next is 1).
+    next: usize,
+    /// Walks that may be recorded into another memo so far.
+    other_paths: u32,
+    /// See the type's doc.
+    credit: u32,
+}
+
+impl Default for StackMemos {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl StackMemos {
+    /// An empty set.
+    pub const fn new() -> Self {
+        StackMemos {
+            memos: [const { StackMemo::new() }; PATHS],
+            route: [0; ROUTE_SLOTS],
+            next: 0,
+            other_paths: 0,
+            credit: 0,
+        }
+    }
+
+    /// Forgets every recorded walk.
+    pub fn clear(&mut self) {
+        for m in &mut self.memos {
+            m.clear();
+        }
+        self.route = [0; ROUTE_SLOTS];
+    }
+
+    /// Memo `k` (0: the main one).
+    #[inline(always)]
+    pub fn memo(&self, k: usize) -> &StackMemo {
+        &self.memos[k % PATHS]
+    }
+
+    /// The main memo, which every walk steps with.
+    #[inline(always)]
+    pub fn main(&mut self) -> &mut StackMemo {
+        &mut self.memos[0]
+    }
+
+    /// Another memo whose innermost entry is the walk's first frame
+    /// (`pc`, `sp`, `rbp`), recorded with the same `top` and rule
+    /// generation: its number and that entry, to [`StackMemo::follow`]
+    /// from before stepping. One table load and one entry check.
+    #[inline(always)]
+    pub fn other_start(
+        &self,
+        pc: u64,
+        sp: usize,
+        rbp: usize,
+        top: usize,
+        generation: u64,
+    ) -> Option<(usize, usize)> {
+        if self.next == 0 {
+            // No other memo was ever recorded (a thread with one path).
+            return None;
+        }
+        let k = usize::from(self.route[route_slot(pc, sp)]) % PATHS;
+        let m = &self.memos[k];
+        (k != 0 && m.starts_at(pc, sp, rbp, top, generation)).then(|| (k, m.valid - 1))
+    }
+
+    /// Notes that other memo `k` served a walk.
+    #[inline(always)]
+    pub fn other_served(&mut self, k: usize) {
+        self.memos[k % PATHS].met();
+        self.credit = (self.credit + 1).min(MAX_CREDIT);
+    }
+
+    /// Whether [`StackMemos::after_replay`] will write the main memo after
+    /// a walk that visited `visited` frames itself (ask just before it:
+    /// frames a walk left there must be filled first).
+    #[inline(always)]
+    pub fn refresh_due(&self, visited: usize) -> bool {
+        visited > REFRESH_AFTER && self.memos[0].deep_meets.is_multiple_of(REFRESH_EVERY)
+    }
+
+    /// After a walk that took the rest from the main memo's entry `b` (met
+    /// with `rbp`) after visiting `visited` itself: notes the use and,
+    /// where due, records the walk (see the type's doc).
+    #[inline(always)]
+    pub fn after_replay(
+        &mut self,
+        b: usize,
+        rbp: usize,
+        visited: &[Visited],
+        classify: impl Fn(u64) -> Step,
+    ) {
+        let m = &mut self.memos[0];
+        m.met();
+        if visited.len() > REFRESH_AFTER {
+            if m.refresh_due() {
+                m.record_above(b, rbp, visited, classify);
+            }
+        } else if visited.len() >= OTHER_PATH_AFTER {
+            let n = self.other_paths;
+            self.other_paths = n.wrapping_add(1);
+            let every = if self.credit > 0 {
+                OTHER_PATH_EVERY
+            } else {
+                OTHER_PATH_IDLE_EVERY
+            };
+            if n.is_multiple_of(every) {
+                self.record_other(b, rbp, visited, classify);
+            }
+        }
+    }
+
+    /// Records into the next other memo a walk that replayed the main
+    /// memo's entry `b` (see [`StackMemo::record_from`]).
+    #[inline(never)]
+    fn record_other(
+        &mut self,
+        b: usize,
+        rbp: usize,
+        visited: &[Visited],
+        classify: impl Fn(u64) -> Step,
+    ) {
+        let v = self.next.clamp(1, PATHS - 1);
+        self.next = if v + 1 < PATHS { v + 1 } else { 1 };
+        self.credit = self.credit.saturating_sub(1);
+        let (main, others) = self.memos.split_at_mut(1);
+        let to = &mut others[v - 1];
+        to.record_from(&main[0], b, rbp, visited, classify);
+        let i = to.valid.wrapping_sub(1);
+        if i < MEMO_ENTRIES {
+            self.route[route_slot(to.pc[i], to.sp[i])] = v as u8;
+        }
+    }
+
+    /// After a walk that took nothing from the main memo: records it there,
+    /// as [`StackMemo::missed`] says.
+    #[inline(always)]
+    pub fn after_miss(&mut self, visited: &[Visited], end: End, classify: impl Fn(u64) -> Step) {
+        let m = &mut self.memos[0];
+        if m.missed() {
+            m.record(visited, end, classify);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -665,6 +919,141 @@ mod tests {
             );
         }
         assert_eq!(replay(memo, stack), Some(ALL.to_vec()));
+    }
+
+    /// A walk from another path (its two inner frames differ from the main
+    /// memo's, the rest is shared) that met the main memo after two steps
+    /// goes to another memo; a later walk starting at that path's first
+    /// frame replays all of it from there, and only while every return
+    /// address it relies on still holds. The main memo stays as it was.
+    #[test]
+    fn another_path_is_recorded_into_another_memo_and_found_by_its_first_frame() {
+        let mut stack = fake_stack();
+        let base = stack.as_ptr() as usize;
+        let top = base + 31 * 8;
+        let main_walk: Vec<Visited> = (0..FRAMES)
+            .map(|i| Visited {
+                pc: ALL[i],
+                sp: base + 0x20 * i,
+                rbp: 0xab0 + i,
+                rule: if i == FRAMES - 1 { 3 } else { 1 },
+            })
+            .collect();
+        let mut memos = Box::new(StackMemos::new());
+        memos.main().start(top, 1);
+        memos.after_miss(&main_walk, End::Stepped, classify);
+        assert_eq!(memos.other_start(ALL[0], base, 0xab0, top, 1), None);
+        // The other path: inner counters 0x1100 and 0x2100 (its second
+        // frame's return address at word 3), then the main memo's frames
+        // from the third on (entry FRAMES - 3, bottom-up).
+        let other = [0x1100, 0x2100];
+        let other_walk: Vec<Visited> = (0..2)
+            .map(|i| Visited {
+                pc: other[i],
+                sp: base + 0x20 * i,
+                rbp: 0xab0 + i,
+                rule: 1,
+            })
+            .collect();
+        let b = FRAMES - 3;
+        memos.after_replay(b, 0xab2, &other_walk, classify);
+        let (k, e) = memos
+            .other_start(0x1100, base, 0xab0, top, 1)
+            .expect("the other path's first frame routes to its memo");
+        assert_ne!(k, 0);
+        assert_eq!(e, FRAMES - 1);
+        // The main memo is untouched.
+        assert_eq!(replay(memos.memo(0), &stack), Some(ALL.to_vec()));
+        let mut expect = other.to_vec();
+        expect.extend_from_slice(&ALL[2..]);
+        let follow = |memos: &StackMemos, stack: &[u64; 32]| {
+            // (The memo's addresses are the stack's: read them anew.)
+            let base = stack.as_ptr() as usize;
+            let mut out = [0u64; 16];
+            let (n, h, filled) =
+                memos
+                    .memo(k)
+                    .follow(e, &mut out, 0, TraceHash::new(), base, top)?;
+            if !filled {
+                assert_eq!(memos.memo(k).fill(&mut out, 0, e), n);
+            }
+            let mut by_frame = TraceHash::new();
+            for &pc in &out[..n] {
+                by_frame.add(pc);
+            }
+            assert_eq!(by_frame.finish(n).1, h, "the replay's hash is the frames'");
+            Some(out[..n].to_vec())
+        };
+        stack[3] = 0x2100;
+        assert_eq!(follow(&memos, &stack), Some(expect.clone()));
+        // Any return address of the other path changed: no replay.
+        for at in [3, 7, 11, 15, 19, 23] {
+            let kept = stack[at];
+            stack[at] ^= 0x10;
+            assert_eq!(follow(&memos, &stack), None, "word {at}");
+            stack[at] = kept;
+        }
+        assert_eq!(follow(&memos, &stack), Some(expect));
+        // Another rule generation or stack top: no route.
+        assert_eq!(memos.other_start(0x1100, base, 0xab0, top, 2), None);
+        assert_eq!(memos.other_start(0x1100, base, 0xab0, top - 8, 1), None);
+    }
+
+    /// With no walk served by the other memos, their recordings slow down
+    /// to one in [`OTHER_PATH_IDLE_EVERY`]; walks they serve bring the
+    /// faster pace back.
+    #[test]
+    fn other_memos_are_recorded_rarely_while_they_serve_no_walk() {
+        let stack = fake_stack();
+        let base = stack.as_ptr() as usize;
+        let top = base + 31 * 8;
+        let main_walk: Vec<Visited> = (0..FRAMES)
+            .map(|i| Visited {
+                pc: ALL[i],
+                sp: base + 0x20 * i,
+                rbp: 0,
+                rule: if i == FRAMES - 1 { 3 } else { 1 },
+            })
+            .collect();
+        let mut memos = Box::new(StackMemos::new());
+        memos.main().start(top, 1);
+        memos.after_miss(&main_walk, End::Stepped, classify);
+        // Distinct first frames, so that each recording has its own route.
+        let walk = |i: u64| -> Vec<Visited> {
+            (0..2)
+                .map(|j| Visited {
+                    pc: 0x10_0000 + 0x100 * i + j,
+                    sp: base + 0x20 * j as usize,
+                    rbp: 0,
+                    rule: 1,
+                })
+                .collect()
+        };
+        let recorded = |memos: &mut StackMemos, from: u64, walks: u64| {
+            (from..from + walks)
+                .filter(|&i| {
+                    memos.after_replay(FRAMES - 3, 0, &walk(i), classify);
+                    memos
+                        .other_start(0x10_0000 + 0x100 * i, base, 0, top, 1)
+                        .is_some()
+                })
+                .count()
+        };
+        let idle = u64::from(OTHER_PATH_IDLE_EVERY);
+        assert_eq!(recorded(&mut memos, 0, idle), 1, "the first, then none");
+        memos.other_served(1);
+        let busy = u64::from(OTHER_PATH_EVERY);
+        // (The count of eligible walks continues from `idle`, a multiple
+        // of both paces.)
+        assert_eq!(
+            recorded(&mut memos, idle, 2 * busy),
+            1,
+            "one credit: one recording"
+        );
+        for _ in 0..4 {
+            memos.other_served(1);
+        }
+        assert_eq!(recorded(&mut memos, idle + 2 * busy, 2 * busy), 2);
     }
 
     #[test]

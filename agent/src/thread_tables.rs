@@ -1,5 +1,5 @@
 //! The per-thread tables too big for thread-local storage: the stack cache
-//! (16 KiB), the CFI rule cache (10 KiB) and the stack memo (5 KiB).
+//! (16 KiB), the CFI rule cache (10 KiB) and the stack memos (4 x 5 KiB).
 //!
 //! Why not thread-local: a library loaded at start (the preload agent is)
 //! has its thread-local storage in every thread's static TLS block, which
@@ -14,7 +14,7 @@
 //!   all zeros: key 0 = empty entry, `Rule::EMPTY` = 0, length 0, false),
 //!   so a fresh mapping (zero-filled by the kernel) needs no initialising,
 //!   and a block taken from the pool is zeroed in place (never built on the
-//!   stack: 31 KiB would not fit a small thread's stack).
+//!   stack: 46 KiB would not fit a small thread's stack).
 //! - A block is owned by one thread from [`acquire`] to [`release`], and
 //!   only touched by it, with its `busy` flag set; a block in the pool is
 //!   touched only under the pool's lock.
@@ -40,21 +40,21 @@ pub struct ThreadTables {
     pub cache: [CacheSet; CACHE_SETS],
     /// CFI rules of recently seen program counters.
     pub rules: crate::cfi_unwind::RuleCache,
-    /// An earlier CFI walk of the thread (see `stack_memo`).
-    memo: UnsafeCell<crate::stack_memo::StackMemo>,
+    /// Earlier CFI walks of the thread (see `stack_memo`).
+    memo: UnsafeCell<crate::stack_memo::StackMemos>,
     /// The next block of the pool while this one is in it (under the
     /// pool's lock only).
     next: Cell<*mut ThreadTables>,
 }
 
 impl ThreadTables {
-    /// The thread's earlier CFI walk.
+    /// The thread's earlier CFI walks.
     ///
     /// # Safety
     /// Only by the owning thread, with its `busy` flag set (see
     /// `ThreadState::nodes`): the returned reference is then unique.
     #[allow(clippy::mut_from_ref)]
-    pub unsafe fn memo(&self) -> &mut crate::stack_memo::StackMemo {
+    pub unsafe fn memo(&self) -> &mut crate::stack_memo::StackMemos {
         // SAFETY: uniqueness per the contract above.
         unsafe { &mut *self.memo.get() }
     }

@@ -57,7 +57,7 @@ mod x86_64 {
     struct Job<'a> {
         walker: Walker,
         cache: &'a cfi_unwind::RuleCache,
-        memo: &'a mut stack_memo::StackMemo,
+        memo: &'a mut stack_memo::StackMemos,
         ns_per_walk: f64,
         frames: usize,
     }
@@ -94,7 +94,7 @@ mod x86_64 {
         walker: Walker,
         depth: i32,
         cache: &cfi_unwind::RuleCache,
-        memo: &mut stack_memo::StackMemo,
+        memo: &mut stack_memo::StackMemos,
     ) -> (f64, usize) {
         let mut job = Job {
             walker,
@@ -140,7 +140,7 @@ mod x86_64 {
             "CFI unwinding needs glibc's _dl_find_object"
         );
         let cache = Box::new(cfi_unwind::RuleCache::new());
-        let mut memo = Box::new(stack_memo::StackMemo::new());
+        let mut memo = Box::new(stack_memo::StackMemos::new());
         let cells = [
             (
                 "frame pointers",
