@@ -633,6 +633,12 @@ pub const OTHER_PATH_EVERY: u32 = 64;
 /// ... and one in this many when they do not.
 pub const OTHER_PATH_IDLE_EVERY: u32 = 4096;
 
+/// Walks that look for another memo starting at their first frame after
+/// one was recorded or served a walk: past that many in a row that found
+/// none, walks stop looking (the thread's paths do not repeat exactly)
+/// until the next recording.
+pub const PROBES: u32 = 1024;
+
 /// Most credit the other memos can hold (see [`StackMemos`]).
 const MAX_CREDIT: u32 = 64;
 
@@ -662,7 +668,8 @@ fn route_slot(pc: u64, sp: usize) -> usize {
 /// recording spends a credit, each walk they serve earns one, and with
 /// no credit left only one walk in [`OTHER_PATH_IDLE_EVERY`] is recorded
 /// (a thread whose paths never repeat exactly, like `bench/churn`'s
-/// random recursion depths, then pays almost nothing for them).
+/// random recursion depths, then pays almost nothing for them: its walks
+/// stop looking for other memos [`PROBES`] walks after a recording).
 ///
 /// Invariants: each memo keeps [`StackMemo`]'s (a replay from any of them
 /// checks every word it relies on, so a stale route or memo can only cost
@@ -682,6 +689,9 @@ pub struct StackMemos {
     other_paths: u32,
     /// See the type's doc.
     credit: u32,
+    /// Walks that may still look for another memo starting at their first
+    /// frame before one serves a walk or is recorded (see [`PROBES`]).
+    probes: u32,
 }
 
 impl Default for StackMemos {
@@ -699,6 +709,7 @@ impl StackMemos {
             next: 0,
             other_paths: 0,
             credit: 0,
+            probes: 0,
         }
     }
 
@@ -725,20 +736,22 @@ impl StackMemos {
     /// Another memo whose innermost entry is the walk's first frame
     /// (`pc`, `sp`, `rbp`), recorded with the same `top` and rule
     /// generation: its number and that entry, to [`StackMemo::follow`]
-    /// from before stepping. One table load and one entry check.
+    /// from before stepping. One table load and one entry check, and
+    /// none at all once [`PROBES`] walks in a row found nothing there.
     #[inline(always)]
     pub fn other_start(
-        &self,
+        &mut self,
         pc: u64,
         sp: usize,
         rbp: usize,
         top: usize,
         generation: u64,
     ) -> Option<(usize, usize)> {
-        if self.next == 0 {
-            // No other memo was ever recorded (a thread with one path).
+        if self.probes == 0 {
+            // No other memo recorded lately has served a walk.
             return None;
         }
+        self.probes -= 1;
         let k = usize::from(self.route[route_slot(pc, sp)]) % PATHS;
         let m = &self.memos[k];
         (k != 0 && m.starts_at(pc, sp, rbp, top, generation)).then(|| (k, m.valid - 1))
@@ -749,6 +762,7 @@ impl StackMemos {
     pub fn other_served(&mut self, k: usize) {
         self.memos[k % PATHS].met();
         self.credit = (self.credit + 1).min(MAX_CREDIT);
+        self.probes = PROBES;
     }
 
     /// Whether [`StackMemos::after_replay`] will write the main memo after
@@ -803,6 +817,7 @@ impl StackMemos {
         let v = self.next.clamp(1, PATHS - 1);
         self.next = if v + 1 < PATHS { v + 1 } else { 1 };
         self.credit = self.credit.saturating_sub(1);
+        self.probes = PROBES;
         let (main, others) = self.memos.split_at_mut(1);
         let to = &mut others[v - 1];
         to.record_from(&main[0], b, rbp, visited, classify);
