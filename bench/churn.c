@@ -18,6 +18,9 @@
  * so a benchmark can refuse a run that it attributes to the agent but
  * that ran bare (a preload the loader did not find is only a warning).
  *
+ * CHURN_MAX_SIZE=N in the environment (17..1048576) makes the sizes 16..N
+ * instead of 16..4096 (16..528: glibc's thread cache serves every block).
+ *
  * With CHURN_PAUSE=1 in the environment, after the loop (the ring still
  * live) it prints that line and `ready`, and waits for a line (or EOF) on
  * stdin before freeing the ring and exiting: time for a profiler's snapshot
@@ -50,6 +53,7 @@ __attribute__((noinline)) void *descend(int depth, unsigned site, size_t size) {
 struct job { long events; long ring; unsigned seed; };
 
 static int fixed_depth; /* 0: 8..32 */
+static unsigned size_span = 4081; /* sizes 16 .. 16 + size_span - 1 */
 
 static int depth_of(unsigned x) { return fixed_depth ? fixed_depth : 8 + (x >> 8) % 25; }
 
@@ -70,14 +74,14 @@ static void *run(void *arg) {
     /* fill the ring first (not timed) */
     for (long i = 0; i < j->ring; i++) {
         x = x * 1103515245u + 12345u;
-        ring[i] = descend(depth_of(x), x >> 16, 16 + (x >> 4) % 4081);
+        ring[i] = descend(depth_of(x), x >> 16, 16 + (x >> 4) % size_span);
     }
     pthread_barrier_wait(&start);
     for (long i = 0; i < j->events; i++) {
         x = x * 1103515245u + 12345u;
         long slot = i % j->ring;
         free(ring[slot]);
-        ring[slot] = descend(depth_of(x), x >> 16, 16 + (x >> 4) % 4081);
+        ring[slot] = descend(depth_of(x), x >> 16, 16 + (x >> 4) % size_span);
     }
     pthread_barrier_wait(&start);
     if (pause_after) pthread_barrier_wait(&start); /* released after `ready` */
@@ -92,6 +96,12 @@ int main(int argc, char **argv) {
     long ring = argc > 3 ? atol(argv[3]) : 100000;
     fixed_depth = argc > 4 ? atoi(argv[4]) : 0;
     if (threads < 1 || threads > 64 || fixed_depth < 0 || fixed_depth > 200) return 2;
+    const char *ms = getenv("CHURN_MAX_SIZE");
+    if (ms && *ms) {
+        long m = atol(ms);
+        if (m < 17 || m > 1048576) return 2;
+        size_span = (unsigned)(m - 15);
+    }
     const char *pe = getenv("CHURN_PAUSE");
     pause_after = pe && *pe && *pe != '0';
     pthread_barrier_init(&start, NULL, threads + 1);

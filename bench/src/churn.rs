@@ -4,6 +4,9 @@
 //! (system allocator) and `churn_agent` (heapdump's `Agent`), and by the
 //! other profilers' bins in `bench/rivals` (see `bench/compare`).
 //!
+//! `CHURN_MAX_SIZE=N` in the environment (17..1048576) makes the sizes
+//! 16..N instead of 16..4096, as for `bench/churn.c`.
+//!
 //! With `CHURN_PAUSE=1` in the environment, after the loop (the ring still
 //! live) it prints its line and `ready`, and waits for a line (or EOF) on
 //! stdin before dropping the ring: time for a profiler's snapshot of the
@@ -58,14 +61,29 @@ fn next(x: &mut u32) -> u32 {
     *x
 }
 
-fn event(x: &mut u32, fixed_depth: u32) -> Vec<u8> {
+fn event(x: &mut u32, fixed_depth: u32, size_span: u32) -> Vec<u8> {
     let r = next(x);
     let depth = if fixed_depth > 0 {
         fixed_depth
     } else {
         8 + (r >> 8) % 25
     };
-    descend(depth, r >> 16, 16 + ((r >> 4) % 4081) as usize)
+    descend(depth, r >> 16, 16 + ((r >> 4) % size_span) as usize)
+}
+
+/// Sizes are `16..16 + span`: 4081 by default, `CHURN_MAX_SIZE - 15`.
+fn size_span() -> u32 {
+    match std::env::var("CHURN_MAX_SIZE")
+        .ok()
+        .and_then(|v| v.parse::<u32>().ok())
+    {
+        Some(m) if (17..=1_048_576).contains(&m) => m - 15,
+        Some(_) => {
+            eprintln!("CHURN_MAX_SIZE: 17..1048576");
+            std::process::exit(2)
+        }
+        None => 4081,
+    }
 }
 
 /// The agent's own word on a run: `Some((recording, allocations recorded))`
@@ -86,6 +104,7 @@ pub fn main_reporting(agent: AgentReport) {
     let ring = *args.get(2).unwrap_or(&100_000);
     let depth = (*args.get(3).unwrap_or(&0)).min(200) as u32;
     let pause = std::env::var("CHURN_PAUSE").is_ok_and(|v| !v.is_empty() && v != "0");
+    let span = size_span();
     let barrier = Arc::new(Barrier::new(threads + 1));
     let hs: Vec<_> = (0..threads)
         .map(|t| {
@@ -93,12 +112,12 @@ pub fn main_reporting(agent: AgentReport) {
             let (ev, rl) = (events / threads as u64, ring / threads as u64);
             std::thread::spawn(move || {
                 let mut x = 12345u32 + 777 * t as u32;
-                let mut ring: Vec<Vec<u8>> = (0..rl).map(|_| event(&mut x, depth)).collect();
+                let mut ring: Vec<Vec<u8>> = (0..rl).map(|_| event(&mut x, depth, span)).collect();
                 b.wait();
                 for i in 0..ev {
                     let slot = (i % rl) as usize;
                     ring[slot] = Vec::new();
-                    ring[slot] = event(&mut x, depth);
+                    ring[slot] = event(&mut x, depth, span);
                 }
                 b.wait();
                 if pause {
