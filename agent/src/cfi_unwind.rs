@@ -557,6 +557,15 @@ pub struct Trace {
 }
 
 impl Trace {
+    /// A trace whose frames are all in `out` already.
+    pub fn whole((frames, hash): (usize, u64)) -> Trace {
+        Trace {
+            frames,
+            hash,
+            unfilled: None,
+        }
+    }
+
     /// Completes `out[..frames]` (from `memos`, which must be the walk's,
     /// not recorded over since) and returns `frames`.
     #[inline]
@@ -580,11 +589,6 @@ pub fn walk_trace(
     memos: &mut StackMemos,
     fallback_fp: bool,
 ) -> Trace {
-    let done = |(frames, hash): (usize, u64)| Trace {
-        frames,
-        hash,
-        unfilled: None,
-    };
     let h = TraceHash::new();
     let generation = GENERATION.load(Ordering::Relaxed);
     if cache.generation.get() != generation {
@@ -593,7 +597,7 @@ pub fn walk_trace(
     }
     // `top`: the highest address of a readable stack word.
     if hi < 16 || sp > hi - 16 || fp < sp || fp > hi - 16 || !fp.is_multiple_of(8) {
-        return done(h.finish(0));
+        return Trace::whole(h.finish(0));
     }
     let top = hi - 8;
     // SAFETY: `sp <= fp` and `fp + 16 <= hi`: both words lie in `[sp, hi)`,
@@ -657,7 +661,7 @@ pub fn walk_trace(
     match walked.outcome {
         Outcome::Ended { end, frames, hash } => {
             memos.after_miss(visited, end, classify);
-            done(hash.finish(frames))
+            Trace::whole(hash.finish(frames))
         }
         Outcome::Replayed {
             entry,

@@ -47,6 +47,7 @@ use heapdump_table::{
 };
 
 use crate::ablation;
+use crate::cfi_unwind::Trace;
 use crate::config::{Config, UnwindMode, Warnings};
 use crate::stack_capture;
 use crate::thread_state::{CacheEntry, ThreadState, CACHE_SETS, CACHE_WAYS, NO_RING};
@@ -644,28 +645,23 @@ fn stack_key<'t>(
     let memo = unsafe { tables.memo() };
     // The CFI walk leaves the frames it took from the memo there until the
     // cache below misses (see `cfi_unwind::Trace`).
-    let mut trace = None;
-    let (n, h) = if !stack_capture::walkable(sp, hi) {
-        stack_capture::walk(0, 1, 0, &mut [])
+    let trace = if !stack_capture::walkable(sp, hi) {
+        Trace::whole(stack_capture::walk(0, 1, 0, &mut []))
     } else {
         match w.config.unwind {
-            UnwindMode::Auto | UnwindMode::Cfi => {
-                let tr = crate::cfi_unwind::walk_trace(
-                    fp,
-                    sp,
-                    hi,
-                    &mut frames[..max],
-                    &tables.rules,
-                    memo,
-                    w.config.unwind == UnwindMode::Auto,
-                );
-                let r = (tr.frames, tr.hash);
-                trace = Some(tr);
-                r
-            }
-            _ => stack_capture::walk(fp, sp, hi, &mut frames[..max]),
+            UnwindMode::Auto | UnwindMode::Cfi => crate::cfi_unwind::walk_trace(
+                fp,
+                sp,
+                hi,
+                &mut frames[..max],
+                &tables.rules,
+                memo,
+                w.config.unwind == UnwindMode::Auto,
+            ),
+            _ => Trace::whole(stack_capture::walk(fp, sp, hi, &mut frames[..max])),
         }
     };
+    let (n, h) = (trace.frames, trace.hash);
     // 4-way set in most-recently-used order: a hit moves its entry to
     // the front, a miss replaces the last (least recently used) one.
     let set = &tables.cache[(h as usize >> 20) % CACHE_SETS].0;
@@ -681,9 +677,7 @@ fn stack_key<'t>(
             return Some((ResourceKey(e.key()), &set[0]));
         }
     }
-    if let Some(tr) = &trace {
-        tr.fill(&mut frames[..max], memo);
-    }
+    trace.fill(&mut frames[..max], memo);
     let frames = &frames[..n];
     let mut buf = [0u8; MAX_ENCODED_LEN];
     let len = encode_into(frames, &mut buf)?;

@@ -100,7 +100,6 @@ impl AddressFilter {
             });
     }
 
-    /// Every slot "maybe", for good.
     /// Every slot "maybe", for good (tests: a slot at 255 stays there).
     #[cfg(test)]
     fn saturate(&self) {

@@ -254,9 +254,15 @@ impl StackMemo {
     /// and still follows a lasting change of path within a few walks.
     #[inline(always)]
     pub fn refresh_due(&mut self) -> bool {
-        let n = self.deep_meets;
-        self.deep_meets = n.wrapping_add(1);
-        n.is_multiple_of(REFRESH_EVERY)
+        let due = self.refresh_pending();
+        self.deep_meets = self.deep_meets.wrapping_add(1);
+        due
+    }
+
+    /// What the next [`StackMemo::refresh_due`] will answer.
+    #[inline(always)]
+    fn refresh_pending(&self) -> bool {
+        self.deep_meets.is_multiple_of(REFRESH_EVERY)
     }
 
     /// Whether this memo, recorded with `top` and `generation`, has (`pc`,
@@ -674,16 +680,14 @@ fn route_slot(pc: u64, sp: usize) -> usize {
 /// Invariants: each memo keeps [`StackMemo`]'s (a replay from any of them
 /// checks every word it relies on, so a stale route or memo can only cost
 /// a failed check, never change a trace); memo 0 is the main one; route
-/// entries are 0 (none) or a memo number in `1..PATHS`; `next` is 0 until
-/// another memo is first recorded (no route entry before), then in
-/// `1..PATHS`; all-zero bytes are the empty set.
+/// entries are 0 (none) or a memo number in `1..PATHS`; `next` is in
+/// `1..PATHS` (0 reads as 1); all-zero bytes are the empty set.
 pub struct StackMemos {
     memos: [StackMemo; PATHS],
     /// Which other memo's innermost entry is a walk's first frame, by
     /// [`route_slot`] of that frame (a hint, see the invariants).
     route: [u8; ROUTE_SLOTS],
-    /// The other memo the next recording goes to (0: none recorded yet,
-    /// the next is 1).
+    /// The other memo the next recording goes to (0 reads as 1).
     next: usize,
     /// Walks that may be recorded into another memo so far.
     other_paths: u32,
@@ -770,7 +774,7 @@ impl StackMemos {
     /// frames a walk left there must be filled first).
     #[inline(always)]
     pub fn refresh_due(&self, visited: usize) -> bool {
-        visited > REFRESH_AFTER && self.memos[0].deep_meets.is_multiple_of(REFRESH_EVERY)
+        visited > REFRESH_AFTER && self.memos[0].refresh_pending()
     }
 
     /// After a walk that took the rest from the main memo's entry `b` (met

@@ -179,11 +179,16 @@ impl YoungRing {
         None
     }
 
+    /// The tag word holding entry `i`'s tag, and the tag's shift in it.
+    #[inline(always)]
+    fn tag_at(&self, i: usize) -> (&AtomicU64, usize) {
+        (&self.tags[i / 8], (i % 8) * 8)
+    }
+
     /// Sets entry `i`'s tag (owner only).
     #[inline(always)]
     fn set_tag(&self, i: usize, addr: u64) {
-        let word = &self.tags[i / 8];
-        let shift = (i % 8) * 8;
+        let (word, shift) = self.tag_at(i);
         let v = word.load(Ordering::Relaxed) & !(0xff << shift) | u64::from(tag(addr)) << shift;
         word.store(v, Ordering::Relaxed);
     }
@@ -195,8 +200,7 @@ impl YoungRing {
     /// candidates per free before this).
     #[inline(always)]
     fn unset_tag(&self, i: usize, addr: u64) {
-        let word = &self.tags[i / 8];
-        let shift = (i % 8) * 8;
+        let (word, shift) = self.tag_at(i);
         let v = word.load(Ordering::Relaxed) ^ 0xff << shift;
         debug_assert_ne!((v >> shift) as u8, tag(addr));
         word.store(v, Ordering::Relaxed);
