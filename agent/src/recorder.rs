@@ -35,11 +35,12 @@
 //! misses: far over; see docs/benchmarks.md), and CI fails when they grow
 //! past `bench/instructions-budget.json`.
 
-use std::cell::{Cell, UnsafeCell};
+use std::cell::UnsafeCell;
 use std::mem::MaybeUninit;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 
 use heapdump_table::header::{DroppedReason, HeaderCounters};
+use heapdump_table::resources_table::{CacheSlot, CACHE_SETS};
 use heapdump_table::stack_compression::{encode_into, MAX_ENCODED_LEN, MAX_FRAMES};
 use heapdump_table::{
     AllocationRecord, AllocationsConfig, AllocationsWriter, InsertError, RegionWriter, ResourceKey,
@@ -50,7 +51,7 @@ use crate::ablation;
 use crate::cfi_unwind::Trace;
 use crate::config::{Config, UnwindMode, Warnings};
 use crate::stack_capture;
-use crate::thread_state::{CacheEntry, ThreadState, CACHE_SETS, CACHE_WAYS, NO_RING};
+use crate::thread_state::{ThreadState, NO_RING};
 
 const UNINIT: u8 = 0;
 const INITIALIZING: u8 = 1;
@@ -448,8 +449,8 @@ extern "C" fn thread_exit(_value: *mut libc::c_void) {
                 if let Some(k) = own_ring(t) {
                     YOUNG.release(k);
                 }
-                if let Some(block) = t.counters.take() {
-                    w.resources.release_counters(block);
+                if let Some(cache) = t.counters.take() {
+                    w.resources.release_stack_cache(cache);
                 }
                 if let Some(block) = t.peak_block.take() {
                     // SAFETY: gettid has no preconditions.
@@ -532,7 +533,7 @@ fn register_thread(w: &Writers, t: &ThreadState) {
     let len = name.iter().position(|b| *b == 0).unwrap_or(16);
     arm_thread_exit();
     if t.counters.get().is_none() {
-        t.counters.set(w.resources.claim_counters(tid));
+        t.counters.set(w.resources.claim_stack_cache(tid));
     }
     match w.resources.insert_thread_info(tid, &name[..len]) {
         Ok(k) => t.thread_key.set(k.0),
@@ -623,12 +624,18 @@ fn prepare_thread(w: &Writers, t: &ThreadState) {
     t.name_epoch.set(epoch);
 }
 
+/// The stack key of the calling allocation (whose hook's frame pointer is
+/// `fp`), and the slot of the thread's stack cache that counts it (`None`:
+/// the thread has no stack cache; count on the stack's record). With
+/// `fixed` (`ablation::STACK` only), no walk: every block gets one trace,
+/// looked up and counted as any other.
 #[inline]
-fn stack_key<'t>(
+fn stack_key(
     w: &Writers,
-    t: &'t ThreadState,
+    t: &ThreadState,
     fp: usize,
-) -> Option<(ResourceKey, &'t Cell<CacheEntry>)> {
+    fixed: bool,
+) -> Option<(ResourceKey, Option<CacheSlot>)> {
     // Not zero-initialised: `walk` writes the first `n` entries and only
     // those are read (saves a 512-byte memset per event).
     let mut frames = std::mem::MaybeUninit::<[u64; MAX_FRAMES]>::uninit();
@@ -645,7 +652,10 @@ fn stack_key<'t>(
     let memo = unsafe { tables.memo() };
     // The CFI walk leaves the frames it took from the memo there until the
     // cache below misses (see `cfi_unwind::Trace`).
-    let trace = if !stack_capture::walkable(sp, hi) {
+    let trace = if fixed {
+        frames[0] = 0x1000;
+        Trace::whole((1, 0x1000_0001))
+    } else if !stack_capture::walkable(sp, hi) {
         Trace::whole(stack_capture::walk(0, 1, 0, &mut []))
     } else {
         match w.config.unwind {
@@ -662,19 +672,14 @@ fn stack_key<'t>(
         }
     };
     let (n, h) = (trace.frames, trace.hash);
-    // 4-way set in most-recently-used order: a hit moves its entry to
-    // the front, a miss replaces the last (least recently used) one.
-    let set = &tables.cache[(h as usize >> 20) % CACHE_SETS].0;
-    for (i, way) in set.iter().enumerate() {
-        let e = way.get();
-        if e.hash == h {
-            if i > 0 {
-                for k in (1..=i).rev() {
-                    set[k].set(set[k - 1].get());
-                }
-                set[0].set(e);
-            }
-            return Some((ResourceKey(e.key()), &set[0]));
+    // The thread's stack cache: 4-way sets in the resources region, whose
+    // slots also count the allocations (one line for both). A hit writes
+    // nothing but the counts; a miss replaces the set's ways in turn
+    // (first in, first out), after any empty one.
+    let cache = t.counters.get();
+    if let Some(cache) = cache {
+        if let Some((slot, key)) = w.resources.cache_find(cache, h) {
+            return Some((key, Some(slot)));
         }
     }
     trace.fill(&mut frames[..max], memo);
@@ -682,36 +687,20 @@ fn stack_key<'t>(
     let mut buf = [0u8; MAX_ENCODED_LEN];
     let len = encode_into(frames, &mut buf)?;
     match w.resources.intern_stack_trace(&buf[..len]) {
-        Ok((key, _)) => {
-            for k in (1..CACHE_WAYS).rev() {
-                set[k].set(set[k - 1].get());
-            }
-            set[0].set(CacheEntry::new(h, key.0, 0));
-            Some((key, &set[0]))
-        }
+        Ok((key, _)) => Some((
+            key,
+            cache.map(|cache| {
+                let next = &tables.next_way[((h >> 20) % CACHE_SETS) as usize];
+                let slot = w.resources.cache_insert(cache, h, key, next.get());
+                next.set(next.get().wrapping_add(1));
+                slot
+            }),
+        )),
         Err(_) => {
             w.counters.on_dropped(DroppedReason::ResourcesFull);
             None
         }
     }
-}
-
-/// One trace for every block, interned once (`ablation::STACK` only).
-#[inline]
-fn fixed_stack_key<'t>(
-    w: &Writers,
-    t: &'t ThreadState,
-) -> Option<(ResourceKey, &'t Cell<CacheEntry>)> {
-    static KEY: AtomicU64 = AtomicU64::new(0);
-    let k = KEY.load(Ordering::Relaxed);
-    if k != 0 {
-        return Some((ResourceKey(k), &tables(w, t)?.cache[0].0[0]));
-    }
-    let mut buf = [0u8; MAX_ENCODED_LEN];
-    let len = encode_into(&[0x1000], &mut buf)?;
-    let (key, _) = w.resources.intern_stack_trace(&buf[..len]).ok()?;
-    KEY.store(key.0, Ordering::Relaxed);
-    Some((key, &tables(w, t)?.cache[0].0[0]))
 }
 
 /// Records a new block at `addr` of `size` bytes, allocated by the hook
@@ -845,12 +834,8 @@ fn record_weighted<const DIRECT: bool>(
         } else {
             None
         };
-        let key = if ablation::off(ablate, ablation::STACK) {
-            fixed_stack_key(w, t)
-        } else {
-            stack_key(w, t, fp)
-        };
-        let Some((stack, entry)) = key else {
+        let Some((stack, slot)) = stack_key(w, t, fp, ablation::off(ablate, ablation::STACK))
+        else {
             return 0;
         };
         let now_us = if ablation::off(ablate, ablation::CLOCK) {
@@ -904,26 +889,12 @@ fn record_weighted<const DIRECT: bool>(
             }
         }
         if !ablation::off(ablate, ablation::COUNTERS) {
-            match t.counters.get() {
-                Some(block) => {
-                    let mut c = entry.get();
-                    if let Some(slot) = w.resources.count_allocations(
-                        block,
-                        stack,
-                        weight,
-                        rec.size.wrapping_mul(weight),
-                        c.slot(),
-                    ) {
-                        if slot != c.slot() {
-                            c.set_slot(slot);
-                            entry.set(c);
-                        }
-                    }
-                }
-                None => {
-                    w.resources
-                        .record_allocations(stack, weight, rec.size.wrapping_mul(weight))
-                }
+            let bytes = rec.size.wrapping_mul(weight);
+            match slot {
+                // SAFETY: `slot` is from `stack_key`, which had it from
+                // this same writer `w.resources` during this event.
+                Some(slot) => unsafe { w.resources.cache_count(slot, weight, bytes) },
+                None => w.resources.record_allocations(stack, weight, bytes),
             }
         }
         token

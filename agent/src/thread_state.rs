@@ -1,7 +1,7 @@
 //! Per-thread state of the agent: the re-entrancy flag, the thread's
-//! record key, its stack bounds, and the thread's tables (a cache of stacks
-//! already interned, CFI rules, the stack memo), which live outside
-//! thread-local storage (see `thread_tables`).
+//! record key, its stack bounds, its stack cache (a block of the
+//! resources region), and the thread's tables (CFI rules, the stack memo),
+//! which live outside thread-local storage (see `thread_tables`).
 //!
 //! Invariants:
 //! - The state is a `const`-initialised thread-local without a destructor,
@@ -18,60 +18,13 @@
 //!   that happens meanwhile (from the agent's own set-up, or from a signal
 //!   handler that interrupted it) passes through unrecorded.
 //! - Cached keys belong to one generation of regions (a new generation
-//!   starts in a forked child); a stale generation clears the cache.
+//!   starts in a forked child); a stale generation lets go of the stack
+//!   cache (the next event claims one in the new generation's region).
 
 use std::cell::{Cell, UnsafeCell};
 
 use heapdump_table::allocations_table::NodeCache;
-use heapdump_table::resources_table::CounterBlock;
-
-/// Sets in the per-thread stack cache; each set is 4 entries in one
-/// 64-byte line (16 KiB per thread). A hit skips encoding, hashing with
-/// CRC and the shared table, and touches one line.
-pub const CACHE_SETS: usize = 256;
-/// Ways per set (kept in most-recently-used order).
-pub const CACHE_WAYS: usize = 4;
-
-/// One cache entry: the hash of a captured trace, its resource key and
-/// the trace's slot in the thread's counter block last time (a hint).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-#[repr(C)]
-pub struct CacheEntry {
-    /// Hash of (frames, depth); 0 = empty.
-    pub hash: u64,
-    /// `key << 16 | slot`: resource keys are region offsets far below
-    /// 2^48, and counter-block slots fit 16 bits (a hint is masked anyway).
-    packed: u64,
-}
-
-impl CacheEntry {
-    /// An entry for trace `hash` interned as `key`.
-    pub fn new(hash: u64, key: u64, slot: u32) -> Self {
-        CacheEntry {
-            hash,
-            packed: key << 16 | u64::from(slot & 0xffff),
-        }
-    }
-
-    /// The trace's resource key.
-    pub fn key(&self) -> u64 {
-        self.packed >> 16
-    }
-
-    /// The counter-slot hint.
-    pub fn slot(&self) -> u32 {
-        (self.packed & 0xffff) as u32
-    }
-
-    /// Replaces the counter-slot hint.
-    pub fn set_slot(&mut self, slot: u32) {
-        self.packed = self.packed & !0xffff | u64::from(slot & 0xffff);
-    }
-}
-
-/// One set of the stack cache, aligned to a cache line.
-#[repr(C, align(64))]
-pub struct CacheSet(pub [Cell<CacheEntry>; CACHE_WAYS]);
+use heapdump_table::resources_table::{CounterBlock, StackCache};
 
 /// Everything the agent keeps per thread.
 pub struct ThreadState {
@@ -99,8 +52,12 @@ pub struct ThreadState {
     /// once given back at thread exit. Only touched through
     /// [`ThreadState::tables`] while `busy` is set.
     tables: Cell<*mut crate::thread_tables::ThreadTables>,
-    /// This thread's block of per-stack cumulative counters.
-    pub counters: Cell<Option<CounterBlock>>,
+    /// This thread's stack cache, which also holds its per-stack
+    /// cumulative counters (in the resources region: see
+    /// `heapdump_table::resources_table`); `None` when the region had no
+    /// room for one (every trace is then interned and counted on the
+    /// shared records).
+    pub counters: Cell<Option<StackCache>>,
     /// This thread's peak block: per stack, the blocks it freed since the
     /// heap's peak that were allocated before it (`heapdump_table::peak`);
     /// taken at its first such free.
@@ -220,7 +177,7 @@ impl ThreadState {
     pub fn reset(&self, generation: u64) {
         // SAFETY: called with `busy` set (see `tables`).
         if let Some(t) = unsafe { self.tables() } {
-            t.clear_cache();
+            t.clear_next_way();
         }
         self.thread_key.set(0);
         self.allocs.set(0);
@@ -308,16 +265,5 @@ mod tests {
             // SAFETY: this thread's word.
             assert_eq!(unsafe { *slot }, first);
         }
-    }
-
-    #[test]
-    fn a_cache_set_is_one_line_and_entries_keep_key_and_slot() {
-        assert_eq!(std::mem::size_of::<CacheSet>(), 64);
-        assert_eq!(std::mem::align_of::<CacheSet>(), 64);
-        let big_key = (1u64 << 40) - 8;
-        let mut e = CacheEntry::new(7, big_key, 1023);
-        assert_eq!((e.hash, e.key(), e.slot()), (7, big_key, 1023));
-        e.set_slot(5);
-        assert_eq!((e.key(), e.slot()), (big_key, 5));
     }
 }

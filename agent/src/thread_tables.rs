@@ -1,5 +1,7 @@
-//! The per-thread tables too big for thread-local storage: the stack cache
-//! (16 KiB), the CFI rule cache (10 KiB) and the stack memos (4 x 5 KiB).
+//! The per-thread tables too big for thread-local storage: the CFI rule
+//! cache (10 KiB), the stack memos (4 x 5 KiB) and the stack cache's
+//! replacement state (the cache itself is in the resources region, see
+//! `recorder::stack_key`).
 //!
 //! Why not thread-local: a library loaded at start (the preload agent is)
 //! has its thread-local storage in every thread's static TLS block, which
@@ -14,7 +16,7 @@
 //!   all zeros: key 0 = empty entry, `Rule::EMPTY` = 0, length 0, false),
 //!   so a fresh mapping (zero-filled by the kernel) needs no initialising,
 //!   and a block taken from the pool is zeroed in place (never built on the
-//!   stack: 46 KiB would not fit a small thread's stack).
+//!   stack: 30 KiB would not fit a small thread's stack).
 //! - A block is owned by one thread from [`acquire`] to [`release`], and
 //!   only touched by it, with its `busy` flag set; a block in the pool is
 //!   touched only under the pool's lock.
@@ -30,14 +32,14 @@ use std::cell::Cell;
 use std::cell::UnsafeCell;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use crate::thread_state::{CacheSet, CACHE_SETS};
+use heapdump_table::resources_table::CACHE_SETS;
 
 /// One thread's tables (see the module doc).
 #[repr(C)]
 pub struct ThreadTables {
-    /// Recently captured traces and their resource keys (see
-    /// `recorder::stack_key`), in 4-way sets.
-    pub cache: [CacheSet; CACHE_SETS],
+    /// Per set of the thread's stack cache, the way its next miss
+    /// replaces (modulo the ways; see `recorder::stack_key`).
+    pub next_way: [Cell<u8>; CACHE_SETS as usize],
     /// CFI rules of recently seen program counters.
     pub rules: crate::cfi_unwind::RuleCache,
     /// Earlier CFI walks of the thread (see `stack_memo`).
@@ -59,12 +61,11 @@ impl ThreadTables {
         unsafe { &mut *self.memo.get() }
     }
 
-    /// Empties the stack cache (regions of a new generation).
-    pub fn clear_cache(&self) {
-        for set in &self.cache {
-            for c in &set.0 {
-                c.set(Default::default());
-            }
+    /// Forgets the stack cache's replacement state (regions of a new
+    /// generation).
+    pub fn clear_next_way(&self) {
+        for r in &self.next_way {
+            r.set(0);
         }
     }
 }
@@ -144,8 +145,7 @@ fn acquire_from(pool: &Pool) -> *mut ThreadTables {
     if p == libc::MAP_FAILED {
         return std::ptr::null_mut();
     }
-    // A fresh mapping is zero-filled: the empty tables, page-aligned, so
-    // aligned for the cache sets' 64 bytes.
+    // A fresh mapping is zero-filled: the empty tables, page-aligned.
     p.cast()
 }
 
@@ -196,18 +196,15 @@ mod tests {
             assert_eq!(a as usize % 4096, 0);
             // SAFETY: `a` is this thread's block until released.
             let t = unsafe { &*a };
-            assert!(t
-                .cache
-                .iter()
-                .all(|s| s.0.iter().all(|c| c.get().hash == 0)));
-            t.cache[3].0[1].set(crate::thread_state::CacheEntry::new(9, 8, 7));
+            assert!(t.next_way.iter().all(|r| r.get() == 0));
+            t.next_way[3].set(5);
             // SAFETY: no longer used below.
             unsafe { release_to(&pool, a) };
             let b = acquire_from(&pool);
             assert_eq!(b, a, "the pooled block is handed out again");
             // SAFETY: `b` is this thread's block.
             let t = unsafe { &*b };
-            assert_eq!(t.cache[3].0[1].get().hash, 0, "and comes back empty");
+            assert_eq!(t.next_way[3].get(), 0, "and comes back empty");
             let c = acquire_from(&pool);
             assert!(!c.is_null() && c != b, "an empty pool maps a new block");
             // SAFETY: both are this test's, unused from here (they stay

@@ -32,8 +32,10 @@ pub const FORMAT_MAJOR: u16 = 1;
 /// (`crate::peak`) and the resources region's peak blocks; 1.5 the
 /// allocations region's writer lines (layout words 6 and 7: young blocks'
 /// counts, which a 1.4 reader leaves out of live blocks and totals; its
-/// snapshots are unaffected).
-pub const FORMAT_MINOR: u16 = 5;
+/// snapshots are unaffected); 1.6 the resources region's stack caches in
+/// place of its counter blocks (a 1.5 reader marks their sums partial and
+/// leaves them out of the cumulative counts).
+pub const FORMAT_MINOR: u16 = 6;
 /// Bytes reserved for the header at the start of every region.
 pub const HEADER_SIZE: u64 = 4096;
 

@@ -7,7 +7,7 @@
 //! offset, `layout[2]` = first record offset, `layout[3]` = end of data.
 //! Dynamic words: `KIND_WORDS+0` = bump pointer (next free offset),
 //! `+8` = head of the thread-record list, `+16` stack count, `+24` thread
-//! count, `+32` = head of the counter-block list, `+40` = head of the
+//! count, `+32` = head of the stack-cache (counter-block) list, `+40` = head of the
 //! peak-block list (format 1.4).
 //!
 //! Records are 8-aligned: word 0 = `tag | len << 32`, word 1 = `next`
@@ -16,16 +16,20 @@
 //! (the compressed trace); a thread record has `tid`, `serial`, and `len`
 //! name bytes.
 //!
-//! **Counter blocks** take the per-stack cumulative counters off the
-//! allocation path's shared cache lines: a writer thread claims a block
-//! (word 2 = owner, CAS from 0), and adds to its `len` slots
-//! (`stack key, count, bytes`, 24 bytes each, found by hashing the key)
-//! with plain relaxed load+store: one writer per block, no locked
-//! instruction, no line shared with another thread. A released block keeps
-//! its sums and is reused by the next thread that claims one, so blocks
-//! follow the number of threads alive at once. Readers add every block's
-//! slots to the stacks they name: a stack's cumulative count is its own
-//! record's counters plus its slots in all blocks.
+//! **Stack caches** (format 1.6; counter blocks before) take the
+//! per-stack cumulative counters off the allocation path's shared cache
+//! lines: a writer thread claims a block (word 2 = owner, CAS from 0),
+//! finds the trace it captured by the trace's hash in one of its 4-way
+//! sets of 32-byte slots (`stack key, count, bytes, trace hash`), and adds
+//! to that slot with plain relaxed load+store: one writer per block, no
+//! locked instruction, no line shared with another thread, and no line
+//! for the counts besides the one the lookup read. A released block
+//! keeps its slots and sums and is reused by the next thread that claims
+//! one, so blocks follow the number of threads alive at once. Readers add
+//! every block's slots to the stacks they name: a stack's cumulative count
+//! is its own record's counters plus its slots in all blocks. Counter
+//! blocks of formats 1.1-1.5 (`stack key, count, bytes` slots, 24 bytes)
+//! are still read.
 //!
 //! Invariants:
 //! - A record is fully written before it is published (CAS of a list head
@@ -81,14 +85,87 @@ const TAG_PEAK: u32 = 0x524b_4650; // "PFKR"
 /// the current one.
 const PEAK_GEN_WORD: u64 = 24;
 
+/// Counter blocks of formats 1.1 to 1.5 (`stack key, count, bytes`
+/// slots found by hashing the key): no longer written, still read.
 const TAG_COUNTERS: u32 = 0x5254_4e43; // "CNTR"
 const COUNTERS_HEADER: u64 = 32;
 const COUNTER_SLOT: u64 = 24;
-/// Slots in a counter block (a power of two): 24 KiB per block.
+/// Slots in a counter, peak or stack-cache block (a power of two).
 pub const COUNTER_SLOTS: u64 = 1024;
-/// Longest probe for a stack's slot before falling back to the record's
-/// shared counters.
+/// Longest probe for a stack's slot in a peak block.
 const COUNTER_PROBE: u64 = 8;
+
+/// **Stack-cache blocks** (format 1.6) replace the counter blocks on the
+/// counter-block list: a writer thread's cache of the traces it captured
+/// *and* its per-stack cumulative counters, in one 32-byte slot per
+/// trace (`stack key, count, bytes, trace hash`), [`CACHE_WAYS`] slots
+/// per set, the set picked by the trace's hash. The thread looks its
+/// trace's hash up there and adds the allocation to the slot it found:
+/// the counts sit in the line the lookup has just read, so counting costs
+/// no line of its own. Slots never move while they hold a key (a reader
+/// may be summing them); a slot is only emptied and reused (eviction).
+const TAG_STACK_CACHE: u32 = 0x4341_4353; // "SCAC"
+/// Header of a stack-cache block: one cache line, so that with the block
+/// placed on a line boundary every set of four 32-byte slots is two
+/// whole lines.
+const CACHE_HEADER: u64 = 64;
+const CACHE_SLOT: u64 = 32;
+/// Sets of a stack-cache block.
+pub const CACHE_SETS: u64 = COUNTER_SLOTS / CACHE_WAYS;
+/// Slots per set of a stack-cache block.
+pub const CACHE_WAYS: u64 = 4;
+/// Slot words of a stack-cache block.
+const C_KEY: u64 = 0;
+const C_COUNT: u64 = 1;
+const C_BYTES: u64 = 2;
+const C_HASH: u64 = 3;
+
+/// The shape of one kind of per-thread block (all share the list links
+/// and header words 0-2: `tag | slots << 32`, next, owner).
+#[derive(Clone, Copy, Debug)]
+struct BlockKind {
+    tag: u32,
+    header: u64,
+    slot: u64,
+    /// Alignment of the block's offset (the region is page-aligned).
+    align: u64,
+}
+
+impl BlockKind {
+    const COUNTERS: BlockKind = BlockKind {
+        tag: TAG_COUNTERS,
+        header: COUNTERS_HEADER,
+        slot: COUNTER_SLOT,
+        align: 8,
+    };
+    const PEAK: BlockKind = BlockKind {
+        tag: TAG_PEAK,
+        header: COUNTERS_HEADER,
+        slot: COUNTER_SLOT,
+        align: 8,
+    };
+    const STACK_CACHE: BlockKind = BlockKind {
+        tag: TAG_STACK_CACHE,
+        header: CACHE_HEADER,
+        slot: CACHE_SLOT,
+        align: 64,
+    };
+
+    /// Bytes of a block of [`COUNTER_SLOTS`] slots.
+    const fn size(self) -> u64 {
+        self.header + COUNTER_SLOTS * self.slot
+    }
+
+    /// The kind a reader accepts on `list` with tag `tag`.
+    fn read_as(list: u64, tag: u32) -> Option<BlockKind> {
+        match (list, tag) {
+            (W_COUNTERS, TAG_STACK_CACHE) => Some(Self::STACK_CACHE),
+            (W_COUNTERS, TAG_COUNTERS) => Some(Self::COUNTERS),
+            (W_PEAK_BLOCKS, TAG_PEAK) => Some(Self::PEAK),
+            _ => None,
+        }
+    }
+}
 
 /// What [`ResourcesWriter::add_peak_freed`] did.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -102,9 +179,21 @@ pub enum PeakAdd {
     Full,
 }
 
-/// A counter block claimed by one writer thread (see the module docs).
+/// A peak block claimed by one writer thread (see [`TAG_PEAK`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CounterBlock(u64);
+
+/// A stack-cache block claimed by one writer thread (see
+/// [`TAG_STACK_CACHE`]): only that thread looks up, counts in or inserts
+/// into it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StackCache(std::num::NonZeroU64);
+
+/// A slot of a [`StackCache`] (its offset in the region: only made by
+/// [`ResourcesWriter::cache_find`] and [`ResourcesWriter::cache_insert`],
+/// so always inside a claimed block).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CacheSlot(std::num::NonZeroU64);
 
 /// Default number of bucket heads.
 pub const DEFAULT_BUCKETS: u64 = 1 << 16;
@@ -387,24 +476,34 @@ impl<'a> ResourcesWriter<'a> {
         self.word(k + 32).fetch_add(bytes, Ordering::Relaxed);
     }
 
-    /// Claims a counter block for the calling thread (`owner` is any
-    /// non-zero id, e.g. the tid): a released one if there is one, else a
-    /// new one. `None` when the region is full (callers then use
-    /// [`Self::record_allocation`]). Lock-free; never allocates.
-    pub fn claim_counters(&self, owner: u64) -> Option<CounterBlock> {
-        self.claim_block(W_COUNTERS, TAG_COUNTERS, owner)
+    /// Claims a stack-cache block for the calling thread (`owner` is any
+    /// non-zero id, e.g. the tid): a released one if there is one (its
+    /// slots stay valid: same region, same keys), else a new one. `None`
+    /// when the region is full (callers then intern every trace and count
+    /// with [`Self::record_allocations`]). Lock-free; never allocates.
+    pub fn claim_stack_cache(&self, owner: u64) -> Option<StackCache> {
+        // Blocks are in the data area, never at offset 0.
+        self.claim_block(W_COUNTERS, BlockKind::STACK_CACHE, owner)
+            .and_then(std::num::NonZeroU64::new)
+            .map(StackCache)
+    }
+
+    /// Releases a stack cache claimed by this thread (its sums stay).
+    pub fn release_stack_cache(&self, cache: StackCache) {
+        self.release_block(cache.0.get());
     }
 
     /// Claims a peak block (see [`TAG_PEAK`]) for the calling thread, like
-    /// [`Self::claim_counters`]. Release it with [`Self::release_counters`].
+    /// [`Self::claim_stack_cache`]. Release it with [`Self::release_counters`].
     pub fn claim_peak_block(&self, owner: u64) -> Option<CounterBlock> {
-        self.claim_block(W_PEAK_BLOCKS, TAG_PEAK, owner)
+        self.claim_block(W_PEAK_BLOCKS, BlockKind::PEAK, owner)
+            .map(CounterBlock)
     }
 
-    fn claim_block(&self, list: u64, tag: u32, owner: u64) -> Option<CounterBlock> {
+    fn claim_block(&self, list: u64, kind: BlockKind, owner: u64) -> Option<u64> {
         let owner = owner.max(1);
         let mut claimed = None;
-        self.for_each_block(list, tag, |cur| {
+        self.for_each_block(list, kind, |cur| {
             let Some(w) = self.view.atomic_u64(cur + 16) else {
                 return true;
             };
@@ -412,17 +511,19 @@ impl<'a> ResourcesWriter<'a> {
                 && w.compare_exchange(0, owner, Ordering::Acquire, Ordering::Relaxed)
                     .is_ok()
             {
-                claimed = Some(CounterBlock(cur));
+                claimed = Some(cur);
             }
             claimed.is_some()
         });
         if claimed.is_some() {
             return claimed;
         }
-        let size = COUNTERS_HEADER + COUNTER_SLOTS * COUNTER_SLOT;
-        let off = self.reserve(size).ok()?;
+        // Reserved with room to start on an `align` boundary (the bump
+        // pointer is 8-aligned; the region is page-aligned).
+        let start = self.reserve(kind.size() + kind.align - 8).ok()?;
+        let off = start.next_multiple_of(kind.align);
         self.word(off)
-            .store(u64::from(tag) | COUNTER_SLOTS << 32, Ordering::Relaxed);
+            .store(u64::from(kind.tag) | COUNTER_SLOTS << 32, Ordering::Relaxed);
         self.word(off + 16).store(owner, Ordering::Relaxed);
         let head_word = self.word(list);
         let mut head = head_word.load(Ordering::Relaxed);
@@ -430,64 +531,154 @@ impl<'a> ResourcesWriter<'a> {
             self.word(off + 8).store(head, Ordering::Relaxed);
             // Release publishes the block's header (slots are zero pages).
             match head_word.compare_exchange_weak(head, off, Ordering::Release, Ordering::Relaxed) {
-                Ok(_) => return Some(CounterBlock(off)),
+                Ok(_) => return Some(off),
                 Err(now) => head = now,
             }
         }
     }
 
-    /// Releases a block claimed by this thread (its sums stay).
+    /// Releases a peak block claimed by this thread (its sums stay).
     pub fn release_counters(&self, block: CounterBlock) {
-        if let Some(w) = self.view.atomic_u64(block.0 + 16) {
+        self.release_block(block.0);
+    }
+
+    fn release_block(&self, off: u64) {
+        if let Some(w) = self.view.atomic_u64(off + 16) {
             // Release: our slot writes happen-before the next owner's.
             w.store(0, Ordering::Release);
         }
     }
 
-    /// Adds one allocation of `size` bytes from stack `key` to `block`,
-    /// which only the calling thread may hold. `slot_hint` is the slot this
-    /// key used last time (from the previous call's result, or any value);
-    /// returns the slot used (a later hint), or `None` if the block had no
-    /// room near the key's place (then the record's own counters were
-    /// updated atomically instead).
-    #[inline]
-    pub fn count_allocation(
-        &self,
-        block: CounterBlock,
-        key: ResourceKey,
-        size: u64,
-        slot_hint: u32,
-    ) -> Option<u32> {
-        self.count_allocations(block, key, 1, size, slot_hint)
+    /// Word `w` of slot `i` of stack cache `cache`; `i` is masked to the
+    /// block's slots.
+    #[inline(always)]
+    fn cache_word(&self, cache: StackCache, i: u64, w: u64) -> &std::sync::atomic::AtomicU64 {
+        let off =
+            cache.0.get() + CACHE_HEADER + (i & (COUNTER_SLOTS - 1)) * CACHE_SLOT + (w & 3) * 8;
+        // SAFETY: a `StackCache` is only made by `claim_block`, from a
+        // block of `BlockKind::STACK_CACHE.size()` bytes it reserved (or
+        // found, validated by `for_each_block`) inside the data area; `i`
+        // is masked to COUNTER_SLOTS - 1 and `w` to 3, so `off` is in
+        // bounds and 8-aligned.
+        unsafe { self.view.atomic_u64_unchecked(off) }
     }
 
-    /// [`Self::count_allocation`] for `count` allocations totalling `bytes`
-    /// at once (a sampled allocation standing for several).
-    pub fn count_allocations(
-        &self,
-        block: CounterBlock,
-        key: ResourceKey,
-        count: u64,
-        bytes: u64,
-        slot_hint: u32,
-    ) -> Option<u32> {
-        let hint = u64::from(slot_hint) & (COUNTER_SLOTS - 1);
-        let found = if self.slot_word(block, hint, 0).load(Ordering::Relaxed) == key.0 {
-            Some(hint)
-        } else {
-            self.find_slot(block, key)
-                .or_else(|| self.evict_for(block, key))
-        };
-        let Some(i) = found else {
-            self.record_allocations(key, count, bytes);
-            return None;
-        };
-        self.add_to_slot(block, i, count, bytes);
-        Some(i as u32)
+    /// The first slot of the set of trace `hash` in a stack cache.
+    #[inline(always)]
+    fn cache_set(hash: u64) -> u64 {
+        ((hash >> 20) & (CACHE_SETS - 1)) * CACHE_WAYS
     }
 
-    /// Word `w` (0: key, 1: count, 2: bytes) of slot `i` of `block`; `i`
-    /// is masked to the block's slots.
+    /// The slot and stack key of trace `hash` in `cache` (one of the
+    /// calling thread's), if it holds them. `hash` is not 0.
+    #[inline(always)]
+    pub fn cache_find(&self, cache: StackCache, hash: u64) -> Option<(CacheSlot, ResourceKey)> {
+        let set = Self::cache_set(hash);
+        for way in 0..CACHE_WAYS {
+            let i = set + way;
+            // Relaxed: only this thread writes the block (a block inherited
+            // from an exited thread was handed over with Release/Acquire).
+            if self.cache_word(cache, i, C_HASH).load(Ordering::Relaxed) == hash {
+                let key = self.cache_word(cache, i, C_KEY).load(Ordering::Relaxed);
+                if key != 0 {
+                    return Some((Self::slot_at(cache, i), ResourceKey(key)));
+                }
+            }
+        }
+        None
+    }
+
+    /// Slot `i` of `cache` (masked to the block's slots).
+    #[inline(always)]
+    fn slot_at(cache: StackCache, i: u64) -> CacheSlot {
+        let off = cache.0.get() + CACHE_HEADER + (i & (COUNTER_SLOTS - 1)) * CACHE_SLOT;
+        // The block is in the data area, past offset 0.
+        CacheSlot(std::num::NonZeroU64::new(off).unwrap_or(cache.0))
+    }
+
+    /// Adds `count` allocations of `bytes` in all to `slot` of one of the
+    /// calling thread's stack caches. Single writer: a load and a store
+    /// each, no locked instruction.
+    ///
+    /// # Safety
+    /// `slot` came from [`Self::cache_find`] or [`Self::cache_insert`] of a
+    /// writer of this same region (it is an unchecked offset: the hot
+    /// path's count costs no bounds check).
+    #[inline(always)]
+    pub unsafe fn cache_count(&self, slot: CacheSlot, count: u64, bytes: u64) {
+        // SAFETY: per the contract, `slot` is the offset of a slot of a
+        // claimed stack-cache block of this region (see `cache_word`), so
+        // its count and bytes words are in bounds and 8-aligned.
+        let (c, b) = unsafe {
+            (
+                self.view.atomic_u64_unchecked(slot.0.get() + C_COUNT * 8),
+                self.view.atomic_u64_unchecked(slot.0.get() + C_BYTES * 8),
+            )
+        };
+        c.store(
+            c.load(Ordering::Relaxed).wrapping_add(count),
+            Ordering::Relaxed,
+        );
+        b.store(
+            b.load(Ordering::Relaxed).wrapping_add(bytes),
+            Ordering::Relaxed,
+        );
+    }
+
+    /// Puts trace `hash`, interned as `key`, into its set of `cache` (one
+    /// of the calling thread's) with zero counts, and returns its slot.
+    /// The slot taken is an empty one, else way `next % CACHE_WAYS` (the
+    /// caller's turn); the counts of a stack it held go to that stack's
+    /// record first (as for a stack with no slot).
+    ///
+    /// A reader reading the slot meanwhile sees its key change (see
+    /// `block_sums`) and skips it: the evicted counts are missing from
+    /// that one reading (they are moved after the slot is emptied), never
+    /// counted for the wrong stack.
+    #[cold]
+    #[inline(never)]
+    pub fn cache_insert(
+        &self,
+        cache: StackCache,
+        hash: u64,
+        key: ResourceKey,
+        next: u8,
+    ) -> CacheSlot {
+        let set = Self::cache_set(hash);
+        let victim = (set..set + CACHE_WAYS)
+            .find(|&i| self.cache_word(cache, i, C_KEY).load(Ordering::Relaxed) == 0)
+            .unwrap_or(set + u64::from(next) % CACHE_WAYS);
+        let old = self
+            .cache_word(cache, victim, C_KEY)
+            .load(Ordering::Relaxed);
+        let count = self
+            .cache_word(cache, victim, C_COUNT)
+            .load(Ordering::Relaxed);
+        let bytes = self
+            .cache_word(cache, victim, C_BYTES)
+            .load(Ordering::Relaxed);
+        // Key 0 first (a reader skips an empty slot), Release so that a
+        // reader who sees the counts zeroed sees the key changed; the new
+        // key with Release once the counts are zero.
+        self.cache_word(cache, victim, C_KEY)
+            .store(0, Ordering::Relaxed);
+        fence(Ordering::Release);
+        self.cache_word(cache, victim, C_COUNT)
+            .store(0, Ordering::Relaxed);
+        self.cache_word(cache, victim, C_BYTES)
+            .store(0, Ordering::Relaxed);
+        self.cache_word(cache, victim, C_HASH)
+            .store(hash, Ordering::Relaxed);
+        self.cache_word(cache, victim, C_KEY)
+            .store(key.0, Ordering::Release);
+        if old != 0 && (count != 0 || bytes != 0) {
+            self.record_allocations(ResourceKey(old), count, bytes);
+        }
+        Self::slot_at(cache, victim)
+    }
+
+    /// Word `w` (0: key, 1: count, 2: bytes) of slot `i` of peak block
+    /// `block`; `i` is masked to the block's slots.
     #[inline(always)]
     fn slot_word(&self, block: CounterBlock, i: u64, w: u64) -> &std::sync::atomic::AtomicU64 {
         debug_assert!(w < 3);
@@ -519,50 +710,6 @@ impl<'a> ResourcesWriter<'a> {
             }
         }
         None
-    }
-
-    /// No slot for `key` near its place in `block` (one of the calling
-    /// thread's): the slot there with the fewest allocations hands its
-    /// counts to its own stack's record (atomic adds, as for a stack with
-    /// no slot) and takes `key`, with zero counts. So stacks counted often
-    /// keep their slots and a program with more stacks than a block has
-    /// slots (redis: ~2 200, most of them allocating once at start) does
-    /// not send its busiest stacks to the shared counters, two locked adds
-    /// per allocation, for good. `None` only for a key a slot cannot hold.
-    ///
-    /// A reader reading the slot meanwhile sees its key change (see
-    /// `block_sums`) and skips it: the evicted counts are missing from
-    /// that one reading (they are moved after the slot is emptied), never
-    /// counted for the wrong stack.
-    #[cold]
-    #[inline(never)]
-    fn evict_for(&self, block: CounterBlock, key: ResourceKey) -> Option<u64> {
-        if key.0 == 0 {
-            return None;
-        }
-        let start = (key.0 >> 3).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 54;
-        let mut victim = start & (COUNTER_SLOTS - 1);
-        let mut least = u64::MAX;
-        for p in 0..COUNTER_PROBE {
-            let i = (start + p) & (COUNTER_SLOTS - 1);
-            let c = self.slot_word(block, i, 1).load(Ordering::Relaxed);
-            if c < least {
-                (victim, least) = (i, c);
-            }
-        }
-        let old = self.slot_word(block, victim, 0).load(Ordering::Relaxed);
-        let bytes = self.slot_word(block, victim, 2).load(Ordering::Relaxed);
-        // Key 0 first (a reader skips an empty slot), Release so that a
-        // reader who sees the counts zeroed sees the key changed; the new
-        // key with Release once the counts are zero.
-        self.slot_word(block, victim, 0).store(0, Ordering::Relaxed);
-        fence(Ordering::Release);
-        self.slot_word(block, victim, 1).store(0, Ordering::Relaxed);
-        self.slot_word(block, victim, 2).store(0, Ordering::Relaxed);
-        self.slot_word(block, victim, 0)
-            .store(key.0, Ordering::Release);
-        self.record_allocations(ResourceKey(old), least, bytes);
-        Some(victim)
     }
 
     /// Adds to slot `i`'s counts. Single writer (the block's holder): a
@@ -631,35 +778,49 @@ impl<'a> ResourcesWriter<'a> {
         mut f: impl FnMut(CounterBlock) -> bool,
     ) {
         let owner = owner.max(1);
-        self.for_each_block(W_PEAK_BLOCKS, TAG_PEAK, |cur| {
+        self.for_each_block(W_PEAK_BLOCKS, BlockKind::PEAK, |cur| {
             cur != keep.0 && self.view.load_u64(cur + 16) == Some(owner) && f(CounterBlock(cur))
         });
     }
 
     /// Calls `f` with the offset of each block of the writer's list at
-    /// `list` (blocks tagged `tag`), until `f` returns true. Only
+    /// `list` (blocks of `kind`; others on the list are passed over), until `f` returns true. Only
     /// well-formed blocks inside the data area are handed out (the
     /// counting path trusts a claimed block's bounds); the walk is bounded
     /// and a damaged block ends it. The next link is read before `f` runs
     /// (`f` may give the block back). Never allocates.
-    fn for_each_block(&self, list: u64, tag: u32, mut f: impl FnMut(u64) -> bool) {
+    fn for_each_block(&self, list: u64, kind: BlockKind, mut f: impl FnMut(u64) -> bool) {
         let mut cur = self.word(list).load(Ordering::Acquire);
         let mut steps = 0u64;
         let limit = (self.layout.data_end - self.layout.data_off) / COUNTERS_HEADER + 1;
-        let size = COUNTERS_HEADER + COUNTER_SLOTS * COUNTER_SLOT;
         while cur != 0 && steps < limit {
             steps += 1;
-            let well_formed = cur.is_multiple_of(8)
+            let in_area = cur.is_multiple_of(8)
                 && cur >= self.layout.data_off
                 && cur
-                    .checked_add(size)
-                    .is_some_and(|e| e <= self.layout.data_end)
-                && self.view.load_u64(cur) == Some(u64::from(tag) | COUNTER_SLOTS << 32);
-            if !well_formed {
+                    .checked_add(COUNTERS_HEADER)
+                    .is_some_and(|e| e <= self.layout.data_end);
+            if !in_area {
+                return;
+            }
+            let w0 = self.view.load_u64(cur);
+            let ours = w0 == Some(u64::from(kind.tag) | COUNTER_SLOTS << 32)
+                && cur.is_multiple_of(kind.align)
+                && cur
+                    .checked_add(kind.size())
+                    .is_some_and(|e| e <= self.layout.data_end);
+            // Another well-formed kind on the same list (a counter block a
+            // writer of format 1.5 left, before an attach of this one) is
+            // passed over; anything else ends the walk.
+            let other = !ours
+                && w0.is_some_and(|w| {
+                    BlockKind::read_as(list, w as u32).is_some() && w >> 32 == COUNTER_SLOTS
+                });
+            if !ours && !other {
                 return;
             }
             let next = self.view.load_u64(cur + 8);
-            if f(cur) {
+            if ours && f(cur) {
                 return;
             }
             let Some(next) = next else {
@@ -935,7 +1096,7 @@ impl<'a> ResourcesReader<'a> {
     /// Sums of every counter block's slots, by stack key. Bounded and
     /// cycle-safe like every walk; a bad block marks the result partial.
     fn counter_sums(&self, partial: &mut Option<String>) -> HashMap<u64, (u64, u64)> {
-        self.block_sums(W_COUNTERS, TAG_COUNTERS, None, partial)
+        self.block_sums(W_COUNTERS, None, partial)
     }
 
     /// Per stack key, the blocks and bytes freed since the peak of
@@ -943,19 +1104,19 @@ impl<'a> ResourcesReader<'a> {
     /// of that generation, summed), and whether the sums are partial.
     pub fn peak_freed(&self, gen: u64) -> (HashMap<ResourceKey, (u64, u64)>, Option<String>) {
         let mut partial = None;
-        let sums = self.block_sums(W_PEAK_BLOCKS, TAG_PEAK, Some(gen), &mut partial);
+        let sums = self.block_sums(W_PEAK_BLOCKS, Some(gen), &mut partial);
         (
             sums.into_iter().map(|(k, v)| (ResourceKey(k), v)).collect(),
             partial,
         )
     }
 
-    /// Sums of the slots of every block on list `list` with tag `tag` (and,
-    /// with `gen`, header word 3 equal to it), by key.
+    /// Sums of the slots of every block on list `list` (of the kinds that
+    /// list holds, [`BlockKind::read_as`]; with `gen`, only blocks whose
+    /// header word 3 equals it), by key.
     fn block_sums(
         &self,
         list: u64,
-        tag: u32,
         gen: Option<u64>,
         partial: &mut Option<String>,
     ) -> HashMap<u64, (u64, u64)> {
@@ -977,8 +1138,12 @@ impl<'a> ResourcesReader<'a> {
             let k = b.0;
             let w0 = self.view.load_u64(k).unwrap_or(0);
             let slots = w0 >> 32;
-            let size = COUNTERS_HEADER + slots.min(1 << 20) * COUNTER_SLOT;
-            if w0 as u32 != tag || slots > 1 << 16 || k.saturating_add(size) > limit {
+            let Some(kind) = BlockKind::read_as(list, w0 as u32) else {
+                partial.get_or_insert_with(|| "a counter block is corrupt".to_string());
+                continue;
+            };
+            let size = kind.header + slots.min(1 << 20) * kind.slot;
+            if slots > 1 << 16 || k.saturating_add(size) > limit {
                 partial.get_or_insert_with(|| "a counter block is corrupt".to_string());
                 continue;
             }
@@ -992,13 +1157,16 @@ impl<'a> ResourcesReader<'a> {
                     continue;
                 }
             }
+            // Slots of any kind are at least COUNTER_SLOT bytes.
             if slots > slot_budget {
                 partial.get_or_insert_with(|| "counter blocks overlap".to_string());
                 break;
             }
             slot_budget -= slots;
             for i in 0..slots {
-                let o = k + COUNTERS_HEADER + i * COUNTER_SLOT;
+                // Key, count and bytes are the first three words of a
+                // slot of every kind.
+                let o = k + kind.header + i * kind.slot;
                 let key = self.view.load_u64(o).unwrap_or(0);
                 if key == 0 {
                     continue;
