@@ -214,7 +214,7 @@ impl Rule {
     }
 }
 
-/// Entries in a thread's rule cache (direct-mapped, 20 bytes each).
+/// Entries in a thread's rule cache (direct-mapped, 24 bytes each).
 pub const RULE_CACHE_ENTRIES: usize = 512;
 
 /// Set in a cache key (and in [`Frame::pc`]) for a counter that a
@@ -222,23 +222,33 @@ pub const RULE_CACHE_ENTRIES: usize = 512;
 /// frames it keeps).
 use crate::stack_memo::EXACT;
 
-/// A thread's cache from program counter to [`Rule`].
-///
-/// Three parallel arrays rather than one array of entries: the entry's
-/// index is the counter's low bits (one mask, scaled by the load itself),
-/// and [`K_RSP_RA8`]'s CFA offset has its own array, so the walk's next
-/// load waits for a mask, one load and an add, not for the rule to be
-/// decoded. Return addresses vary in their low bits; a multiplicative hash
-/// spread them better but cost more on that chain than its conflicts saved.
-pub struct RuleCache {
-    /// The counter (tagged with [`EXACT`] where so) each entry is for; 0
+/// One entry of a [`RuleCache`]: key, rule and offset side by side, so a
+/// lookup reads one cache line (two for the quarter of entries that
+/// straddle one), not one per field.
+#[repr(C)]
+struct RuleEntry {
+    /// The counter (tagged with [`EXACT`] where so) the entry is for; 0
     /// for an empty entry (no counter is 0).
-    keys: [Cell<u64>; RULE_CACHE_ENTRIES],
+    key: Cell<u64>,
     /// The entry's rule.
-    rules: [Cell<Rule>; RULE_CACHE_ENTRIES],
+    rule: Cell<Rule>,
     /// For a [`K_RSP_RA8`] rule, its CFA offset minus 8: where the return
     /// address is from the stack pointer (else unused).
-    ra_offsets: [Cell<u32>; RULE_CACHE_ENTRIES],
+    ra_offset: Cell<u32>,
+}
+
+/// A thread's cache from program counter to [`Rule`].
+///
+/// The entry's index is the counter's low bits (a mask and a multiply by
+/// three, scaled by the load itself), and [`K_RSP_RA8`]'s CFA offset is
+/// kept decoded beside the rule, so the walk's next load waits for the
+/// index, one load and an add, not for the rule to be decoded. Return
+/// addresses vary in their low bits; a multiplicative hash spread them
+/// better but cost more on that chain than its conflicts saved. (Three
+/// parallel arrays, before, saved the multiply but made a lookup read
+/// three lines: on the churn 0.8 of its L1 misses per pair.)
+pub struct RuleCache {
+    entries: [RuleEntry; RULE_CACHE_ENTRIES],
     generation: Cell<u64>,
 }
 
@@ -246,20 +256,20 @@ impl RuleCache {
     /// An empty cache (usable in a `const` thread-local initialiser).
     #[allow(clippy::declare_interior_mutable_const)]
     pub const fn new() -> Self {
-        const K: Cell<u64> = Cell::new(0);
-        const R: Cell<Rule> = Cell::new(Rule::EMPTY);
-        const O: Cell<u32> = Cell::new(0);
+        const E: RuleEntry = RuleEntry {
+            key: Cell::new(0),
+            rule: Cell::new(Rule::EMPTY),
+            ra_offset: Cell::new(0),
+        };
         RuleCache {
-            keys: [K; RULE_CACHE_ENTRIES],
-            rules: [R; RULE_CACHE_ENTRIES],
-            ra_offsets: [O; RULE_CACHE_ENTRIES],
+            entries: [E; RULE_CACHE_ENTRIES],
             generation: Cell::new(0),
         }
     }
 
     fn clear(&self) {
-        for k in &self.keys {
-            k.set(0);
+        for e in &self.entries {
+            e.key.set(0);
         }
     }
 
@@ -270,11 +280,8 @@ impl RuleCache {
     #[inline(always)]
     fn rule(&self, key: u64) -> (Rule, u32) {
         let i = key as usize % RULE_CACHE_ENTRIES;
-        let (k, r, o) = (
-            self.keys[i].get(),
-            self.rules[i].get(),
-            self.ra_offsets[i].get(),
-        );
+        let e = &self.entries[i];
+        let (k, r, o) = (e.key.get(), e.rule.get(), e.ra_offset.get());
         if k == key {
             (r, o)
         } else {
@@ -301,9 +308,10 @@ impl RuleCache {
         } else {
             0
         };
-        self.keys[i].set(key);
-        self.rules[i].set(r);
-        self.ra_offsets[i].set(o);
+        let e = &self.entries[i];
+        e.key.set(key);
+        e.rule.set(r);
+        e.ra_offset.set(o);
         (r, o)
     }
 }

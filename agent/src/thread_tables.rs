@@ -1,5 +1,5 @@
 //! The per-thread tables too big for thread-local storage: the CFI rule
-//! cache (10 KiB), the stack memos (4 x 5 KiB) and the stack cache's
+//! cache (12 KiB), the stack memos (4 x 5 KiB) and the stack cache's
 //! replacement state (the cache itself is in the resources region, see
 //! `recorder::stack_key`).
 //!
@@ -16,7 +16,7 @@
 //!   all zeros: key 0 = empty entry, `Rule::EMPTY` = 0, length 0, false),
 //!   so a fresh mapping (zero-filled by the kernel) needs no initialising,
 //!   and a block taken from the pool is zeroed in place (never built on the
-//!   stack: 30 KiB would not fit a small thread's stack).
+//!   stack: 32 KiB would not fit a small thread's stack).
 //! - A block is owned by one thread from [`acquire`] to [`release`], and
 //!   only touched by it, with its `busy` flag set; a block in the pool is
 //!   touched only under the pool's lock.
