@@ -26,12 +26,13 @@
 //! `malloc_family::malloc_slow`, or the Rust `Agent`): [`on_alloc`] ->
 //! `record_weighted`: the thread's state (`thread_state::with`, busy flag),
 //! `prepare_thread`, `stack_key` (the walk, `cfi_unwind::walk` with the
-//! thread's `stack_memo`, then the thread's stack cache; interning on a
-//! miss), the clock, the table insert, the per-stack counters. A free:
+//! thread's `stack_memo`, then the thread's stack cache, a block of the
+//! resources region; interning on a miss), the clock, the table insert,
+//! the per-stack counters (in the stack cache's slot). A free:
 //! [`on_free_deferred`] -> `remove_block`. Budget (DESIGN §6, issue 30):
 //! at most 350 instructions added per malloc+free pair at 4 frames, 700 on
 //! the churn, 3 L1 data misses; `bench/instructions --parts` counts them
-//! per part (on 2026-11-26: +1252 and +1612 instructions, +6.4 and +9.3
+//! per part (on 2026-11-27: +1280 and +1632 instructions, +4.0 and +6.6
 //! misses: far over; see docs/benchmarks.md), and CI fails when they grow
 //! past `bench/instructions-budget.json`.
 
