@@ -41,7 +41,7 @@ use std::mem::MaybeUninit;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 
 use heapdump_table::header::{DroppedReason, HeaderCounters};
-use heapdump_table::resources_table::{CacheSlot, CACHE_SETS};
+use heapdump_table::resources_table::CacheSlot;
 use heapdump_table::stack_compression::{encode_into, MAX_ENCODED_LEN, MAX_FRAMES};
 use heapdump_table::{
     AllocationRecord, AllocationsConfig, AllocationsWriter, InsertError, RegionWriter, ResourceKey,
@@ -450,7 +450,7 @@ extern "C" fn thread_exit(_value: *mut libc::c_void) {
                 if let Some(k) = own_ring(t) {
                     YOUNG.release(k);
                 }
-                if let Some(cache) = t.counters.take() {
+                if let Some(cache) = t.stack_cache.take() {
                     w.resources.release_stack_cache(cache);
                 }
                 if let Some(block) = t.peak_block.take() {
@@ -533,8 +533,8 @@ fn register_thread(w: &Writers, t: &ThreadState) {
     }
     let len = name.iter().position(|b| *b == 0).unwrap_or(16);
     arm_thread_exit();
-    if t.counters.get().is_none() {
-        t.counters.set(w.resources.claim_stack_cache(tid));
+    if t.stack_cache.get().is_none() {
+        t.stack_cache.set(w.resources.claim_stack_cache(tid));
     }
     match w.resources.insert_thread_info(tid, &name[..len]) {
         Ok(k) => t.thread_key.set(k.0),
@@ -677,7 +677,7 @@ fn stack_key(
     // slots also count the allocations (one line for both). A hit writes
     // nothing but the counts; a miss replaces the set's ways in turn
     // (first in, first out), after any empty one.
-    let cache = t.counters.get();
+    let cache = t.stack_cache.get();
     if let Some(cache) = cache {
         if let Some((slot, key)) = w.resources.cache_find(cache, h) {
             return Some((key, Some(slot)));
@@ -691,7 +691,7 @@ fn stack_key(
         Ok((key, _)) => Some((
             key,
             cache.map(|cache| {
-                let next = &tables.next_way[((h >> 20) % CACHE_SETS) as usize];
+                let next = &tables.next_way[ResourcesWriter::cache_set_of(h)];
                 let slot = w.resources.cache_insert(cache, h, key, next.get());
                 next.set(next.get().wrapping_add(1));
                 slot

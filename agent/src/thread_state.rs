@@ -57,7 +57,7 @@ pub struct ThreadState {
     /// `heapdump_table::resources_table`); `None` when the region had no
     /// room for one (every trace is then interned and counted on the
     /// shared records).
-    pub counters: Cell<Option<StackCache>>,
+    pub stack_cache: Cell<Option<StackCache>>,
     /// This thread's peak block: per stack, the blocks it freed since the
     /// heap's peak that were allocated before it (`heapdump_table::peak`);
     /// taken at its first such free.
@@ -103,7 +103,7 @@ thread_local! {
             stack_hi: Cell::new(0),
             stack_known: Cell::new(false),
             tables: Cell::new(std::ptr::null_mut()),
-            counters: Cell::new(None),
+            stack_cache: Cell::new(None),
             peak_block: Cell::new(None),
             peak_full_gen: Cell::new(0),
             nodes: UnsafeCell::new(NodeCache::new()),
@@ -181,7 +181,7 @@ impl ThreadState {
         }
         self.thread_key.set(0);
         self.allocs.set(0);
-        self.counters.set(None);
+        self.stack_cache.set(None);
         self.peak_block.set(None);
         self.peak_full_gen.set(0);
         self.generation.set(generation);

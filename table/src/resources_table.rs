@@ -563,10 +563,18 @@ impl<'a> ResourcesWriter<'a> {
         unsafe { self.view.atomic_u64_unchecked(off) }
     }
 
+    /// The set of trace `hash` in a stack cache (`0..CACHE_SETS`): a
+    /// writer keeps per-set state of its own by this number (see
+    /// [`Self::cache_insert`]).
+    #[inline(always)]
+    pub fn cache_set_of(hash: u64) -> usize {
+        ((hash >> 20) & (CACHE_SETS - 1)) as usize
+    }
+
     /// The first slot of the set of trace `hash` in a stack cache.
     #[inline(always)]
     fn cache_set(hash: u64) -> u64 {
-        ((hash >> 20) & (CACHE_SETS - 1)) * CACHE_WAYS
+        Self::cache_set_of(hash) as u64 * CACHE_WAYS
     }
 
     /// The slot and stack key of trace `hash` in `cache` (one of the

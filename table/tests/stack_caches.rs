@@ -38,7 +38,7 @@ fn count(
             slot
         }
         None => {
-            let set = ((h >> 20) % CACHE_SETS) as usize;
+            let set = ResourcesWriter::cache_set_of(h);
             let slot = w.cache_insert(cache, h, key, next[set]);
             next[set] = next[set].wrapping_add(1);
             assert_eq!(w.cache_find(cache, h), Some((slot, key)));
