@@ -637,7 +637,8 @@ impl<'a> ResourcesWriter<'a> {
     /// of the calling thread's) with zero counts, and returns its slot.
     /// The slot taken is an empty one, else way `next % CACHE_WAYS` (the
     /// caller's turn); the counts of a stack it held go to that stack's
-    /// record first (as for a stack with no slot).
+    /// record (atomic adds, as for a stack with no slot), once the slot
+    /// is emptied.
     ///
     /// A reader reading the slot meanwhile sees its key change (see
     /// `block_sums`) and skips it: the evicted counts are missing from
