@@ -1093,7 +1093,12 @@ fn count_peak_freed(
     } else {
         weighed(freed.size, rate)
     };
-    let add = |b| {
+    // SAFETY: every block handed to `add` below is one of this region's
+    // peak blocks: the thread's (claimed from `w.resources` in this
+    // generation: a new generation forgets it), one `claim_peak_block`
+    // just made, or one `for_other_peak_blocks` found on this region's
+    // list.
+    let add = |b| unsafe {
         w.resources
             .add_peak_freed(b, gen, freed.stack, count, bytes)
     };

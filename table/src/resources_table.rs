@@ -686,29 +686,20 @@ impl<'a> ResourcesWriter<'a> {
         Self::slot_at(cache, victim)
     }
 
-    /// Whether a block of `kind` at `off` lies inside the data area,
-    /// 8-aligned.
-    fn holds_block(&self, off: u64, kind: BlockKind) -> bool {
-        off.is_multiple_of(8)
-            && off >= self.layout.data_off
-            && off
-                .checked_add(kind.size())
-                .is_some_and(|e| e <= self.layout.data_end)
-    }
-
     /// Word `w` (0: key, 1: count, 2: bytes) of slot `i` of peak block
-    /// `block`; `i` is masked to the block's slots. Only for a block that
-    /// [`Self::holds_block`] (`add_peak_freed` checks it first).
+    /// `block`, one of this region's (`add_peak_freed`'s contract); `i` is
+    /// masked to the block's slots.
     #[inline(always)]
     fn slot_word(&self, block: CounterBlock, i: u64, w: u64) -> &std::sync::atomic::AtomicU64 {
         debug_assert!(w < 3);
         let off =
             block.0 + COUNTERS_HEADER + (i & (COUNTER_SLOTS - 1)) * COUNTER_SLOT + (w % 3) * 8;
-        // SAFETY: the block lies inside the data area, 8-aligned (checked
-        // by the caller, see above: it is a peak block's
-        // COUNTERS_HEADER + COUNTER_SLOTS * COUNTER_SLOT bytes); `i` is
-        // masked to COUNTER_SLOTS - 1 and `w` < 3, so `off` is in bounds
-        // and 8-aligned.
+        // SAFETY: a `CounterBlock` is only made by `claim_block`, from a
+        // block of COUNTERS_HEADER + COUNTER_SLOTS * COUNTER_SLOT bytes it
+        // reserved (or found, validated) inside the data area of this
+        // region (the callers' contract); `i` is masked to
+        // COUNTER_SLOTS - 1 and `w` < 3, so `off` is in bounds and
+        // 8-aligned.
         unsafe { self.view.atomic_u64_unchecked(off) }
     }
 
@@ -752,7 +743,12 @@ impl<'a> ResourcesWriter<'a> {
     /// peak of generation `gen` and allocated before it, to `block` (a peak
     /// block only the calling thread holds). The block is emptied first if
     /// it holds another generation's counts. Never allocates.
-    pub fn add_peak_freed(
+    ///
+    /// # Safety
+    /// `block` came from [`Self::claim_peak_block`] of a writer of this same
+    /// region (its slots are unchecked offsets: a block of another
+    /// region's writer could lie outside this one).
+    pub unsafe fn add_peak_freed(
         &self,
         block: CounterBlock,
         gen: u64,
@@ -760,13 +756,8 @@ impl<'a> ResourcesWriter<'a> {
         count: u64,
         bytes: u64,
     ) -> PeakAdd {
-        // A block of another region's writer could lie outside this one:
-        // checked once here (a cold path), so that the unchecked words
-        // below stay in bounds whatever block a caller passes.
-        if !self.holds_block(block.0, BlockKind::PEAK) {
-            return PeakAdd::Full;
-        }
-        // SAFETY: the header word of a block inside the data area (above).
+        // SAFETY: the header word of a claimed peak block of this region
+        // (the caller's contract; see `slot_word`).
         let gen_word = unsafe { self.view.atomic_u64_unchecked(block.0 + PEAK_GEN_WORD) };
         let mut emptied = false;
         if gen_word.load(Ordering::Relaxed) != gen {
@@ -1440,30 +1431,6 @@ mod tests {
         let ia = cat.by_key[&a];
         assert_eq!(cat.stacks[ia].alloc_count, 10);
         assert_eq!(cat.stacks[cat.by_key[&b]].alloc_bytes, 1 << 40);
-    }
-
-    #[test]
-    fn a_peak_block_of_another_region_is_refused_not_written_out_of_bounds() {
-        let small = ResourcesWriter::create_region(1 << 20, 64).unwrap();
-        let big = ResourcesWriter::create_region(16 << 20, 64).unwrap();
-        let (s, b) = (
-            ResourcesWriter::new(&small).unwrap(),
-            ResourcesWriter::new(&big).unwrap(),
-        );
-        // Far past the small region's end: 40 caches of 32 KiB first.
-        for owner in 1..=40 {
-            b.claim_stack_cache(owner).unwrap();
-        }
-        let far = b.claim_peak_block(99).unwrap();
-        assert!(far.0 > 1 << 20);
-        let k = s.intern_stack_trace(&trace(1, 3)).unwrap().0;
-        assert_eq!(s.add_peak_freed(far, 1, k, 1, 8), PeakAdd::Full);
-        // Its own blocks still count.
-        let own = s.claim_peak_block(7).unwrap();
-        assert_eq!(
-            s.add_peak_freed(own, 1, k, 1, 8),
-            PeakAdd::AddedInNewGeneration
-        );
     }
 
     #[test]
