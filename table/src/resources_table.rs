@@ -801,7 +801,7 @@ impl<'a> ResourcesWriter<'a> {
     }
 
     /// Calls `f` with the offset of each block of the writer's list at
-    /// `list` (blocks of `kind`; others on the list are passed over), until `f` returns true. Only
+    /// `list` (blocks of `kind`), until `f` returns true. Only
     /// well-formed blocks inside the data area are handed out (the
     /// counting path trusts a claimed block's bounds); the walk is bounded
     /// and a damaged block ends it. The next link is read before `f` runs
@@ -812,32 +812,17 @@ impl<'a> ResourcesWriter<'a> {
         let limit = (self.layout.data_end - self.layout.data_off) / COUNTERS_HEADER + 1;
         while cur != 0 && steps < limit {
             steps += 1;
-            let in_area = cur.is_multiple_of(8)
+            let well_formed = cur.is_multiple_of(kind.align)
                 && cur >= self.layout.data_off
                 && cur
-                    .checked_add(COUNTERS_HEADER)
-                    .is_some_and(|e| e <= self.layout.data_end);
-            if !in_area {
-                return;
-            }
-            let w0 = self.view.load_u64(cur);
-            let ours = w0 == Some(u64::from(kind.tag) | COUNTER_SLOTS << 32)
-                && cur.is_multiple_of(kind.align)
-                && cur
                     .checked_add(kind.size())
-                    .is_some_and(|e| e <= self.layout.data_end);
-            // Another well-formed kind on the same list (a counter block a
-            // writer of format 1.5 left, before an attach of this one) is
-            // passed over; anything else ends the walk.
-            let other = !ours
-                && w0.is_some_and(|w| {
-                    BlockKind::read_as(list, w as u32).is_some() && w >> 32 == COUNTER_SLOTS
-                });
-            if !ours && !other {
+                    .is_some_and(|e| e <= self.layout.data_end)
+                && self.view.load_u64(cur) == Some(u64::from(kind.tag) | COUNTER_SLOTS << 32);
+            if !well_formed {
                 return;
             }
             let next = self.view.load_u64(cur + 8);
-            if ours && f(cur) {
+            if f(cur) {
                 return;
             }
             let Some(next) = next else {

@@ -246,7 +246,8 @@ fn counter_blocks_of_format_1_5_are_still_read() {
     );
     assert_eq!(got(&keys[1]), (3, 30));
     assert_eq!(got(&keys[2]), (4, 400));
-    // A writer passes the old block over: never claimed as a cache.
+    // A writer never claims the old block as a cache (its walk of the
+    // list ends there, and it makes a new one).
     let again = w.claim_stack_cache(9).unwrap();
     assert_ne!(again, cache);
     assert!(w.cache_find(again, hash_of(0)).is_none());
