@@ -204,6 +204,17 @@ pub const MAX_BUCKETS: u64 = 1 << 24;
 // 50-200 byte traces interned on the allocation path; same CRC values.
 static CRC32C: Crc<u32, Table<16>> = Crc::<u32, Table<16>>::new(&CRC_32_ISCSI);
 
+/// Adds `v` to a counter word only the calling thread writes (a slot of
+/// its stack cache or peak block): a load and a store, no locked
+/// instruction (readers load it atomically).
+#[inline(always)]
+fn add_owned(word: &std::sync::atomic::AtomicU64, v: u64) {
+    word.store(
+        word.load(Ordering::Relaxed).wrapping_add(v),
+        Ordering::Relaxed,
+    );
+}
+
 fn round8(n: u64) -> u64 {
     (n + 7) & !7
 }
@@ -623,14 +634,8 @@ impl<'a> ResourcesWriter<'a> {
                 self.view.atomic_u64_unchecked(slot.0.get() + C_BYTES * 8),
             )
         };
-        c.store(
-            c.load(Ordering::Relaxed).wrapping_add(count),
-            Ordering::Relaxed,
-        );
-        b.store(
-            b.load(Ordering::Relaxed).wrapping_add(bytes),
-            Ordering::Relaxed,
-        );
+        add_owned(c, count);
+        add_owned(b, bytes);
     }
 
     /// Puts trace `hash`, interned as `key`, into its set of `cache` (one
@@ -727,16 +732,8 @@ impl<'a> ResourcesWriter<'a> {
     /// load and a store each, no locked instruction.
     #[inline(always)]
     fn add_to_slot(&self, block: CounterBlock, i: u64, count: u64, bytes: u64) {
-        let c = self.slot_word(block, i, 1);
-        c.store(
-            c.load(Ordering::Relaxed).wrapping_add(count),
-            Ordering::Relaxed,
-        );
-        let b = self.slot_word(block, i, 2);
-        b.store(
-            b.load(Ordering::Relaxed).wrapping_add(bytes),
-            Ordering::Relaxed,
-        );
+        add_owned(self.slot_word(block, i, 1), count);
+        add_owned(self.slot_word(block, i, 2), bytes);
     }
 
     /// Adds `count` blocks of `bytes` from stack `key`, freed since the
