@@ -27,8 +27,10 @@
 //! `record_weighted`: the thread's state (`thread_state::with`, busy flag),
 //! `prepare_thread`, `stack_key` (the walk, `cfi_unwind::walk` with the
 //! thread's `stack_memo`, then the thread's stack cache, a block of the
-//! resources region; interning on a miss), the clock, the table insert,
-//! the per-stack counters (in the stack cache's slot). A free:
+//! resources region; interning on a miss), the clock, the table insert
+//! (into the thread's young ring, or straight into the index while the
+//! thread's blocks outlive the ring: `young_policy`), the per-stack
+//! counters (in the stack cache's slot). A free:
 //! [`on_free_deferred`] -> `remove_block`. Budget (DESIGN §6, issue 30):
 //! at most 350 instructions added per malloc+free pair at 4 frames, 700 on
 //! the churn, 3 L1 data misses; `bench/instructions --parts` counts them
@@ -612,6 +614,9 @@ fn prepare_thread(w: &Writers, t: &ThreadState) {
     }
     let n = t.allocs.get();
     t.allocs.set(n + 1);
+    if n % crate::young_policy::WINDOW == crate::young_policy::WINDOW - 1 {
+        t.young_policy.window_end();
+    }
     // A rename through the preload's hooks bumps NAME_EPOCH: look at the
     // name again on the next event. Threads renamed some other way (the
     // Rust Agent has no hooks) are caught by looking again at the 16th and
@@ -816,25 +821,24 @@ fn record_weighted<const DIRECT: bool>(
         if ablation::off(ablate, ablation::ALL) {
             return 0;
         }
-        // Sampled mode: start fetching the index slot now; the stack walk
-        // below hides the miss (a direct block uses no index slot, a
-        // young one none yet).
+        // Exact mode: through the thread's young ring, unless its blocks
+        // have been outliving it (see `young_policy`).
+        let ring_mode = !DIRECT && rate == 0 && !t.young_policy.bypassing();
+        // Sampled mode, or a thread bypassing its ring: start fetching the
+        // index slot now; the stack walk below hides the miss (a direct
+        // block uses no index slot, a young one none yet).
         let prefetched = (!DIRECT && rate != 0).then(|| w.allocations.prefetch(addr as u64));
-        // Exact mode: the same for the block this one's insert will move
+        // The ring: the same for the block this one's insert will move
         // from the thread's young ring into the index, if any (a stale
         // ring number, before `prepare_thread` catches a new generation,
         // only makes the hint useless).
-        let promoting = if !DIRECT && rate == 0 {
+        let promoting = if ring_mode {
             own_ring(t).and_then(|k| w.allocations.prefetch_young(&YOUNG, k))
         } else {
             None
         };
         prepare_thread(w, t);
-        let young = if !DIRECT && rate == 0 {
-            young_ring(w, t)
-        } else {
-            None
-        };
+        let young = if ring_mode { young_ring(w, t) } else { None };
         let Some((stack, slot)) = stack_key(w, t, fp, ablation::off(ablate, ablation::STACK))
         else {
             return 0;
@@ -861,6 +865,9 @@ fn record_weighted<const DIRECT: bool>(
                     Err(_) => return 0,
                 }
             } else if let Some(k) = young {
+                // `promoting`: the ring's oldest entry still held a block
+                // (the insert promotes it), as the policy counts.
+                t.young_policy.after_insert(promoting.is_some());
                 if w.allocations
                     .insert_young_prefetched(&rec, &YOUNG, k, promoting, nodes)
                     .is_err()
@@ -982,9 +989,11 @@ fn remove_block(t: &ThreadState, w: &Writers, addr: usize, token: u64) -> Option
     }
     let freed = if crate::sampling::rate() == 0 {
         // Exact mode: in this thread's young ring, the index, or another
-        // thread's ring.
+        // thread's ring; the index first while the thread bypasses its
+        // ring (see `young_policy`).
+        let own_first = !t.young_policy.bypassing();
         w.allocations
-            .remove_any(addr as u64, &YOUNG, own_ring(t), nodes)?
+            .remove_any_from(addr as u64, &YOUNG, own_ring(t), own_first, nodes)?
     } else {
         w.allocations.remove_cached_freed(addr as u64, nodes)?
     };

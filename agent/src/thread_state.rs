@@ -81,6 +81,9 @@ pub struct ThreadState {
     /// yet, [`NO_RING`] = none to be had (all taken, or the thread is
     /// exiting).
     pub young: Cell<u32>,
+    /// Whether this thread's blocks go through its young ring now (see
+    /// `young_policy`).
+    pub young_policy: crate::young_policy::YoungPolicy,
 }
 
 /// [`ThreadState::young`] when the thread records without a young ring.
@@ -111,6 +114,7 @@ thread_local! {
             no_defer: Cell::new(false),
             sampler: crate::sampling::SamplerState::new(),
             young: Cell::new(0),
+            young_policy: crate::young_policy::YoungPolicy::new(),
         }
     };
 }

@@ -59,6 +59,41 @@ fn blocks_freed_by_other_threads_while_young_leave_the_exact_live_set() {
     assert!(target.finish().success());
 }
 
+#[test]
+fn blocks_that_outlive_the_young_ring_then_die_young_leave_the_exact_live_set() {
+    // tests/c/outlive_ring.c: one thread's blocks die young, then outlive
+    // its young ring (the agent then puts them straight into the index,
+    // `agent/src/young_policy.rs`), and are freed while the ring still
+    // holds the last ones it took; then they die young again.
+    let exe = compile_c("outlive_ring");
+    let mut cmd = Command::new(&exe);
+    cmd.env("LD_PRELOAD", preload_lib());
+    let mut target = Target::spawn(cmd);
+    let pid = target.pid();
+    let d = dump(pid);
+    assert_eq!(d.partial, None);
+    let syms = Symbols::of_process(&exe, pid);
+    let t = by_site(&d, &syms, "site_");
+    assert!(
+        !t.contains_key("site_young"),
+        "freed blocks reported: {t:#?}"
+    );
+    let long = t.get("site_long").map(|e| (e.0, e.1, e.2.clone()));
+    assert_eq!(long, Some((1500, 1500 * 100, vec![100])), "{t:#?}");
+    let mixed = t.get("site_mixed").map(|e| (e.0, e.1, e.2.clone()));
+    assert_eq!(mixed, Some((750, 750 * 48, vec![48])), "{t:#?}");
+    // The header's counters (shards plus the thread's writer line) are
+    // the live set exactly: the process is quiet.
+    let live: u64 = d.blocks.iter().map(|b| b.size).sum();
+    assert_eq!(d.counters.live_blocks, d.blocks.len() as u64);
+    assert_eq!(d.counters.live_bytes, live);
+    assert!(d.counters.total_allocs >= 5_000 + 3_000 + 20_000 + 3_000);
+    assert_eq!(d.counters.dropped_total(), 0, "{:?}", d.counters.dropped);
+    target.send("go");
+    target.wait_line("done");
+    assert!(target.finish().success());
+}
+
 fn check_rust_pattern(hold: bool) {
     check_rust_program(env!("CARGO_BIN_EXE_rust_pattern"), "rust_pattern", hold);
 }

@@ -570,11 +570,15 @@ fn a_forged_high_water_mark_costs_the_reader_no_memory() {
 }
 
 #[test]
-fn young_blocks_match_a_model_whoever_frees_them() {
+fn young_blocks_match_a_model_whoever_frees_them_in_either_order() {
     // Three writer "threads" (rings) and one without a ring insert and
     // free in one order, each freeing blocks the others allocated too, so
     // blocks are freed while young in their own ring, young in another's,
-    // after promotion, and never.
+    // after promotion, and never. The threads with a ring also put a third
+    // of their blocks straight into the index (as one bypassing its ring
+    // does, see the agent's `young_policy`), and look in their own ring
+    // first or only after the index at random: the same blocks are found
+    // either way.
     let r = region(1 << 14, 8);
     let w = AllocationsWriter::new(&r).unwrap();
     let reg = Box::new(YoungRegistry::new());
@@ -587,12 +591,13 @@ fn young_blocks_match_a_model_whoever_frees_them() {
             let addr = 0x6666_0000_0000 + (next() % 4_000) * 16;
             let who = (next() % 4) as usize;
             let own = rings.get(who).copied();
+            let own_first = next().is_multiple_of(2);
             if m.live.contains_key(&addr) {
-                let got = w.remove_any(addr, &reg, own, &mut caches[who]);
+                let got = w.remove_any_from(addr, &reg, own, own_first, &mut caches[who]);
                 assert_eq!(got.map(|f| f.size), m.free(addr));
             } else if round < 3 || next().is_multiple_of(3) {
                 let size = next() % 3000 + 1;
-                match own {
+                match own.filter(|_| !next().is_multiple_of(3)) {
                     Some(k) => w.insert_young(&rec(addr, size), &reg, k, &mut caches[who]),
                     None => w.insert_cached(&rec(addr, size), &mut caches[who]),
                 }
@@ -613,7 +618,14 @@ fn young_blocks_match_a_model_whoever_frees_them() {
     let rest: Vec<u64> = m.live.keys().copied().collect();
     for (n, a) in rest.into_iter().enumerate() {
         let who = n % 4;
-        let got = w.remove_any(a, &reg, rings.get(who).copied(), &mut caches[who]);
+        let own_first = n % 8 < 4;
+        let got = w.remove_any_from(
+            a,
+            &reg,
+            rings.get(who).copied(),
+            own_first,
+            &mut caches[who],
+        );
         assert_eq!(got.map(|f| f.size), m.free(a));
     }
     for c in caches.iter_mut() {
@@ -640,6 +652,44 @@ fn a_young_free_returns_what_the_record_held() {
     );
     assert_eq!(reg.held(k), 0);
     assert_eq!(w.remove_any(a.address, &reg, Some(k), &mut cache), None);
+}
+
+#[test]
+fn a_thread_looking_in_the_index_first_still_frees_its_young_blocks() {
+    // A thread that started bypassing its ring frees the blocks its ring
+    // still holds: found after the index, counted in its own line, and
+    // the counters come back to nothing.
+    let r = region(1024, 4);
+    let w = AllocationsWriter::new(&r).unwrap();
+    let reg = Box::new(YoungRegistry::new());
+    let k = w.claim_young(&reg).unwrap();
+    let mut cache = NodeCache::new();
+    let mut m = Model::default();
+    let young: Vec<AllocationRecord> = (0..YOUNG as u64)
+        .map(|j| rec(0x7000_0000 + j * 48, j + 1))
+        .collect();
+    for a in &young {
+        w.insert_young(a, &reg, k, &mut cache).unwrap();
+        m.alloc(*a);
+    }
+    let direct = rec(0x7100_0000, 999);
+    w.insert_cached(&direct, &mut cache).unwrap();
+    m.alloc(direct);
+    assert_eq!(reg.held(k), YOUNG);
+    for a in young.iter().rev().chain([&direct]) {
+        let f = w
+            .remove_any_from(a.address, &reg, Some(k), false, &mut cache)
+            .unwrap();
+        assert_eq!((f.size, f.stack), (a.size, a.stack));
+        assert_eq!(m.free(a.address), Some(a.size));
+        assert_eq!(
+            w.remove_any_from(a.address, &reg, Some(k), false, &mut cache),
+            None
+        );
+    }
+    assert_eq!(reg.held(k), 0);
+    w.flush_cache(&mut cache);
+    m.check_peak(&r, false);
 }
 
 #[test]
