@@ -827,7 +827,7 @@ fn record_weighted<const DIRECT: bool>(
         // Sampled mode, or a thread bypassing its ring: start fetching the
         // index slot now; the stack walk below hides the miss (a direct
         // block uses no index slot, a young one none yet).
-        let prefetched = (!DIRECT && rate != 0).then(|| w.allocations.prefetch(addr as u64));
+        let prefetched = (!DIRECT && !ring_mode).then(|| w.allocations.prefetch(addr as u64));
         // The ring: the same for the block this one's insert will move
         // from the thread's young ring into the index, if any (a stale
         // ring number, before `prepare_thread` catches a new generation,
