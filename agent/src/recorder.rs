@@ -614,9 +614,6 @@ fn prepare_thread(w: &Writers, t: &ThreadState) {
     }
     let n = t.allocs.get();
     t.allocs.set(n + 1);
-    if n % crate::young_policy::WINDOW == crate::young_policy::WINDOW - 1 {
-        t.young_policy.window_end();
-    }
     // A rename through the preload's hooks bumps NAME_EPOCH: look at the
     // name again on the next event. Threads renamed some other way (the
     // Rust Agent has no hooks) are caught by looking again at the 16th and
@@ -821,24 +818,29 @@ fn record_weighted<const DIRECT: bool>(
         if ablation::off(ablate, ablation::ALL) {
             return 0;
         }
-        // Exact mode: through the thread's young ring, unless its blocks
-        // have been outliving it (see `young_policy`).
-        let ring_mode = !DIRECT && rate == 0 && !t.young_policy.bypassing();
-        // Sampled mode, or a thread bypassing its ring: start fetching the
-        // index slot now; the stack walk below hides the miss (a direct
-        // block uses no index slot, a young one none yet).
-        let prefetched = (!DIRECT && !ring_mode).then(|| w.allocations.prefetch(addr as u64));
-        // The ring: the same for the block this one's insert will move
+        // Sampled mode: start fetching the index slot now; the stack walk
+        // below hides the miss (a direct block uses no index slot, a
+        // young one none yet).
+        let prefetched = (!DIRECT && rate != 0).then(|| w.allocations.prefetch(addr as u64));
+        // Exact mode: the same for the block this one's insert will move
         // from the thread's young ring into the index, if any (a stale
         // ring number, before `prepare_thread` catches a new generation,
-        // only makes the hint useless).
-        let promoting = if ring_mode {
+        // only makes the hint useless). Not while the thread bypasses its
+        // ring: the blocks left there may stay for long.
+        let promoting = if !DIRECT && rate == 0 && !t.young_policy.bypassing() {
             own_ring(t).and_then(|k| w.allocations.prefetch_young(&YOUNG, k))
         } else {
             None
         };
         prepare_thread(w, t);
-        let young = if ring_mode { young_ring(w, t) } else { None };
+        // Exact mode: through the thread's young ring, unless its blocks
+        // have been outliving it (`young_ring` says none then, see
+        // `young_policy`).
+        let young = if !DIRECT && rate == 0 {
+            young_ring(w, t)
+        } else {
+            None
+        };
         let Some((stack, slot)) = stack_key(w, t, fp, ablation::off(ablate, ablation::STACK))
         else {
             return 0;
@@ -867,7 +869,9 @@ fn record_weighted<const DIRECT: bool>(
             } else if let Some(k) = young {
                 // `promoting`: the ring's oldest entry still held a block
                 // (the insert promotes it), as the policy counts.
-                t.young_policy.after_insert(promoting.is_some());
+                if promoting.is_some() {
+                    t.young_policy.promoted(t.allocs.get());
+                }
                 if w.allocations
                     .insert_young_prefetched(&rec, &YOUNG, k, promoting, nodes)
                     .is_err()
@@ -1000,11 +1004,15 @@ fn remove_block(t: &ThreadState, w: &Writers, addr: usize, token: u64) -> Option
     Some(after_removal(t, w, addr, freed, true))
 }
 
-/// This thread's young ring, claiming one at its first young block
-/// (`None`: every ring is taken, or the thread is exiting). Call after
-/// `enter_generation` (a forked child's rings were all reset).
+/// This thread's young ring for a new block, claiming one at its first
+/// young block (`None`: the thread bypasses its ring for now, see
+/// `young_policy`; every ring is taken; or the thread is exiting). Call
+/// after `enter_generation` (a forked child's rings were all reset).
 #[inline(always)]
 fn young_ring(w: &Writers, t: &ThreadState) -> Option<u32> {
+    if t.young_policy.bypass_one() {
+        return None;
+    }
     match t.young.get() {
         0 => claim_ring(w, t),
         NO_RING => None,

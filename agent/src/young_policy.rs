@@ -11,14 +11,18 @@
 //! ~196 instructions on blocks freed young and costs ~165 on blocks that
 //! outlive it (the shallow loop and the churn, whose blocks all do).
 //!
-//! So each thread watches what its ring does: over a window of
-//! [`WINDOW`] allocations it counts the ring inserts that had to promote
-//! the entry's previous block (still live [`heapdump_table::YOUNG`]
-//! allocations later). When at least [`BYPASS_AT`] of them did, the
-//! thread's next [`BYPASS_WINDOWS`] windows go straight into the index,
-//! and its frees look there first; then the ring is tried again for a
-//! window. A service whose blocks die young never leaves the ring; a
-//! thread whose blocks live long spends one window in 33 on it.
+//! So each thread watches what its ring does, at no cost to a block that
+//! dies young: only an insert that promotes an older block (still live
+//! [`heapdump_table::YOUNG`] allocations later) is counted. At the first
+//! promotion [`WINDOW`] or more allocations after a window began, the
+//! window is judged: when at least 3/4 of its allocations promoted a
+//! block, the thread's next allocations go straight into the index, and
+//! its frees look there first; then the ring is tried again. The bypass
+//! lasts [`WINDOW`] allocations, then twice as many each time the window
+//! after it asks again, up to [`MAX_BYPASS`]. A service whose blocks die
+//! young never leaves the ring; one whose blocks outlive it for a while
+//! leaves it about as long; a thread whose blocks always live long spends
+//! one window in 33 on it.
 //!
 //! Invariants:
 //! - The policy decides where a block is *put*, never whether it is
@@ -31,31 +35,33 @@
 
 use std::cell::Cell;
 
-/// Allocations per measuring window (a thread's allocations are counted
-/// in `ThreadState::allocs`; a window ends at each multiple).
+/// Allocations a window spans at least.
 pub const WINDOW: u64 = 256;
-/// Promotions in a window from which the thread bypasses the ring (3/4:
-/// the ring pays off from about half of its blocks dying young).
-pub const BYPASS_AT: u32 = 192;
-/// Windows that bypass the ring after one that asked for it.
-pub const BYPASS_WINDOWS: u32 = 32;
+/// Most allocations a bypass lasts (32 windows).
+pub const MAX_BYPASS: u64 = 32 * WINDOW;
 
 /// One thread's policy state (see the module doc). All zeroes: the ring
 /// is used, nothing counted yet.
 #[derive(Debug, Default)]
 pub struct YoungPolicy {
-    /// Windows left that bypass the ring (0: the ring is used).
-    bypass_windows: Cell<u32>,
+    /// Allocations left that bypass the ring (0: the ring is used).
+    bypass_left: Cell<u64>,
+    /// The thread's allocation count when the current window began.
+    window_start: Cell<u64>,
     /// Ring inserts in the current window that promoted an older block.
-    promoted: Cell<u32>,
+    promoted: Cell<u64>,
+    /// How long the next bypass lasts, in windows (0 reads as 1).
+    next_windows: Cell<u64>,
 }
 
 impl YoungPolicy {
     /// The initial state: the ring is used.
     pub const fn new() -> Self {
         YoungPolicy {
-            bypass_windows: Cell::new(0),
+            bypass_left: Cell::new(0),
+            window_start: Cell::new(0),
             promoted: Cell::new(0),
+            next_windows: Cell::new(0),
         }
     }
 
@@ -63,29 +69,44 @@ impl YoungPolicy {
     /// the index first).
     #[inline(always)]
     pub fn bypassing(&self) -> bool {
-        self.bypass_windows.get() != 0
+        self.bypass_left.get() != 0
     }
 
-    /// Counts a ring insert; `promoted`: it moved the entry's previous
-    /// block into the index.
+    /// For an allocation: whether it bypasses the ring, counting it if
+    /// so.
     #[inline(always)]
-    pub fn after_insert(&self, promoted: bool) {
-        self.promoted.set(self.promoted.get() + u32::from(promoted));
+    pub fn bypass_one(&self) -> bool {
+        let left = self.bypass_left.get();
+        if left == 0 {
+            return false;
+        }
+        self.bypass_left.set(left - 1);
+        true
     }
 
-    /// Ends a window of [`WINDOW`] allocations: the next one bypasses the
-    /// ring when this one's ring inserts promoted at least [`BYPASS_AT`]
-    /// blocks, or when it is one of the [`BYPASS_WINDOWS`] after such a
-    /// window.
+    /// Counts a ring insert that promoted an older block, the thread's
+    /// `allocs`-th allocation; judges the window when it is over.
     #[inline(never)]
     #[cold]
-    pub fn window_end(&self) {
-        let left = self.bypass_windows.get();
-        if left != 0 {
-            self.bypass_windows.set(left - 1);
-        } else if self.promoted.get() >= BYPASS_AT {
-            self.bypass_windows.set(BYPASS_WINDOWS);
+    pub fn promoted(&self, allocs: u64) {
+        let promoted = self.promoted.get() + 1;
+        let span = allocs.wrapping_sub(self.window_start.get());
+        if span < WINDOW {
+            self.promoted.set(promoted);
+            return;
         }
+        // The window is over (it may have lasted long: a promotion ends
+        // it, and a thread whose blocks die young promotes rarely).
+        if promoted * 4 >= span * 3 {
+            let windows = self.next_windows.get().max(1);
+            self.bypass_left.set(windows * WINDOW);
+            self.next_windows
+                .set((windows * 2).min(MAX_BYPASS / WINDOW));
+        } else {
+            self.next_windows.set(1);
+        }
+        // The next window starts after the bypass, if any.
+        self.window_start.set(allocs + self.bypass_left.get());
         self.promoted.set(0);
     }
 }
@@ -94,39 +115,69 @@ impl YoungPolicy {
 mod tests {
     use super::*;
 
-    /// A window of ring inserts, `promoted` of which promoted a block.
-    fn window(p: &YoungPolicy, promoted: u32) {
-        assert!(!p.bypassing(), "a window of ring inserts");
-        for i in 0..WINDOW as u32 {
-            p.after_insert(i < promoted);
+    /// Runs `n` allocations from allocation `*at` on: while bypassing, the
+    /// bypass counts them; otherwise `promotes(i)` says whether the ring
+    /// insert of the i-th promoted. Returns how many bypassed.
+    fn run(p: &YoungPolicy, at: &mut u64, n: u64, promotes: impl Fn(u64) -> bool) -> u64 {
+        let mut bypassed = 0;
+        for i in 0..n {
+            *at += 1;
+            if p.bypass_one() {
+                bypassed += 1;
+            } else if promotes(i) {
+                p.promoted(*at);
+            }
         }
-        p.window_end();
+        bypassed
     }
 
     #[test]
     fn a_thread_whose_blocks_die_young_keeps_its_ring() {
         let p = YoungPolicy::new();
-        for _ in 0..100 {
-            window(&p, BYPASS_AT - 1);
-            assert!(!p.bypassing());
-        }
-        assert_eq!(p.promoted.get(), 0);
+        let mut at = 0;
+        // Two blocks in three die young: never a bypass.
+        assert_eq!(run(&p, &mut at, 100_000, |i| i % 3 == 0), 0);
+        // None promoted: nothing counted at all.
+        assert_eq!(run(&p, &mut at, 100_000, |_| false), 0);
     }
 
     #[test]
-    fn a_thread_whose_blocks_outlive_the_ring_bypasses_it_then_measures_again() {
+    fn a_thread_whose_blocks_outlive_the_ring_bypasses_it_longer_and_longer() {
         let p = YoungPolicy::new();
-        window(&p, BYPASS_AT);
-        for _ in 0..BYPASS_WINDOWS {
-            assert!(p.bypassing());
-            p.window_end();
+        let mut at = 0;
+        let mut lengths = vec![];
+        for _ in 0..8 {
+            // Ring windows of long-lived blocks until a bypass begins.
+            run(&p, &mut at, WINDOW, |_| true);
+            let mut n = 0;
+            while p.bypass_one() {
+                at += 1;
+                n += 1;
+            }
+            lengths.push(n / WINDOW);
         }
-        assert!(!p.bypassing(), "the ring is tried again");
-        // A window of young blocks keeps it.
-        window(&p, 0);
+        assert_eq!(lengths, [1, 2, 4, 8, 16, 32, 32, 32]);
+        // A while of young blocks, then long-lived ones again: one window.
+        run(&p, &mut at, 10 * WINDOW, |i| i % 5 == 0);
         assert!(!p.bypassing());
-        // One of long-lived blocks leaves it again.
-        window(&p, WINDOW as u32);
-        assert!(p.bypassing());
+        let mut n = run(&p, &mut at, 2 * WINDOW, |_| true);
+        assert!(n > 0);
+        while p.bypass_one() {
+            n += 1;
+        }
+        assert_eq!(n, WINDOW);
+    }
+
+    #[test]
+    fn in_steady_long_lived_work_one_window_in_33_is_on_the_ring() {
+        let p = YoungPolicy::new();
+        let mut at = 0;
+        let total = 1_000 * WINDOW;
+        let bypassed = run(&p, &mut at, total, |_| true);
+        let on_ring = total - bypassed;
+        assert!(
+            on_ring * 33 <= total * 12 / 10,
+            "{on_ring} of {total} on the ring"
+        );
     }
 }
