@@ -43,8 +43,6 @@ pub fn prefetch_line(p: *const u8) {
 pub struct Prefetched {
     pub(super) address: u64,
     pub(super) hash: u64,
-    /// The address's home shard.
-    pub(super) home: u64,
 }
 
 impl AllocationsWriter<'_> {
@@ -151,9 +149,8 @@ impl AllocationsWriter<'_> {
     /// inside the shard's windows) and never writes.
     #[inline]
     ///
-    /// Returns the address's hash and home shard, so the insert that
-    /// follows ([`Self::insert_cached_prefetched`]) does not compute them
-    /// again.
+    /// Returns the address's hash, so the insert that follows
+    /// ([`Self::insert_cached_prefetched`]) does not compute it again.
     pub fn prefetch(&self, addr: u64) -> Prefetched {
         let h = hash(addr);
         let shard = self.home_shard(addr, h);
@@ -163,7 +160,6 @@ impl AllocationsWriter<'_> {
         Prefetched {
             address: addr,
             hash: h,
-            home: shard,
         }
     }
 

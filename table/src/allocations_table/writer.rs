@@ -222,8 +222,7 @@ impl<'a> AllocationsWriter<'a> {
     /// Records a new live block. Refuses an address already recorded. A
     /// full table counts the event as dropped. Never allocates.
     pub fn insert(&self, rec: &AllocationRecord) -> Result<(), InsertError> {
-        let h = hash(rec.address);
-        self.insert_impl(rec, h, self.home_shard(rec.address, h), None)
+        self.insert_impl(rec, hash(rec.address), None)
     }
 
     /// [`Self::insert`] taking its node from (and settling live bytes in)
@@ -233,8 +232,7 @@ impl<'a> AllocationsWriter<'a> {
         rec: &AllocationRecord,
         cache: &mut NodeCache,
     ) -> Result<(), InsertError> {
-        let h = hash(rec.address);
-        self.insert_impl(rec, h, self.home_shard(rec.address, h), Some(cache))
+        self.insert_impl(rec, hash(rec.address), Some(cache))
     }
 
     /// [`Self::insert_cached`] reusing the hash [`Self::prefetch`] computed
@@ -245,27 +243,25 @@ impl<'a> AllocationsWriter<'a> {
         prefetched: Prefetched,
         cache: &mut NodeCache,
     ) -> Result<(), InsertError> {
-        let (h, home) = if prefetched.address == rec.address {
-            (prefetched.hash, prefetched.home)
+        let h = if prefetched.address == rec.address {
+            prefetched.hash
         } else {
-            let h = hash(rec.address);
-            (h, self.home_shard(rec.address, h))
+            hash(rec.address)
         };
-        self.insert_impl(rec, h, home, Some(cache))
+        self.insert_impl(rec, h, Some(cache))
     }
 
-    /// Inserts `rec`, whose address has hash `h` and home shard `home`.
     #[inline]
     pub(super) fn insert_impl(
         &self,
         rec: &AllocationRecord,
         h: u64,
-        home: u64,
         mut cache: Option<&mut NodeCache>,
     ) -> Result<(), InsertError> {
         let Some((t32, w1, w2, w3)) = Self::encode(rec) else {
             return Err(InsertError::Unrepresentable);
         };
+        let home = self.home_shard(w1, h);
         // The stored (and later returned) size is clamped to 48 bits; count
         // the same value so live bytes return to zero.
         let size = rec.size.min(SIZE_MASK);
