@@ -34,14 +34,15 @@
 //! [`on_free_deferred`] -> `remove_block`. Budget (DESIGN §6, issue 30):
 //! at most 350 instructions added per malloc+free pair at 4 frames, 700 on
 //! the churn, 3 L1 data misses; `bench/instructions --parts` counts them
-//! per part (on 2026-11-27: +1280 and +1632 instructions, +4.0 and +6.6
-//! misses: far over; see docs/benchmarks.md), and CI fails when they grow
-//! past `bench/instructions-budget.json`.
+//! per part (session 20, 2026-11-27: +1154 and +1508 instructions, +3.8
+//! and +6.5 misses: far over; see docs/benchmarks.md), and CI fails when
+//! they grow past `bench/instructions-budget.json`.
 
 use std::cell::UnsafeCell;
 use std::mem::MaybeUninit;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 
+use heapdump_table::allocations_table::YOUNG_RINGS;
 use heapdump_table::header::{DroppedReason, HeaderCounters};
 use heapdump_table::resources_table::CacheSlot;
 use heapdump_table::stack_compression::{encode_into, MAX_ENCODED_LEN, MAX_FRAMES};
@@ -449,7 +450,7 @@ extern "C" fn thread_exit(_value: *mut libc::c_void) {
                 w.allocations.flush_cache(unsafe { t.nodes() });
                 // Its young blocks stay in the ring, found by any thread's
                 // free, until the ring's next owner promotes them.
-                if let Some(k) = own_ring(t) {
+                if let Some(k) = held_ring(t) {
                     YOUNG.release(k);
                 }
                 if let Some(cache) = t.stack_cache.take() {
@@ -825,17 +826,14 @@ fn record_weighted<const DIRECT: bool>(
         // Exact mode: the same for the block this one's insert will move
         // from the thread's young ring into the index, if any (a stale
         // ring number, before `prepare_thread` catches a new generation,
-        // only makes the hint useless). Not while the thread bypasses its
-        // ring: the blocks left there may stay for long.
-        let promoting = if !DIRECT && rate == 0 && !t.young_policy.bypassing() {
+        // only makes the hint useless; a thread bypassing its ring has
+        // none, see `own_ring`).
+        let promoting = if !DIRECT && rate == 0 {
             own_ring(t).and_then(|k| w.allocations.prefetch_young(&YOUNG, k))
         } else {
             None
         };
         prepare_thread(w, t);
-        // Exact mode: through the thread's young ring, unless its blocks
-        // have been outliving it (`young_ring` says none then, see
-        // `young_policy`).
         let young = if !DIRECT && rate == 0 {
             young_ring(w, t)
         } else {
@@ -869,8 +867,10 @@ fn record_weighted<const DIRECT: bool>(
             } else if let Some(k) = young {
                 // `promoting`: the ring's oldest entry still held a block
                 // (the insert promotes it), as the policy counts.
-                if promoting.is_some() {
-                    t.young_policy.promoted(t.allocs.get());
+                if promoting.is_some() && t.young_policy.promoted(t.allocs.get()) {
+                    // Its blocks outlive the ring: straight into the index
+                    // for a while (`young_policy`).
+                    t.young.set(t.young.get() | BYPASSING);
                 }
                 if w.allocations
                     .insert_young_prefetched(&rec, &YOUNG, k, promoting, nodes)
@@ -879,6 +879,9 @@ fn record_weighted<const DIRECT: bool>(
                     return 0;
                 }
             } else {
+                if !DIRECT && rate == 0 {
+                    count_bypass(t);
+                }
                 let inserted = match prefetched {
                     Some(p) => w.allocations.insert_cached_prefetched(&rec, p, nodes),
                     None => w.allocations.insert_cached(&rec, nodes),
@@ -993,30 +996,52 @@ fn remove_block(t: &ThreadState, w: &Writers, addr: usize, token: u64) -> Option
     }
     let freed = if crate::sampling::rate() == 0 {
         // Exact mode: in this thread's young ring, the index, or another
-        // thread's ring; the index first while the thread bypasses its
-        // ring (see `young_policy`).
-        let own_first = !t.young_policy.bypassing();
+        // thread's ring (a thread bypassing its ring names none: its ring
+        // is searched after the index, with the others).
         w.allocations
-            .remove_any_from(addr as u64, &YOUNG, own_ring(t), own_first, nodes)?
+            .remove_any(addr as u64, &YOUNG, own_ring(t), nodes)?
     } else {
         w.allocations.remove_cached_freed(addr as u64, nodes)?
     };
     Some(after_removal(t, w, addr, freed, true))
 }
 
+/// Set in [`ThreadState::young`] beside the ring's number while the
+/// thread bypasses its ring (`young_policy`): [`own_ring`] and
+/// [`young_ring`] then answer `None`, so its blocks go straight into the
+/// index and its frees look there first, at no cost to a thread that does
+/// not bypass (the number's range check is the one they always made).
+const BYPASSING: u32 = 1 << 30;
+const _: () = assert!(YOUNG_RINGS < BYPASSING as usize && NO_RING & BYPASSING != 0);
+
 /// This thread's young ring for a new block, claiming one at its first
-/// young block (`None`: the thread bypasses its ring for now, see
-/// `young_policy`; every ring is taken; or the thread is exiting). Call
-/// after `enter_generation` (a forked child's rings were all reset).
+/// young block (`None`: the thread bypasses its ring for now, every ring
+/// is taken, or the thread is exiting). Call after `enter_generation` (a
+/// forked child's rings were all reset).
 #[inline(always)]
 fn young_ring(w: &Writers, t: &ThreadState) -> Option<u32> {
-    if t.young_policy.bypass_one() {
-        return None;
-    }
     match t.young.get() {
         0 => claim_ring(w, t),
-        NO_RING => None,
-        k => Some(k - 1),
+        k => ring_of(k),
+    }
+}
+
+/// The ring named by a [`ThreadState::young`] value, unless it says none
+/// or bypassing: one range check.
+#[inline(always)]
+fn ring_of(young: u32) -> Option<u32> {
+    let k = young.wrapping_sub(1);
+    (k < YOUNG_RINGS as u32).then_some(k)
+}
+
+/// An allocation that went straight into the index: counts it against
+/// the thread's bypass, if it is bypassing, and takes the ring up again
+/// when the bypass is over.
+#[inline(always)]
+fn count_bypass(t: &ThreadState) {
+    let young = t.young.get();
+    if young != NO_RING && young & BYPASSING != 0 && t.young_policy.bypassed_one() {
+        t.young.set(young & !BYPASSING);
     }
 }
 
@@ -1032,12 +1057,19 @@ fn claim_ring(w: &Writers, t: &ThreadState) -> Option<u32> {
     k
 }
 
-/// This thread's young ring if it has one (frees never claim one).
+/// This thread's young ring if it has one and is not bypassing it
+/// (frees never claim one).
 #[inline(always)]
 fn own_ring(t: &ThreadState) -> Option<u32> {
+    ring_of(t.young.get())
+}
+
+/// This thread's young ring if it holds one, bypassing it or not (to give
+/// it back).
+fn held_ring(t: &ThreadState) -> Option<u32> {
     match t.young.get() {
-        0 | NO_RING => None,
-        k => Some(k - 1),
+        NO_RING => None,
+        k => ring_of(k & !BYPASSING),
     }
 }
 

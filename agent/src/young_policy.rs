@@ -65,49 +65,45 @@ impl YoungPolicy {
         }
     }
 
-    /// Whether the ring is bypassed now (the thread's frees then look in
-    /// the index first).
+    /// Counts an allocation that bypassed the ring (call only after
+    /// [`Self::promoted`] started a bypass): true when that was the
+    /// bypass's last, and the ring is to be used again.
     #[inline(always)]
-    pub fn bypassing(&self) -> bool {
-        self.bypass_left.get() != 0
-    }
-
-    /// For an allocation: whether it bypasses the ring, counting it if
-    /// so.
-    #[inline(always)]
-    pub fn bypass_one(&self) -> bool {
-        let left = self.bypass_left.get();
-        if left == 0 {
-            return false;
-        }
-        self.bypass_left.set(left - 1);
-        true
+    pub fn bypassed_one(&self) -> bool {
+        let left = self.bypass_left.get().saturating_sub(1);
+        self.bypass_left.set(left);
+        left == 0
     }
 
     /// Counts a ring insert that promoted an older block, the thread's
-    /// `allocs`-th allocation; judges the window when it is over.
+    /// `allocs`-th allocation, and judges the window when it is over: true
+    /// when the thread is to bypass its ring from now on (for the
+    /// allocations [`Self::bypassed_one`] counts).
     #[inline(never)]
     #[cold]
-    pub fn promoted(&self, allocs: u64) {
+    pub fn promoted(&self, allocs: u64) -> bool {
         let promoted = self.promoted.get() + 1;
         let span = allocs.wrapping_sub(self.window_start.get());
         if span < WINDOW {
             self.promoted.set(promoted);
-            return;
+            return false;
         }
         // The window is over (it may have lasted long: a promotion ends
         // it, and a thread whose blocks die young promotes rarely).
-        if promoted * 4 >= span * 3 {
+        let bypass = promoted * 4 >= span * 3;
+        if bypass {
             let windows = self.next_windows.get().max(1);
             self.bypass_left.set(windows * WINDOW);
             self.next_windows
                 .set((windows * 2).min(MAX_BYPASS / WINDOW));
         } else {
+            self.bypass_left.set(0);
             self.next_windows.set(1);
         }
         // The next window starts after the bypass, if any.
         self.window_start.set(allocs + self.bypass_left.get());
         self.promoted.set(0);
+        bypass
     }
 }
 
@@ -115,66 +111,77 @@ impl YoungPolicy {
 mod tests {
     use super::*;
 
-    /// Runs `n` allocations from allocation `*at` on: while bypassing, the
-    /// bypass counts them; otherwise `promotes(i)` says whether the ring
-    /// insert of the i-th promoted. Returns how many bypassed.
-    fn run(p: &YoungPolicy, at: &mut u64, n: u64, promotes: impl Fn(u64) -> bool) -> u64 {
-        let mut bypassed = 0;
-        for i in 0..n {
-            *at += 1;
-            if p.bypass_one() {
-                bypassed += 1;
-            } else if promotes(i) {
-                p.promoted(*at);
+    /// A thread's view of the policy: whether it bypasses its ring, as the
+    /// recorder keeps it (a flag beside its ring number).
+    #[derive(Default)]
+    struct Thread {
+        p: YoungPolicy,
+        bypassing: bool,
+        at: u64,
+    }
+
+    impl Thread {
+        /// Runs `n` allocations: while bypassing, the bypass counts them;
+        /// otherwise `promotes(i)` says whether the ring insert of the
+        /// i-th promoted. Returns how many bypassed.
+        fn run(&mut self, n: u64, promotes: impl Fn(u64) -> bool) -> u64 {
+            let mut bypassed = 0;
+            for i in 0..n {
+                self.at += 1;
+                if self.bypassing {
+                    bypassed += 1;
+                    self.bypassing = !self.p.bypassed_one();
+                } else if promotes(i) && self.p.promoted(self.at) {
+                    self.bypassing = true;
+                }
             }
+            bypassed
         }
-        bypassed
+
+        /// Allocations until the ring is used again.
+        fn finish_bypass(&mut self) -> u64 {
+            let mut n = 0;
+            while self.bypassing {
+                self.at += 1;
+                n += 1;
+                self.bypassing = !self.p.bypassed_one();
+            }
+            n
+        }
     }
 
     #[test]
     fn a_thread_whose_blocks_die_young_keeps_its_ring() {
-        let p = YoungPolicy::new();
-        let mut at = 0;
+        let mut t = Thread::default();
         // Two blocks in three die young: never a bypass.
-        assert_eq!(run(&p, &mut at, 100_000, |i| i % 3 == 0), 0);
+        assert_eq!(t.run(100_000, |i| i % 3 == 0), 0);
         // None promoted: nothing counted at all.
-        assert_eq!(run(&p, &mut at, 100_000, |_| false), 0);
+        assert_eq!(t.run(100_000, |_| false), 0);
     }
 
     #[test]
     fn a_thread_whose_blocks_outlive_the_ring_bypasses_it_longer_and_longer() {
-        let p = YoungPolicy::new();
-        let mut at = 0;
+        let mut t = Thread::default();
         let mut lengths = vec![];
         for _ in 0..8 {
             // Ring windows of long-lived blocks until a bypass begins.
-            run(&p, &mut at, WINDOW, |_| true);
-            let mut n = 0;
-            while p.bypass_one() {
-                at += 1;
-                n += 1;
-            }
+            let mut n = t.run(WINDOW + 1, |_| true);
+            n += t.finish_bypass();
             lengths.push(n / WINDOW);
         }
         assert_eq!(lengths, [1, 2, 4, 8, 16, 32, 32, 32]);
         // A while of young blocks, then long-lived ones again: one window.
-        run(&p, &mut at, 10 * WINDOW, |i| i % 5 == 0);
-        assert!(!p.bypassing());
-        let mut n = run(&p, &mut at, 2 * WINDOW, |_| true);
-        assert!(n > 0);
-        while p.bypass_one() {
-            n += 1;
-        }
+        t.run(10 * WINDOW, |i| i % 5 == 0);
+        assert!(!t.bypassing);
+        let n = t.run(2 * WINDOW, |_| true) + t.finish_bypass();
         assert_eq!(n, WINDOW);
     }
 
     #[test]
     fn in_steady_long_lived_work_one_window_in_33_is_on_the_ring() {
-        let p = YoungPolicy::new();
-        let mut at = 0;
+        let mut t = Thread::default();
         let total = 1_000 * WINDOW;
-        let bypassed = run(&p, &mut at, total, |_| true);
-        let on_ring = total - bypassed;
+        let on_ring = total - t.run(total, |_| true);
         assert!(
             on_ring * 33 <= total * 12 / 10,
             "{on_ring} of {total} on the ring"

@@ -67,7 +67,9 @@ impl Model {
         self.check_peak(r, true);
     }
     /// `exact_peak: false` with node caches: the peak follows a running
-    /// total folded every `LIVE_BATCH` bytes, so it may trail.
+    /// total that each cache folds into every `LIVE_BATCH` bytes, so it
+    /// may trail, or lead by the frees still pending in other caches (at
+    /// most one batch for each of the up to four caches a test uses).
     fn check_peak(&self, r: &RegionWriter, exact_peak: bool) {
         assert_eq!(walk_map(r), self.live);
         let rr = r.open_reader().unwrap();
@@ -77,7 +79,14 @@ impl Model {
         if exact_peak {
             assert_eq!(c.peak_live_bytes, self.peak);
         } else {
-            assert!(c.peak_live_bytes <= self.peak && c.peak_live_bytes >= self.live_bytes);
+            let lead = 4 * LIVE_BATCH as u64;
+            assert!(
+                c.peak_live_bytes <= self.peak + lead && c.peak_live_bytes >= self.live_bytes,
+                "peak {} model peak {} live {}",
+                c.peak_live_bytes,
+                self.peak,
+                self.live_bytes
+            );
         }
         assert_eq!(c.total_allocs, self.total_allocs);
         assert_eq!(c.total_bytes, self.total_bytes);
@@ -575,10 +584,9 @@ fn young_blocks_match_a_model_whoever_frees_them_in_either_order() {
     // free in one order, each freeing blocks the others allocated too, so
     // blocks are freed while young in their own ring, young in another's,
     // after promotion, and never. The threads with a ring also put a third
-    // of their blocks straight into the index (as one bypassing its ring
-    // does, see the agent's `young_policy`), and look in their own ring
-    // first or only after the index at random: the same blocks are found
-    // either way.
+    // of their blocks straight into the index, and free half the time
+    // without naming their ring (as one bypassing its ring does, see the
+    // agent's `young_policy`): the same blocks are found either way.
     let r = region(1 << 14, 8);
     let w = AllocationsWriter::new(&r).unwrap();
     let reg = Box::new(YoungRegistry::new());
@@ -591,9 +599,9 @@ fn young_blocks_match_a_model_whoever_frees_them_in_either_order() {
             let addr = 0x6666_0000_0000 + (next() % 4_000) * 16;
             let who = (next() % 4) as usize;
             let own = rings.get(who).copied();
-            let own_first = next().is_multiple_of(2);
             if m.live.contains_key(&addr) {
-                let got = w.remove_any_from(addr, &reg, own, own_first, &mut caches[who]);
+                let named = own.filter(|_| next().is_multiple_of(2));
+                let got = w.remove_any(addr, &reg, named, &mut caches[who]);
                 assert_eq!(got.map(|f| f.size), m.free(addr));
             } else if round < 3 || next().is_multiple_of(3) {
                 let size = next() % 3000 + 1;
@@ -618,14 +626,8 @@ fn young_blocks_match_a_model_whoever_frees_them_in_either_order() {
     let rest: Vec<u64> = m.live.keys().copied().collect();
     for (n, a) in rest.into_iter().enumerate() {
         let who = n % 4;
-        let own_first = n % 8 < 4;
-        let got = w.remove_any_from(
-            a,
-            &reg,
-            rings.get(who).copied(),
-            own_first,
-            &mut caches[who],
-        );
+        let named = rings.get(who).copied().filter(|_| n % 8 < 4);
+        let got = w.remove_any(a, &reg, named, &mut caches[who]);
         assert_eq!(got.map(|f| f.size), m.free(a));
     }
     for c in caches.iter_mut() {
@@ -655,10 +657,10 @@ fn a_young_free_returns_what_the_record_held() {
 }
 
 #[test]
-fn a_thread_looking_in_the_index_first_still_frees_its_young_blocks() {
+fn a_thread_freeing_without_naming_its_ring_still_frees_its_young_blocks() {
     // A thread that started bypassing its ring frees the blocks its ring
-    // still holds: found after the index, counted in its own line, and
-    // the counters come back to nothing.
+    // still holds without naming the ring: found after the index, and the
+    // counters come back to nothing.
     let r = region(1024, 4);
     let w = AllocationsWriter::new(&r).unwrap();
     let reg = Box::new(YoungRegistry::new());
@@ -677,15 +679,10 @@ fn a_thread_looking_in_the_index_first_still_frees_its_young_blocks() {
     m.alloc(direct);
     assert_eq!(reg.held(k), YOUNG);
     for a in young.iter().rev().chain([&direct]) {
-        let f = w
-            .remove_any_from(a.address, &reg, Some(k), false, &mut cache)
-            .unwrap();
+        let f = w.remove_any(a.address, &reg, None, &mut cache).unwrap();
         assert_eq!((f.size, f.stack), (a.size, a.stack));
         assert_eq!(m.free(a.address), Some(a.size));
-        assert_eq!(
-            w.remove_any_from(a.address, &reg, Some(k), false, &mut cache),
-            None
-        );
+        assert_eq!(w.remove_any(a.address, &reg, None, &mut cache), None);
     }
     assert_eq!(reg.held(k), 0);
     w.flush_cache(&mut cache);

@@ -47,11 +47,11 @@
 //!   ring nor the index looks through every ring, then the index again: a
 //!   promotion (ring -> index, under the shard lock, claim inside the
 //!   lock) may have moved it between the first two looks, and the second
-//!   index look, under the same lock, sees it. A writer may also put a
-//!   block straight into the index while it owns a ring (the agent does
-//!   while its blocks outlive the ring), and look in the index before its
-//!   own ring ([`AllocationsWriter::remove_any_from`]): its own ring is
-//!   then searched with the others, under the shard lock like theirs.
+//!   index look, under the same lock, sees it. A writer may also put
+//!   blocks straight into the index while it owns a ring (the agent does
+//!   while its blocks outlive the ring), and free without naming its ring
+//!   (`own` = `None`): its ring is then searched after the index with the
+//!   others, and such a free is counted in line 0.
 //! - Blocks are found by address: a block freed behind the allocator's
 //!   back (a free the hooks never saw) whose address is allocated again
 //!   leaves a stale record until that address is promoted, when the stale
@@ -588,26 +588,8 @@ impl AllocationsWriter<'_> {
         own: Option<u32>,
         cache: &mut NodeCache,
     ) -> Option<Freed> {
-        self.remove_any_from(addr, reg, own, true, cache)
-    }
-
-    /// [`Self::remove_any`], looking in the calling thread's ring `own`
-    /// first (`own_first`) or only after the index, with the other rings
-    /// (for a thread that puts its blocks straight into the index for now:
-    /// its ring holds only blocks from before, and a free there is counted
-    /// in `own`'s line all the same). Finds exactly the same blocks either
-    /// way.
-    #[inline(always)]
-    pub fn remove_any_from(
-        &self,
-        addr: u64,
-        reg: &YoungRegistry,
-        own: Option<u32>,
-        own_first: bool,
-        cache: &mut NodeCache,
-    ) -> Option<Freed> {
         let own = own.filter(|k| self.has_line(*k));
-        if let Some(k) = own.filter(|_| own_first) {
+        if let Some(k) = own {
             let r = &reg.rings[k as usize % YOUNG_RINGS];
             if let Some(i) = r.find_own(addr) {
                 let node = r.nodes[i].load(Ordering::Relaxed);
@@ -630,14 +612,12 @@ impl AllocationsWriter<'_> {
         if self.layout.lines == 0 {
             return None;
         }
-        let skip = own.filter(|_| own_first);
-        self.remove_elsewhere(addr, reg, own, skip, cache)
+        self.remove_elsewhere(addr, reg, own, cache)
     }
 
-    /// The rest of [`Self::remove_any`] after the index missed (and the
-    /// caller's ring `skip`, when given): the rings but `skip`, then the
-    /// index again (see the module doc). A free found in a ring is counted
-    /// in the line of the caller's ring `own` (line 0 without one).
+    /// The rest of [`Self::remove_any`] after the caller's ring and the
+    /// index missed: the other rings, then the index again (see the
+    /// module doc).
     #[cold]
     #[inline(never)]
     fn remove_elsewhere(
@@ -645,7 +625,6 @@ impl AllocationsWriter<'_> {
         addr: u64,
         reg: &YoungRegistry,
         own: Option<u32>,
-        skip: Option<u32>,
         cache: &mut NodeCache,
     ) -> Option<Freed> {
         let line = own.map_or(0, |k| k + 1);
@@ -655,7 +634,7 @@ impl AllocationsWriter<'_> {
             return None;
         }
         for (k, r) in reg.rings.iter().enumerate().take(high) {
-            if Some(k as u32) == skip {
+            if Some(k as u32) == own {
                 continue;
             }
             let Some(i) = r.find(addr, Ordering::Acquire) else {
