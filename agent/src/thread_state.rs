@@ -79,10 +79,12 @@ pub struct ThreadState {
     pub sampler: crate::sampling::SamplerState,
     /// This thread's young ring (`recorder::YOUNG`) + 1: 0 = none claimed
     /// yet, [`NO_RING`] = none to be had (all taken, or the thread is
-    /// exiting).
+    /// exiting); with `recorder::BYPASSING` set beside the number while
+    /// the thread bypasses its ring.
     pub young: Cell<u32>,
-    /// Whether this thread's blocks go through its young ring now (see
-    /// `young_policy`).
+    /// Whether this thread is to bypass its young ring, and for how long
+    /// (see `young_policy`; while it does, `young` carries the
+    /// recorder's `BYPASSING` flag).
     pub young_policy: crate::young_policy::YoungPolicy,
 }
 

@@ -6,14 +6,15 @@
 //! soon by the same thread (97-98 % of redis's frees) costs no shard lock
 //! and no index probe. A block that outlives the ring pays for it twice
 //! instead: its ring entry, then its promotion into the index, which costs
-//! more than inserting it there at once. `bench/instructions` measured the
-//! difference per malloc+free pair (2026-11-27, valgrind): the ring saves
-//! ~196 instructions on blocks freed young and costs ~165 on blocks that
-//! outlive it (the shallow loop and the churn, whose blocks all do).
+//! more than inserting it there at once. A throwaway build without any
+//! ring measured the difference per malloc+free pair (2026-11-27,
+//! callgrind on `bench/churn.c`): the ring saves ~196 instructions on
+//! blocks freed young and costs ~165 on blocks that outlive it (the
+//! shallow loop and the churn, whose blocks all do).
 //!
 //! So each thread watches what its ring does, at no cost to a block that
 //! dies young: only an insert that promotes an older block (still live
-//! [`heapdump_table::YOUNG`] allocations later) is counted. At the first
+//! [`heapdump_table::allocations_table::YOUNG`] allocations later) is counted. At the first
 //! promotion [`WINDOW`] or more allocations after a window began, the
 //! window is judged: when at least 3/4 of its allocations promoted a
 //! block, the thread's next allocations go straight into the index, and
@@ -31,7 +32,12 @@
 //!   so blocks left in the ring when the thread starts bypassing it are
 //!   found and removed as before.
 //! - The state is the thread's own (in `ThreadState`), plain counters in
-//!   `Cell`s, no atomics.
+//!   `Cell`s, no atomics. Whether the thread bypasses its ring right now
+//!   is a flag beside its ring number (`recorder::BYPASSING`), so a thread
+//!   that does not pays nothing on its allocations and frees: the
+//!   recorder looks at this state only when an insert promotes a block
+//!   ([`YoungPolicy::promoted`]) and for a bypassed allocation
+//!   ([`YoungPolicy::bypassed_one`]).
 
 use std::cell::Cell;
 
