@@ -94,6 +94,37 @@ fn blocks_that_outlive_the_young_ring_then_die_young_leave_the_exact_live_set() 
     assert!(target.finish().success());
 }
 
+#[test]
+fn threads_that_exit_while_bypassing_their_young_rings_leave_the_exact_live_set() {
+    // tests/c/outlive_ring_threads.c: threads whose blocks outlive their
+    // young rings exit while bypassing them; main frees half of their
+    // blocks, some still in the rings of threads that are gone; new
+    // threads then take the rings up again.
+    let exe = compile_c("outlive_ring_threads");
+    let mut cmd = Command::new(&exe);
+    cmd.env("LD_PRELOAD", preload_lib());
+    let mut target = Target::spawn(cmd);
+    let pid = target.pid();
+    let d = dump(pid);
+    assert_eq!(d.partial, None);
+    let syms = Symbols::of_process(&exe, pid);
+    let t = by_site(&d, &syms, "site_");
+    assert!(
+        !t.contains_key("site_young"),
+        "freed blocks reported: {t:#?}"
+    );
+    let long = t.get("site_long").map(|e| (e.0, e.1, e.2.clone()));
+    assert_eq!(long, Some((8000, 8000 * 200, vec![200])), "{t:#?}");
+    let live: u64 = d.blocks.iter().map(|b| b.size).sum();
+    assert_eq!(d.counters.live_blocks, d.blocks.len() as u64);
+    assert_eq!(d.counters.live_bytes, live);
+    assert!(d.counters.total_allocs >= 4 * (4_000 + 1_000 + 20_000));
+    assert_eq!(d.counters.dropped_total(), 0, "{:?}", d.counters.dropped);
+    target.send("go");
+    target.wait_line("done");
+    assert!(target.finish().success());
+}
+
 fn check_rust_pattern(hold: bool) {
     check_rust_program(env!("CARGO_BIN_EXE_rust_pattern"), "rust_pattern", hold);
 }
