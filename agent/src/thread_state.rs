@@ -194,6 +194,7 @@ impl ThreadState {
         // A new generation's rings are all free (a forked child reset
         // them; the first generation claimed none).
         self.young.set(0);
+        self.young_policy.reset();
         // SAFETY: called with `busy` set (see `nodes`).
         unsafe { self.nodes() }.clear();
     }

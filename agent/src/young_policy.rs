@@ -71,6 +71,15 @@ impl YoungPolicy {
         }
     }
 
+    /// Forgets everything (the thread's allocation count starts again: a
+    /// new generation of regions, in a forked child).
+    pub fn reset(&self) {
+        self.bypass_left.set(0);
+        self.window_start.set(0);
+        self.promoted.set(0);
+        self.next_windows.set(0);
+    }
+
     /// Counts an allocation that bypassed the ring (call only after
     /// [`Self::promoted`] started a bypass): true when that was the
     /// bypass's last, and the ring is to be used again.
@@ -88,15 +97,24 @@ impl YoungPolicy {
     #[inline(never)]
     #[cold]
     pub fn promoted(&self, allocs: u64) -> bool {
+        let start = self.window_start.get();
+        if allocs < start {
+            // The window begins after a bypass that ended early (the
+            // thread's bypassed allocations were not all counted), or the
+            // thread's count started again: begin one now.
+            self.window_start.set(allocs);
+            self.promoted.set(1);
+            return false;
+        }
         let promoted = self.promoted.get() + 1;
-        let span = allocs.wrapping_sub(self.window_start.get());
+        let span = allocs - start;
         if span < WINDOW {
             self.promoted.set(promoted);
             return false;
         }
         // The window is over (it may have lasted long: a promotion ends
         // it, and a thread whose blocks die young promotes rarely).
-        let bypass = promoted * 4 >= span * 3;
+        let bypass = promoted.saturating_mul(4) >= span.saturating_mul(3);
         if bypass {
             let windows = self.next_windows.get().max(1);
             self.bypass_left.set(windows * WINDOW);
@@ -107,7 +125,8 @@ impl YoungPolicy {
             self.next_windows.set(1);
         }
         // The next window starts after the bypass, if any.
-        self.window_start.set(allocs + self.bypass_left.get());
+        self.window_start
+            .set(allocs.saturating_add(self.bypass_left.get()));
         self.promoted.set(0);
         bypass
     }
@@ -181,6 +200,28 @@ mod tests {
         assert!(!t.bypassing);
         let n = t.run(2 * WINDOW, |_| true) + t.finish_bypass();
         assert_eq!(n, WINDOW);
+    }
+
+    #[test]
+    fn a_count_that_starts_again_begins_a_new_window_without_overflow() {
+        let mut t = Thread::default();
+        t.run(WINDOW + 1, |_| true);
+        assert!(t.bypassing);
+        // The thread's count starts again (a forked child's generation)
+        // while a window is set to begin far ahead, or long after one
+        // began: no overflow, and windows are judged as before.
+        t.bypassing = false;
+        t.at = 0;
+        assert_eq!(t.run(10, |_| true), 0);
+        t.at = u64::MAX - 5 * WINDOW;
+        // The first promotion ends the window that began at 1 (no bypass:
+        // 11 promotions in all that span); the next window asks for one.
+        t.run(WINDOW + WINDOW / 2, |_| true);
+        assert!(t.bypassing, "a window of long-lived blocks is judged");
+        let p = YoungPolicy::new();
+        assert!(!p.promoted(u64::MAX));
+        p.reset();
+        assert_eq!(p.window_start.get(), 0);
     }
 
     #[test]
