@@ -27,12 +27,14 @@ fn c_program_under_preload_exact_live_set_with_threads_alive() {
     check_c_pattern(true);
 }
 
-#[test]
-fn blocks_freed_by_other_threads_while_young_leave_the_exact_live_set() {
-    // tests/c/handoff.c: threads free each other's blocks while they are
-    // still young in their allocator's ring (or just promoted), and main
-    // frees blocks left young in the rings of threads that have exited.
-    let exe = compile_c("handoff");
+/// Runs `tests/c/NAME` under the preload until it is ready and quiet,
+/// dumps it, and checks the exact live set: nothing at `freed` (a site all
+/// of whose blocks were freed), each of `kept` (site, blocks, size of each)
+/// exactly, the header's counters (shards plus the threads' writer lines)
+/// equal to the blocks walked, at least `min_allocs` allocations counted
+/// and nothing dropped. Then lets it free the rest and finish.
+fn check_c_live_set(name: &str, freed: &str, kept: &[(&str, u64, u64)], min_allocs: u64) {
+    let exe = compile_c(name);
     let mut cmd = Command::new(&exe);
     cmd.env("LD_PRELOAD", preload_lib());
     let mut target = Target::spawn(cmd);
@@ -41,22 +43,36 @@ fn blocks_freed_by_other_threads_while_young_leave_the_exact_live_set() {
     assert_eq!(d.partial, None);
     let syms = Symbols::of_process(&exe, pid);
     let t = by_site(&d, &syms, "site_");
-    assert!(
-        !t.contains_key("site_churn"),
-        "freed blocks reported: {t:#?}"
-    );
-    let kept = t.get("site_kept").map(|e| (e.0, e.1, e.2.clone()));
-    assert_eq!(kept, Some((100, 100 * 777, vec![777])), "{t:#?}");
-    // The header's counters (shards plus the threads' writer lines) are
-    // the live set exactly: the process is quiet.
+    assert!(!t.contains_key(freed), "freed blocks reported: {t:#?}");
+    for &(site, blocks, size) in kept {
+        let got = t.get(site).map(|e| (e.0, e.1, e.2.clone()));
+        assert_eq!(
+            got,
+            Some((blocks, blocks * size, vec![size])),
+            "{site}: {t:#?}"
+        );
+    }
     let live: u64 = d.blocks.iter().map(|b| b.size).sum();
     assert_eq!(d.counters.live_blocks, d.blocks.len() as u64);
     assert_eq!(d.counters.live_bytes, live);
-    assert!(d.counters.total_allocs >= 4 * (30_000 + 50));
+    assert!(d.counters.total_allocs >= min_allocs);
     assert_eq!(d.counters.dropped_total(), 0, "{:?}", d.counters.dropped);
     target.send("go");
     target.wait_line("done");
     assert!(target.finish().success());
+}
+
+#[test]
+fn blocks_freed_by_other_threads_while_young_leave_the_exact_live_set() {
+    // tests/c/handoff.c: threads free each other's blocks while they are
+    // still young in their allocator's ring (or just promoted), and main
+    // frees blocks left young in the rings of threads that have exited.
+    check_c_live_set(
+        "handoff",
+        "site_churn",
+        &[("site_kept", 100, 777)],
+        4 * (30_000 + 50),
+    );
 }
 
 #[test]
@@ -65,33 +81,12 @@ fn blocks_that_outlive_the_young_ring_then_die_young_leave_the_exact_live_set() 
     // its young ring (the agent then puts them straight into the index,
     // `agent/src/young_policy.rs`), and are freed while the ring still
     // holds the last ones it took; then they die young again.
-    let exe = compile_c("outlive_ring");
-    let mut cmd = Command::new(&exe);
-    cmd.env("LD_PRELOAD", preload_lib());
-    let mut target = Target::spawn(cmd);
-    let pid = target.pid();
-    let d = dump(pid);
-    assert_eq!(d.partial, None);
-    let syms = Symbols::of_process(&exe, pid);
-    let t = by_site(&d, &syms, "site_");
-    assert!(
-        !t.contains_key("site_young"),
-        "freed blocks reported: {t:#?}"
+    check_c_live_set(
+        "outlive_ring",
+        "site_young",
+        &[("site_long", 1500, 100), ("site_mixed", 750, 48)],
+        5_000 + 3_000 + 20_000 + 3_000,
     );
-    let long = t.get("site_long").map(|e| (e.0, e.1, e.2.clone()));
-    assert_eq!(long, Some((1500, 1500 * 100, vec![100])), "{t:#?}");
-    let mixed = t.get("site_mixed").map(|e| (e.0, e.1, e.2.clone()));
-    assert_eq!(mixed, Some((750, 750 * 48, vec![48])), "{t:#?}");
-    // The header's counters (shards plus the thread's writer line) are
-    // the live set exactly: the process is quiet.
-    let live: u64 = d.blocks.iter().map(|b| b.size).sum();
-    assert_eq!(d.counters.live_blocks, d.blocks.len() as u64);
-    assert_eq!(d.counters.live_bytes, live);
-    assert!(d.counters.total_allocs >= 5_000 + 3_000 + 20_000 + 3_000);
-    assert_eq!(d.counters.dropped_total(), 0, "{:?}", d.counters.dropped);
-    target.send("go");
-    target.wait_line("done");
-    assert!(target.finish().success());
 }
 
 #[test]
@@ -100,29 +95,12 @@ fn threads_that_exit_while_bypassing_their_young_rings_leave_the_exact_live_set(
     // young rings exit while bypassing them; main frees half of their
     // blocks, some still in the rings of threads that are gone; new
     // threads then take the rings up again.
-    let exe = compile_c("outlive_ring_threads");
-    let mut cmd = Command::new(&exe);
-    cmd.env("LD_PRELOAD", preload_lib());
-    let mut target = Target::spawn(cmd);
-    let pid = target.pid();
-    let d = dump(pid);
-    assert_eq!(d.partial, None);
-    let syms = Symbols::of_process(&exe, pid);
-    let t = by_site(&d, &syms, "site_");
-    assert!(
-        !t.contains_key("site_young"),
-        "freed blocks reported: {t:#?}"
+    check_c_live_set(
+        "outlive_ring_threads",
+        "site_young",
+        &[("site_long", 8000, 200)],
+        4 * (4_000 + 1_000 + 20_000),
     );
-    let long = t.get("site_long").map(|e| (e.0, e.1, e.2.clone()));
-    assert_eq!(long, Some((8000, 8000 * 200, vec![200])), "{t:#?}");
-    let live: u64 = d.blocks.iter().map(|b| b.size).sum();
-    assert_eq!(d.counters.live_blocks, d.blocks.len() as u64);
-    assert_eq!(d.counters.live_bytes, live);
-    assert!(d.counters.total_allocs >= 4 * (4_000 + 1_000 + 20_000));
-    assert_eq!(d.counters.dropped_total(), 0, "{:?}", d.counters.dropped);
-    target.send("go");
-    target.wait_line("done");
-    assert!(target.finish().success());
 }
 
 fn check_rust_pattern(hold: bool) {
