@@ -355,7 +355,7 @@ impl StackMemo {
     /// (most walks only need the hash: their trace is in the thread's
     /// stack cache); [`StackMemo::fill`] with the same `n` and `b` puts
     /// them there, as long as the memo is not recorded over in between.
-    #[inline(never)]
+    #[inline(always)]
     pub fn follow(
         &self,
         b: usize,
@@ -365,39 +365,79 @@ impl StackMemo {
         lo: usize,
         top: usize,
     ) -> Option<(usize, u64, bool)> {
-        let fo = self.first_output;
-        // The common case first: the whole rest of the walk fits, the memo
-        // is complete, and no step below `b` checks a saved `rbp` (bits
-        // `0..b`): the checked range is `[sp[b], sp[0] - 8]` and each
-        // check is its return address alone. The same checks as below,
-        // with the general case's arithmetic left out (~40 instructions
-        // per walk, callgrind on bench/churn.c).
-        if b < MEMO_ENTRIES && b >= fo && self.complete {
-            let frames = b + 1 - fo;
-            let below = self.rbp_checked & u64::MAX.checked_shr(64 - b as u32).unwrap_or(0);
-            if n < out.len() && frames <= out.len() - n && below == 0 {
-                let end = self.sp[0];
-                if self.sp[b] < lo || end < 8 || end - 8 > top {
-                    return None;
-                }
-                // SAFETY: as in `check_both`, for the return address alone.
-                let changed =
-                    |c: &Check| unsafe { std::ptr::read_volatile(c.ra_at as *const u64) } ^ c.ra;
-                let mut quads = self.checks[..b].chunks_exact(4);
-                let mut diff = 0;
-                for q in &mut quads {
-                    diff |= changed(&q[0]) | changed(&q[1]) | changed(&q[2]) | changed(&q[3]);
-                }
-                for c in quads.remainder() {
-                    diff |= changed(c);
-                }
-                if diff != 0 {
-                    return None;
-                }
-                let (k, h) = h.then(POW[frames], self.sum[b]).finish(n + frames);
-                return Some((k, h, false));
+        match self.follow_whole(b, out.len().saturating_sub(n), h, lo, top) {
+            (0, _) => self.follow_general(b, out, n, h, lo, top),
+            (usize::MAX, _) => None,
+            (frames, then) => {
+                let (k, h) = then.finish(n + frames);
+                Some((k, h, false))
             }
         }
+    }
+
+    /// The common case of [`StackMemo::follow`], out of line with a small
+    /// signature (its arguments and answer in registers): the whole rest
+    /// of the walk fits in `room` free places, the memo is complete, and
+    /// no step below `b` checks a saved `rbp` (bits `0..b` of
+    /// `rbp_checked`), so the checked range is `[sp[b], sp[0] - 8]` and
+    /// each check is its return address alone. Answers the frames taken
+    /// and the hash before [`TraceHash::finish`]; `(0, _)` when the case
+    /// does not apply (ask [`StackMemo::follow_general`]), `(usize::MAX,
+    /// _)` when it does and a word changed or lies outside `[lo, top]`.
+    /// (The general path's arithmetic and its three-word answer through
+    /// memory cost ~35 instructions per walk; callgrind on bench/churn.c.)
+    #[inline(never)]
+    fn follow_whole(
+        &self,
+        b: usize,
+        room: usize,
+        h: TraceHash,
+        lo: usize,
+        top: usize,
+    ) -> (usize, TraceHash) {
+        let fo = self.first_output;
+        if b >= MEMO_ENTRIES || b < fo || !self.complete || b + 1 - fo > room {
+            return (0, h);
+        }
+        if self.rbp_checked & u64::MAX.checked_shr(64 - b as u32).unwrap_or(0) != 0 {
+            return (0, h);
+        }
+        let end = self.sp[0];
+        if self.sp[b] < lo || end < 8 || end - 8 > top {
+            return (usize::MAX, h);
+        }
+        // SAFETY: as in `check_both`, for the return address alone.
+        let changed = |c: &Check| unsafe { std::ptr::read_volatile(c.ra_at as *const u64) } ^ c.ra;
+        // Four at a time: the loop's own count and branch once per four
+        // frames (the loads are independent either way).
+        let mut quads = self.checks[..b].chunks_exact(4);
+        let mut diff = 0;
+        for q in &mut quads {
+            diff |= changed(&q[0]) | changed(&q[1]) | changed(&q[2]) | changed(&q[3]);
+        }
+        for c in quads.remainder() {
+            diff |= changed(c);
+        }
+        if diff != 0 {
+            return (usize::MAX, h);
+        }
+        let frames = b + 1 - fo;
+        (frames, h.then(POW[frames], self.sum[b]))
+    }
+
+    /// [`StackMemo::follow`] in every case (the memo incomplete, a saved
+    /// `rbp` checked, or only part of the rest fitting).
+    #[inline(never)]
+    fn follow_general(
+        &self,
+        b: usize,
+        out: &mut [u64],
+        n: usize,
+        h: TraceHash,
+        lo: usize,
+        top: usize,
+    ) -> Option<(usize, u64, bool)> {
+        let fo = self.first_output;
         // At least one free place (the walk asks only then): `checked` below
         // is then at most `b`.
         let room = out.len().checked_sub(n).filter(|&r| r > 0)?;
