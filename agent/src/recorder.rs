@@ -605,27 +605,58 @@ pub fn set_release(free: unsafe extern "C" fn(*mut libc::c_void)) {
     RELEASE.store(free as usize, Ordering::Relaxed);
 }
 
-#[inline]
+#[inline(always)]
 fn prepare_thread(w: &Writers, t: &ThreadState) {
     enter_generation(t);
+    let n = t.allocs.get();
+    t.allocs.set(n + 1);
+    // A rename through the preload's hooks bumps NAME_EPOCH: look at the
+    // name again on the next event. Relaxed: a rename of another thread
+    // is seen once that thread synchronises with the renamer, or later.
+    // Otherwise one compare per event (see `look_at_thread`).
+    let epoch = NAME_EPOCH.load(Ordering::Relaxed);
+    if epoch != t.name_epoch.get() || n == t.next_look.get() {
+        look_at_thread(w, t, n, epoch);
+    }
+}
+
+/// The thread's first event (in a generation), a rename through the hooks,
+/// or a periodic look: finds the stack top once, registers the thread if
+/// it is not (or its name changed; a thread the resources region had no
+/// room for is tried again at the next look), and sets the next look. Threads
+/// renamed some other way (the Rust Agent has no hooks) are caught by
+/// looking again at the 16th and 256th event, then every 4096th.
+#[cold]
+#[inline(never)]
+fn look_at_thread(w: &Writers, t: &ThreadState, n: u64, epoch: u64) {
     if !t.stack_known.get() {
         t.stack_known.set(true);
         t.stack_hi
             .set(stack_capture::thread_stack_top(stack_capture::stack_pointer()).unwrap_or(0));
     }
-    let n = t.allocs.get();
-    t.allocs.set(n + 1);
-    // A rename through the preload's hooks bumps NAME_EPOCH: look at the
-    // name again on the next event. Threads renamed some other way (the
-    // Rust Agent has no hooks) are caught by looking again at the 16th and
-    // 256th event, then every 4096th. Relaxed: a rename of another thread
-    // is seen once that thread synchronises with the renamer, or later.
-    let epoch = NAME_EPOCH.load(Ordering::Relaxed);
     let look = epoch != t.name_epoch.get() || n == 16 || n == 256 || n % 4096 == 4095;
     if t.thread_key.get() == 0 || (look && name_changed(t)) {
         register_thread(w, t);
     }
     t.name_epoch.set(epoch);
+    t.next_look.set(next_look_after(n));
+}
+
+/// The event count after `n` at which [`look_at_thread`] looks again: the
+/// 16th, the 256th, then every 4096th (counts 4095, 8191, ...).
+fn next_look_after(n: u64) -> u64 {
+    if n < 16 {
+        16
+    } else if n < 256 {
+        256
+    } else {
+        let c = n - n % 4096 + 4095;
+        if c > n {
+            c
+        } else {
+            c + 4096
+        }
+    }
 }
 
 /// The stack key of the calling allocation (whose hook's frame pointer is
@@ -1506,4 +1537,20 @@ pub fn start() {
     with_thread(|_| {
         ready_writers(Role::Preload);
     });
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_thread_is_looked_at_first_then_at_the_16th_and_256th_events_then_every_4096th() {
+        let mut looks = Vec::new();
+        let mut next = 0;
+        for n in 0..20_000u64 {
+            if n == next {
+                looks.push(n);
+                next = super::next_look_after(n);
+            }
+        }
+        assert_eq!(looks, [0, 16, 256, 4095, 8191, 12287, 16383]);
+    }
 }

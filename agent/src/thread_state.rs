@@ -39,6 +39,10 @@ pub struct ThreadState {
     pub thread_key: Cell<u64>,
     /// Allocations recorded by this thread (drives name re-checks).
     pub allocs: Cell<u64>,
+    /// The value of `allocs` at which the recorder next looks at the
+    /// thread's registration, stack top and name (`recorder::prepare_thread`):
+    /// 0 at first and after a reset, so the first event looks.
+    pub next_look: Cell<u64>,
     /// Name bytes last registered (Linux names are up to 15 bytes).
     pub name: Cell<[u8; 16]>,
     /// `recorder::NAME_EPOCH` when the name was last looked at.
@@ -103,6 +107,7 @@ thread_local! {
             generation: Cell::new(0),
             thread_key: Cell::new(0),
             allocs: Cell::new(0),
+            next_look: Cell::new(0),
             name: Cell::new([0; 16]),
             name_epoch: Cell::new(0),
             stack_hi: Cell::new(0),
@@ -187,6 +192,7 @@ impl ThreadState {
         }
         self.thread_key.set(0);
         self.allocs.set(0);
+        self.next_look.set(0);
         self.stack_cache.set(None);
         self.peak_block.set(None);
         self.peak_full_gen.set(0);
