@@ -336,10 +336,14 @@ impl StackMemo {
     /// about one comparison per frame).
     #[inline(always)]
     pub fn candidate(&self, p: &mut usize, pc: u64, sp: usize, rbp: usize) -> Option<usize> {
-        while *p > 0 && self.sp[*p - 1] < sp {
-            *p -= 1;
+        // (`*p <= valid <= MEMO_ENTRIES`; saying so spares a bounds check
+        // per step.)
+        let mut q = (*p).min(MEMO_ENTRIES);
+        while q > 0 && self.sp[q - 1] < sp {
+            q -= 1;
         }
-        let b = p.checked_sub(1)?;
+        *p = q;
+        let b = q.checked_sub(1)?;
         (self.sp[b] == sp && self.pc[b] == pc && (!self.needs_rbp[b] || self.rbp[b] == rbp))
             .then_some(b)
     }
