@@ -73,6 +73,19 @@ pub(crate) const EXACT: u64 = 1 << 63;
 
 /// Entries a memo holds: a walk's frames plus the state that ended it.
 pub const MEMO_ENTRIES: usize = MAX_FRAMES + 1;
+// Entry numbers + 1 fit `StackMemo::at_sp`'s bytes.
+const _: () = assert!(MEMO_ENTRIES < 256);
+
+/// Slots of [`StackMemo::at_sp`].
+const SP_SLOTS: usize = 64;
+
+/// A stack pointer's slot in [`StackMemo::at_sp`]: frames' stack pointers
+/// are 16-byte aligned at call sites, so entries within 1 KiB of each
+/// other never share one.
+#[inline(always)]
+fn sp_slot(sp: usize) -> usize {
+    (sp >> 4) & (SP_SLOTS - 1)
+}
 // One bit of `StackMemo::rbp_checked` per check (`MEMO_ENTRIES - 1`).
 const _: () = assert!(MEMO_ENTRIES - 1 <= 64);
 
@@ -175,6 +188,14 @@ pub struct StackMemo {
     /// The trace hash's contribution of `e[first_output..=j]`.
     sum: [u64; MEMO_ENTRIES],
     needs_rbp: [bool; MEMO_ENTRIES],
+    /// Entry + 1 by [`sp_slot`] of its stack pointer (0: none): a hint
+    /// that lets [`StackMemo::candidate`] find the entry a frame may join
+    /// in one load instead of stepping down the entries one by one (on the
+    /// churn, whose walks start at any depth of a deep memo, that search
+    /// stepped over ~16 entries per walk). Written as entries are;
+    /// entries sharing a slot leave the newest; a stale value is harmless
+    /// (a candidate is checked against the entry itself).
+    at_sp: [u8; SP_SLOTS],
     /// Bit `i` set: `checks[i]` checks a saved `rbp` (its second word is
     /// not the return address again). Bits at and above `len - 1` are
     /// stale; a replay reads only bits below its entry.
@@ -214,6 +235,7 @@ impl StackMemo {
             frames_rev: [0; MEMO_ENTRIES],
             sum: [0; MEMO_ENTRIES],
             needs_rbp: [false; MEMO_ENTRIES],
+            at_sp: [0; SP_SLOTS],
             rbp_checked: 0,
             len: 0,
             valid: 0,
@@ -300,6 +322,9 @@ impl StackMemo {
         self.frames_rev[MEMO_ENTRIES - n..].copy_from_slice(&other.frames_rev[MEMO_ENTRIES - n..]);
         self.sum[..n].copy_from_slice(&other.sum[..n]);
         self.needs_rbp[..n].copy_from_slice(&other.needs_rbp[..n]);
+        for (j, &sp) in self.sp[..n].iter().enumerate() {
+            self.at_sp[sp_slot(sp)] = (j + 1) as u8;
+        }
         // Bits at and above `b` are stale (`extend` rewrites them).
         self.rbp_checked = other.rbp_checked;
         self.len = n;
@@ -331,20 +356,19 @@ impl StackMemo {
     }
 
     /// The entry a walk now in state (`pc`, `sp`, `rbp`) may continue
-    /// from, given the bound `p` (entries below `p` are the candidates; it
-    /// only falls as the walk's stack pointer rises, so the search costs
-    /// about one comparison per frame).
+    /// from, given the bound `p` (entries below `p` are the candidates:
+    /// [`StackMemo::start`]'s `valid`, or 0 once a replay failed). The
+    /// entry with that stack pointer, if any, is unique (stack pointers
+    /// strictly fall as the index rises) and found through `at_sp`.
     #[inline(always)]
     pub fn candidate(&self, p: &mut usize, pc: u64, sp: usize, rbp: usize) -> Option<usize> {
-        // (`*p <= valid <= MEMO_ENTRIES`; saying so spares a bounds check
-        // per step.)
-        let mut q = (*p).min(MEMO_ENTRIES);
-        while q > 0 && self.sp[q - 1] < sp {
-            q -= 1;
-        }
-        *p = q;
-        let b = q.checked_sub(1)?;
-        (self.sp[b] == sp && self.pc[b] == pc && (!self.needs_rbp[b] || self.rbp[b] == rbp))
+        let b = usize::from(self.at_sp[sp_slot(sp)]).wrapping_sub(1);
+        // (`*p <= valid <= MEMO_ENTRIES`; saying so spares the bounds
+        // checks below.)
+        (b < (*p).min(MEMO_ENTRIES)
+            && self.sp[b] == sp
+            && self.pc[b] == pc
+            && (!self.needs_rbp[b] || self.rbp[b] == rbp))
             .then_some(b)
     }
 
@@ -564,6 +588,9 @@ impl StackMemo {
             );
             self.needs_rbp.copy_within(drop..=b, 0);
             b -= drop;
+            for (j, &sp) in self.sp[..=b].iter().enumerate() {
+                self.at_sp[sp_slot(sp)] = (j + 1) as u8;
+            }
             self.valid = self.valid.saturating_sub(drop).max(1);
             self.complete = false;
             self.first_output = 0;
@@ -596,6 +623,7 @@ impl StackMemo {
         self.pc[0] = last.pc;
         self.frames_rev[MEMO_ENTRIES - 1] = last.pc & !EXACT;
         self.sp[0] = last.sp;
+        self.at_sp[sp_slot(last.sp)] = 1;
         self.rbp[0] = last.rbp;
         // Only a frame-pointer step's bounds depend on rbp.
         self.needs_rbp[0] = step == Step::FramePointer;
@@ -680,6 +708,7 @@ impl StackMemo {
             self.pc[j] = v.pc;
             self.frames_rev[MEMO_ENTRIES - 1 - j] = v.pc & !EXACT;
             self.sp[j] = v.sp;
+            self.at_sp[sp_slot(v.sp)] = (j + 1) as u8;
             self.rbp[j] = v.rbp;
             // Whether the walk from here uses this frame's rbp: a
             // frame-pointer step does; a step that reloads rbp does not;
@@ -1162,6 +1191,36 @@ mod tests {
             .collect();
         assert_eq!(due, expect);
         assert!(due[0], "a new path is recorded at once");
+    }
+
+    #[test]
+    fn a_frame_joins_the_entry_with_its_stack_pointer_and_counter_and_no_other() {
+        let stack = fake_stack();
+        let base = stack.as_ptr() as usize;
+        let memo = memo_over(&stack, 1, 3);
+        assert_eq!(memo.valid, FRAMES);
+        for (i, &pc) in ALL.iter().enumerate() {
+            // Entries are bottom-up: frame `i` of the walk is entry
+            // `FRAMES - 1 - i`.
+            let (sp, rbp) = (base + 0x20 * i, 0xab0 + i);
+            let mut p = memo.valid;
+            assert_eq!(memo.candidate(&mut p, pc, sp, rbp), Some(FRAMES - 1 - i));
+            assert_eq!(
+                memo.candidate(&mut p, pc + 1, sp, rbp),
+                None,
+                "another counter"
+            );
+            // A stack pointer sharing the entry's slot is not the entry's.
+            let other = sp + SP_SLOTS * 16;
+            assert_eq!(sp_slot(other), sp_slot(sp));
+            assert_eq!(memo.candidate(&mut p, pc, other, rbp), None, "another sp");
+            // Below a bound of 0 (after a failed replay): none.
+            let mut none = 0;
+            assert_eq!(memo.candidate(&mut none, pc, sp, rbp), None);
+        }
+        // A fresh memo has no candidate at all.
+        let mut p = MEMO_ENTRIES;
+        assert_eq!(StackMemo::new().candidate(&mut p, ALL[0], base, 0), None);
     }
 
     #[test]
