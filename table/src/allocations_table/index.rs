@@ -137,9 +137,14 @@ impl AllocationsWriter<'_> {
     /// wild write in the program must not send a probe outside its window.
     #[inline(always)]
     pub(super) fn cap_log2(&self, shard: u64) -> u32 {
+        // `max` then `min`, not `clamp`: the same bound without clamp's
+        // check that its limits are ordered (a compare and a panic path
+        // on every insert and remove); the `min` last keeps the result
+        // within the window whatever the limits are.
         self.shard_field(shard, S_CAP_LOG2)
             .load(Ordering::Relaxed)
-            .clamp(MIN_CAP_LOG2, self.max_cap_log2)
+            .max(MIN_CAP_LOG2)
+            .min(self.max_cap_log2)
     }
 
     /// Hints the CPU to fetch the index slot where `addr` would start its
