@@ -64,21 +64,28 @@ impl NodeCache {
         self.pending_live = 0;
     }
 
+    /// The last node pushed. One unsigned compare covers both an empty
+    /// cache (the index wraps) and the bound (no panic path: the cache
+    /// is on every insert's path).
+    #[inline(always)]
     pub(super) fn pop(&mut self) -> Option<u32> {
-        if self.len == 0 {
-            return None;
-        }
-        self.len -= 1;
-        Some(self.nodes[self.len])
+        let i = self.len.wrapping_sub(1);
+        let node = *self.nodes.get(i)?;
+        self.len = i;
+        Some(node)
     }
 
+    /// Keeps `node` unless the cache is full (false).
+    #[inline(always)]
     pub(super) fn push(&mut self, node: u32) -> bool {
-        if self.len == NODE_CACHE {
-            return false;
+        match self.nodes.get_mut(self.len) {
+            Some(slot) => {
+                *slot = node;
+                self.len += 1;
+                true
+            }
+            None => false,
         }
-        self.nodes[self.len] = node;
-        self.len += 1;
-        true
     }
 }
 
