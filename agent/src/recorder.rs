@@ -34,8 +34,8 @@
 //! [`on_free_deferred`] -> `remove_block`. Budget (DESIGN §6, issue 30):
 //! at most 350 instructions added per malloc+free pair at 4 frames, 700 on
 //! the churn, 3 L1 data misses; `bench/instructions --parts` counts them
-//! per part (session 20, 2026-11-27: +1154 and +1508 instructions, +3.8
-//! and +6.5 misses: far over; see docs/benchmarks.md), and CI fails when
+//! per part (session 21, 2026-11-27: +1069 and +1343 instructions, +3.8
+//! and +6.9 misses: far over; see docs/benchmarks.md), and CI fails when
 //! they grow past `bench/instructions-budget.json`.
 
 use std::cell::UnsafeCell;
