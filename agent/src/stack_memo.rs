@@ -54,6 +54,11 @@
 //!   replay lies in the part of the stack the walk may read. `extend`
 //!   refuses to make a step replayable whose words break this, so a replay
 //!   need only check the two ends of the range.
+//! - `at_sp` maps a stack pointer's slot to an entry (+ 1) and is only a
+//!   hint: [`StackMemo::candidate`] checks the entry it names (below the
+//!   walk's bound, same stack pointer, counter and, where needed, `rbp`),
+//!   so a slot shared by two entries or left stale by a new recording
+//!   only makes a walk step further itself.
 //! - Rules come from the thread's rule cache, which is emptied when a
 //!   module may have been unloaded; the memo is emptied with it.
 //! - `sum` of `e[j]` (`j >= first_output`, while `complete`): the trace
@@ -434,7 +439,12 @@ impl StackMemo {
         if self.sp[b] < lo || end < 8 || end - 8 > top {
             return (usize::MAX, h);
         }
-        // SAFETY: as in `check_both`, for the return address alone.
+        // SAFETY: each `ra_at` of `checks[..b]` lies in `[sp[b], sp[0] -
+        // 8]` and is aligned (`extend` makes a step replayable only then),
+        // and that range lies in `[lo, top]` (checked just above): the
+        // live part of this thread's stack that the walk may read (the
+        // caller's guarantee, as for `check_both`). Volatile: nothing may
+        // be assumed of the words.
         let changed = |c: &Check| unsafe { std::ptr::read_volatile(c.ra_at as *const u64) } ^ c.ra;
         // Four at a time: the loop's own count and branch once per four
         // frames (the loads are independent either way).
