@@ -34,6 +34,9 @@ MODES = [("bare", None), ("exact", {}), ("sampled 512KiB", {"HEAPDUMP_SAMPLE_RAT
          ("attached", ATTACH)]
 # In attached mode: the pids attached, and what failed.
 ATTACHED = {"on": False, "pids": [], "errors": []}
+# What the last load client wrote to stderr (shown in a failed row: the
+# service's own log says nothing about a query the client saw fail).
+CLIENT = {"stderr": ""}
 GUARD = 120  # seconds: a hang guard, never a synchronisation
 
 
@@ -411,6 +414,7 @@ def mariadb(work, mode_env):
     r = subprocess.run(["mariadb-slap", f"--socket={sock}", "--user=root", "--concurrency=4",
                         "--iterations=2", "--number-of-queries=400", "--auto-generate-sql"],
                        capture_output=True, text=True, timeout=GUARD)
+    CLIENT["stderr"] = r.stderr
     return (r.returncode, "Average number of seconds" in r.stdout), p
 
 
@@ -443,6 +447,7 @@ def main():
             detail, ok, snaps = "", False, ""
             open(os.path.join(work, "service.log"), "w").close()
             ATTACHED.update(on=mode_env is ATTACH, pids=[], errors=[])
+            CLIENT["stderr"] = ""
             try:
                 result, p = fn(work, mode_env)
                 if result == "skip":
@@ -485,6 +490,8 @@ def main():
             if mode == "bare" and bare is not None:
                 detail = f"served {bare}"
             if not ok:
+                if CLIENT["stderr"].strip():
+                    detail += " | client: " + CLIENT["stderr"].strip()[-400:]
                 try:
                     detail += " | log: " + open(os.path.join(work, "service.log")).read()[-400:]
                 except OSError:
