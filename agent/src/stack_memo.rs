@@ -439,24 +439,9 @@ impl StackMemo {
         if self.sp[b] < lo || end < 8 || end - 8 > top {
             return (usize::MAX, h);
         }
-        // SAFETY: each `ra_at` of `checks[..b]` lies in `[sp[b], sp[0] -
-        // 8]` and is aligned (`extend` makes a step replayable only then),
-        // and that range lies in `[lo, top]` (checked just above): the
-        // live part of this thread's stack that the walk may read (the
-        // caller's guarantee, as for `check_both`). Volatile: nothing may
-        // be assumed of the words.
-        let changed = |c: &Check| unsafe { std::ptr::read_volatile(c.ra_at as *const u64) } ^ c.ra;
-        // Four at a time: the loop's own count and branch once per four
-        // frames (the loads are independent either way).
-        let mut quads = self.checks[..b].chunks_exact(4);
-        let mut diff = 0;
-        for q in &mut quads {
-            diff |= changed(&q[0]) | changed(&q[1]) | changed(&q[2]) | changed(&q[3]);
-        }
-        for c in quads.remainder() {
-            diff |= changed(c);
-        }
-        if diff != 0 {
+        // The range `[sp[b], sp[0] - 8]` lies in `[lo, top]`, as
+        // `check_return_addresses` requires.
+        if self.check_return_addresses(0, b) != 0 {
             return (usize::MAX, h);
         }
         let frames = b + 1 - fo;
@@ -499,20 +484,7 @@ impl StackMemo {
         let diff = if self.rbp_checked & range == 0 {
             // No saved `rbp` among these steps: each check's second word is
             // its return address again.
-            // SAFETY: as in `check_both`, for the return address alone.
-            let changed =
-                |c: &Check| unsafe { std::ptr::read_volatile(c.ra_at as *const u64) } ^ c.ra;
-            // Four at a time: the loop's own count and branch once per four
-            // frames (the loads are independent either way).
-            let mut quads = self.checks[checked..b].chunks_exact(4);
-            let mut diff = 0;
-            for q in &mut quads {
-                diff |= changed(&q[0]) | changed(&q[1]) | changed(&q[2]) | changed(&q[3]);
-            }
-            for c in quads.remainder() {
-                diff |= changed(c);
-            }
-            diff
+            self.check_return_addresses(checked, b)
         } else {
             self.check_both(checked, b)
         };
@@ -545,6 +517,31 @@ impl StackMemo {
         let k = n + (b + 1 - last);
         out[n..k].copy_from_slice(&self.frames_rev[MEMO_ENTRIES - 1 - b..MEMO_ENTRIES - last]);
         k
+    }
+
+    /// The return addresses of `checks[checked..b]`, XORed with their
+    /// values and ORed together (0: all unchanged). The caller checked that
+    /// every word lies in `[sp[b], sp[checked] - 8]`, inside the readable
+    /// stack (as for [`Self::check_both`]).
+    #[inline(always)]
+    fn check_return_addresses(&self, checked: usize, b: usize) -> u64 {
+        // SAFETY: each `ra_at` of these checks lies in `[sp[b],
+        // sp[checked] - 8]` and is aligned (`extend` makes a step
+        // replayable only then), inside `[lo, top]`, the live part of this
+        // thread's stack that the walk may read (the caller checked it).
+        // Volatile: nothing may be assumed of the words.
+        let changed = |c: &Check| unsafe { std::ptr::read_volatile(c.ra_at as *const u64) } ^ c.ra;
+        // Four at a time: the loop's own count and branch once per four
+        // frames (the loads are independent either way).
+        let mut quads = self.checks[checked..b].chunks_exact(4);
+        let mut diff = 0;
+        for q in &mut quads {
+            diff |= changed(&q[0]) | changed(&q[1]) | changed(&q[2]) | changed(&q[3]);
+        }
+        for c in quads.remainder() {
+            diff |= changed(c);
+        }
+        diff
     }
 
     /// Both words of `checks[checked..b]`, XORed with their values and
