@@ -303,8 +303,14 @@ def named(work, mode_env):
         time.sleep(0.1)
     serving(p)
     for i in range(200):
-        r = subprocess.run(["dig", "@127.0.0.1", "-p", str(port), f"host{i}.test", "+short"],
-                           capture_output=True, text=True, timeout=GUARD)
+        # A line of dig's own (";; Warning: query response not set", seen
+        # once in a bare run in CI) is not the server's answer: ask again,
+        # a few times at most (a wrong address still fails the row).
+        for _ in range(3):
+            r = subprocess.run(["dig", "@127.0.0.1", "-p", str(port), f"host{i}.test", "+short"],
+                               capture_output=True, text=True, timeout=GUARD)
+            if not r.stdout.lstrip().startswith(";;"):
+                break
         answers.append(r.stdout.strip())
     wrong = [(i, a) for i, a in enumerate(answers) if a != f"192.0.2.{i % 250 + 1}"]
     return ("200 answers", "right" if not wrong else f"wrong: {wrong[:5]}"), p
