@@ -52,6 +52,7 @@ use gimli::{
 
 use crate::stack_capture::{is_return_address, TraceHash};
 use crate::stack_memo::{End, StackMemo, StackMemos, Step, Visited, MEMO_ENTRIES};
+use crate::trace_shortcut::{Shortcuts, SHORTCUT_WORDS};
 use heapdump_table::stack_compression::MAX_FRAMES;
 
 /// The DWARF registers the walk follows, per architecture: the stack
@@ -543,7 +544,7 @@ pub fn walk(
     memos: &mut StackMemos,
     fallback_fp: bool,
 ) -> (usize, u64) {
-    let t = walk_trace(fp, sp, hi, out, cache, memos, fallback_fp);
+    let t = walk_trace(fp, sp, hi, out, cache, memos, None, fallback_fp);
     (t.fill(out, memos), t.hash)
 }
 
@@ -586,8 +587,48 @@ impl Trace {
     }
 }
 
+/// The trace shortcut's answer (frame count and hash, see
+/// `crate::trace_shortcut`) for the walk [`walk_trace`] would make from
+/// the hook whose frame pointer is `fp` (same arguments), if the thread's
+/// `shortcuts` hold it. x86_64 only: there the hook's caller's state is
+/// two words at `fp`; on aarch64 it takes the hook's CFI (left to the
+/// walk, which then keeps nothing there either).
+#[inline(always)]
+pub fn shortcut(
+    fp: usize,
+    sp: usize,
+    hi: usize,
+    shortcuts: &mut Shortcuts,
+) -> Option<(usize, u64)> {
+    if !SHORTCUT {
+        return None;
+    }
+    if hi < 16 || sp > hi - 16 || fp < sp || fp > hi - 16 || !fp.is_multiple_of(8) {
+        return None;
+    }
+    let generation = GENERATION.load(Ordering::Relaxed);
+    // SAFETY: `sp <= fp` and `fp + 16 <= hi`: both words lie in `[sp, hi)`,
+    // the live part of this thread's own stack, mapped and readable (the
+    // caller's guarantee). Volatile: nothing may be assumed of them.
+    let (caller_rbp, ret) = unsafe {
+        (
+            std::ptr::read_volatile(fp as *const usize),
+            std::ptr::read_volatile((fp + 8) as *const usize),
+        )
+    };
+    // SAFETY: the caller's stack pointer `fp + 16` is in `[sp, hi]`, so
+    // `[fp + 16, hi)` (`top = hi - 8`) is readable (as above).
+    unsafe { shortcuts.find(ret as u64, fp + 16, caller_rbp, hi - 8, generation) }
+}
+
+/// Whether walks keep and use the trace shortcut (see [`shortcut`]).
+pub const SHORTCUT: bool = cfg!(target_arch = "x86_64");
+
 /// [`walk`] without writing the frames taken from the memo (see
-/// [`Trace`]).
+/// [`Trace`]). With `shortcuts` (the thread's), a walk that replays a memo
+/// whole is kept there, for [`shortcut`] to answer the next walk from the
+/// same start (`crate::trace_shortcut`).
+#[allow(clippy::too_many_arguments)] // the walk's bounds and the thread's tables
 pub fn walk_trace(
     fp: usize,
     sp: usize,
@@ -595,6 +636,7 @@ pub fn walk_trace(
     out: &mut [u64],
     cache: &RuleCache,
     memos: &mut StackMemos,
+    mut shortcuts: Option<&mut Shortcuts>,
     fallback_fp: bool,
 ) -> Trace {
     let h = TraceHash::new();
@@ -634,6 +676,7 @@ pub fn walk_trace(
         rbp: caller_rbp,
     });
     let max = out.len().min(MAX_FRAMES);
+    let start = f;
     let mut visited = [const { std::mem::MaybeUninit::<Visited>::uninit() }; MEMO_ENTRIES];
     // Another memo of the thread may start at this very frame (see
     // `StackMemos`): the whole trace from there, before any step.
@@ -641,6 +684,19 @@ pub fn walk_trace(
         let served = memos.memo(k).follow(b, &mut out[..max], 0, h, f.sp, top);
         if let Some((frames, hash, filled)) = served {
             memos.other_served(k);
+            if let (Some(s), false) = (shortcuts.as_deref_mut().filter(|s| s.fill_due()), filled) {
+                let classify = |rule| replay_step(Rule(rule), fallback_fp);
+                keep_shortcut(
+                    s,
+                    memos.memo(k),
+                    b,
+                    &[],
+                    start,
+                    (top, generation),
+                    (frames, hash),
+                    classify,
+                );
+            }
             return Trace {
                 frames,
                 hash,
@@ -676,6 +732,19 @@ pub fn walk_trace(
             rbp,
             replayed: (frames, hash, filled),
         } => {
+            if let (Some(s), false) = (shortcuts.filter(|s| s.fill_due()), filled) {
+                // Before `after_replay`, which may record over the memo.
+                keep_shortcut(
+                    s,
+                    memos.memo(0),
+                    entry,
+                    visited,
+                    start,
+                    (top, generation),
+                    (frames, hash),
+                    classify,
+                );
+            }
             let mut unfilled = (!filled).then_some((visited.len(), entry, 0));
             if memos.refresh_due(visited.len()) {
                 // The frames first: recording moves the main memo's entries.
@@ -696,6 +765,36 @@ pub fn walk_trace(
             }
         }
     }
+}
+
+/// Keeps in the thread's trace shortcut (if due, see
+/// [`Shortcuts::fill`]) a walk that started in state `start` with `top`
+/// and rule generation (`at`), stepped through `visited` itself, then
+/// replayed `memo` whole from entry `b`, finding `(frames, hash)`: the
+/// words the replay checked, then those of its own steps.
+#[allow(clippy::too_many_arguments)] // one walk's facts
+#[inline(never)]
+fn keep_shortcut(
+    shortcuts: &mut Shortcuts,
+    memo: &StackMemo,
+    b: usize,
+    visited: &[Visited],
+    start: Frame,
+    (top, generation): (usize, u64),
+    (frames, hash): (usize, u64),
+    classify: impl Fn(u64) -> Step,
+) {
+    // At most two words per step of its own (a return address, a saved
+    // `rbp`): a walk that may depend on more is not kept, before any cost.
+    if memo.replay_word_count(b) + 2 * visited.len() > SHORTCUT_WORDS {
+        return;
+    }
+    let Some(mut fill) = shortcuts.fill(start.pc, start.sp, top, generation) else {
+        return;
+    };
+    let (below_sp, needs_rbp) = memo.replay_words(b, &mut fill);
+    let uses_rbp = fill.steps(visited, below_sp, needs_rbp, |v| (v.sp, classify(v.rule)));
+    fill.finish(start.rbp, uses_rbp, frames, hash);
 }
 
 /// aarch64: the state of the hook's caller, from the hook's frame pointer
@@ -1135,6 +1234,59 @@ mod tests {
             by_frame.add(pc);
         }
         assert_eq!(by_frame.finish(n), (n, h));
+    }
+
+    /// At the bottom of a recursion `n` deep: the trace shortcut's answer
+    /// (if any), then the walk (keeping it in `shortcuts` when the
+    /// shortcut did not answer, as `recorder::stack_key` does).
+    #[inline(never)]
+    fn shortcut_then_walk(
+        n: u32,
+        cache: &RuleCache,
+        memo: &mut StackMemos,
+        shortcuts: &mut Shortcuts,
+    ) -> (Option<(usize, u64)>, (usize, u64)) {
+        if n == 0 {
+            let sp = crate::stack_capture::stack_pointer();
+            let hi = crate::stack_capture::thread_stack_top(sp).unwrap();
+            let fp = crate::stack_capture::caller_frame();
+            let answer = shortcut(fp, sp, hi, shortcuts);
+            let keep = answer.is_none().then_some(shortcuts);
+            let mut out = [0u64; MAX_FRAMES];
+            let t = walk_trace(fp, sp, hi, &mut out, cache, memo, keep, true);
+            (answer, (t.frames, t.hash))
+        } else {
+            std::hint::black_box(shortcut_then_walk(n - 1, cache, memo, shortcuts))
+        }
+    }
+
+    #[test]
+    fn the_trace_shortcut_answers_repeated_walks_with_what_the_walk_finds() {
+        assert!(init(false));
+        let cache = RuleCache::new();
+        let mut memo = Box::new(StackMemos::new());
+        let mut shortcuts = Box::new(Shortcuts::new());
+        let mut answered = 0;
+        // One call site; depths that repeat and alternate (each depth is
+        // its own start state: the recursion's frames differ in `sp`).
+        for depth in [1, 1, 1, 1, 4, 4, 4, 1, 4, 1, 2, 2, 2, 2, 1] {
+            let (answer, walked) = shortcut_then_walk(
+                std::hint::black_box(depth),
+                &cache,
+                &mut memo,
+                &mut shortcuts,
+            );
+            if let Some(a) = answer {
+                assert_eq!(a, walked, "depth {depth}");
+                answered += 1;
+            }
+        }
+        if SHORTCUT {
+            // Kept after the first replay of each depth, answered after.
+            assert!(answered >= 7, "{answered} answers");
+        } else {
+            assert_eq!(answered, 0);
+        }
     }
 
     #[test]

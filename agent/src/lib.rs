@@ -29,6 +29,7 @@ pub mod stack_capture;
 pub mod stack_memo;
 pub mod thread_state;
 pub mod thread_tables;
+pub mod trace_shortcut;
 pub mod young_policy;
 
 pub use global_alloc::Agent;

@@ -687,6 +687,46 @@ fn stack_key(
     let memo = unsafe { tables.memo() };
     // The CFI walk leaves the frames it took from the memo there until the
     // cache below misses (see `cfi_unwind::Trace`).
+    let cache = t.stack_cache.get();
+    // SAFETY: as for `memo`.
+    let shortcuts = unsafe { tables.shortcuts() };
+    // The thread's trace shortcut answers most walks from a call site it
+    // saw before with their hash alone: enough when the trace is in the
+    // stack cache (else the walk below finds the frames).
+    // (Only where the walk below would be a CFI walk: it keeps them.)
+    let cfi = matches!(w.config.unwind, UnwindMode::Auto | UnwindMode::Cfi);
+    // (Kept only for a thread with a stack cache: without one the
+    // shortcut's answer is of no use.)
+    let mut keep = (cache.is_some() && shortcuts.worth_asking()).then_some(shortcuts);
+    if let (Some(cache), Some(s), true) = (cache, keep.as_deref_mut(), cfi && !fixed) {
+        // SAFETY of the shortcut's reads: `walkable` (as for the walk).
+        let found = stack_capture::walkable(sp, hi)
+            .then(|| crate::cfi_unwind::shortcut(fp, sp, hi, s))
+            .flatten();
+        if let Some((n, h)) = found {
+            // Debug builds (the tests') check every answer against the walk.
+            #[cfg(debug_assertions)]
+            {
+                let walked = crate::cfi_unwind::walk_trace(
+                    fp,
+                    sp,
+                    hi,
+                    &mut frames[..max],
+                    &tables.rules,
+                    memo,
+                    None,
+                    w.config.unwind == UnwindMode::Auto,
+                );
+                debug_assert_eq!((walked.frames, walked.hash), (n, h), "trace shortcut");
+            }
+            let _ = n;
+            if let Some((slot, key)) = w.resources.cache_find(cache, h) {
+                return Some((key, Some(slot)));
+            }
+            // Kept already: the walk need not keep it again.
+            keep = None;
+        }
+    }
     let trace = if fixed {
         frames[0] = 0x1000;
         Trace::whole((1, 0x1000_0001))
@@ -701,6 +741,7 @@ fn stack_key(
                 &mut frames[..max],
                 &tables.rules,
                 memo,
+                keep.filter(|_| crate::cfi_unwind::SHORTCUT),
                 w.config.unwind == UnwindMode::Auto,
             ),
             _ => Trace::whole(stack_capture::walk(fp, sp, hi, &mut frames[..max])),
@@ -711,7 +752,6 @@ fn stack_key(
     // slots also count the allocations (one line for both). A hit writes
     // nothing but the counts; a miss replaces the set's ways in turn
     // (first in, first out), after any empty one.
-    let cache = t.stack_cache.get();
     if let Some(cache) = cache {
         if let Some((slot, key)) = w.resources.cache_find(cache, h) {
             return Some((key, Some(slot)));

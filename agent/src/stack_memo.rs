@@ -67,6 +67,7 @@
 //!   hash costs one multiply-add.
 
 use crate::stack_capture::TraceHash;
+use crate::trace_shortcut::ShortcutFill;
 use heapdump_table::stack_compression::MAX_FRAMES;
 
 /// Set in a program counter (a walk's [`Visited::pc`], a rule cache's key)
@@ -517,6 +518,29 @@ impl StackMemo {
         let k = n + (b + 1 - last);
         out[n..k].copy_from_slice(&self.frames_rev[MEMO_ENTRIES - 1 - b..MEMO_ENTRIES - last]);
         k
+    }
+
+    /// How many words [`StackMemo::replay_words`] adds for entry `b`.
+    pub fn replay_word_count(&self, b: usize) -> usize {
+        let b = b.min(MEMO_ENTRIES - 1);
+        let below = u64::MAX.checked_shr(64 - b as u32).unwrap_or(0);
+        b + (self.rbp_checked & below).count_ones() as usize
+    }
+
+    /// Adds to `fill` every stack word a whole replay from entry `b`
+    /// checks (see [`StackMemo::follow`]: each step's return address, and
+    /// its saved `rbp` where checked); returns `e[b]`'s stack pointer and
+    /// whether the walk from `e[b]` uses its `rbp`. For the trace shortcut
+    /// (`crate::trace_shortcut`), after such a replay succeeded.
+    pub fn replay_words(&self, b: usize, fill: &mut ShortcutFill<'_>) -> (usize, bool) {
+        let b = b.min(MEMO_ENTRIES - 1);
+        for (j, c) in self.checks[..b].iter().enumerate() {
+            fill.word(c.ra_at);
+            if self.rbp_checked >> j & 1 != 0 {
+                fill.word(c.at);
+            }
+        }
+        (self.sp[b], self.needs_rbp[b])
     }
 
     /// The return addresses of `checks[checked..b]`, XORed with their

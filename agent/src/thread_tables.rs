@@ -1,5 +1,6 @@
 //! The per-thread tables too big for thread-local storage: the CFI rule
-//! cache (12 KiB), the stack memos (4 x 5 KiB) and the stack cache's
+//! cache (12 KiB), the stack memos (4 x 5 KiB), the trace shortcut
+//! (39 KiB) and the stack cache's
 //! replacement state (the cache itself is in the resources region, see
 //! `recorder::stack_key`).
 //!
@@ -44,12 +45,25 @@ pub struct ThreadTables {
     pub rules: crate::cfi_unwind::RuleCache,
     /// Earlier CFI walks of the thread (see `stack_memo`).
     memo: UnsafeCell<crate::stack_memo::StackMemos>,
+    /// The thread's recent walks by their start (see `trace_shortcut`).
+    shortcuts: UnsafeCell<crate::trace_shortcut::Shortcuts>,
     /// The next block of the pool while this one is in it (under the
     /// pool's lock only).
     next: Cell<*mut ThreadTables>,
 }
 
 impl ThreadTables {
+    /// The thread's trace shortcut.
+    ///
+    /// # Safety
+    /// As for [`ThreadTables::memo`].
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn shortcuts(&self) -> &mut crate::trace_shortcut::Shortcuts {
+        // SAFETY: uniqueness per the contract (a field of its own, so it
+        // never aliases the memos).
+        unsafe { &mut *self.shortcuts.get() }
+    }
+
     /// The thread's earlier CFI walks.
     ///
     /// # Safety

@@ -1,0 +1,584 @@
+//! The trace shortcut: a thread's recent walks, found by the state they
+//! started in, each with every stack word that decided it. A walk that
+//! starts in the same state while those words still hold the same values
+//! would find the same frames, so its frame count and hash are answered at
+//! once: one set lookup and one independent load per word, no step, no
+//! rule lookup, no memo.
+//!
+//! Why: a thread's allocations mostly come from a few call sites, each
+//! reached through the same frames again and again. Even when the
+//! [`StackMemo`](crate::stack_memo::StackMemo) replays all but the first
+//! frame, a walk still steps out of the hook's caller through its rule,
+//! finds the memo entry, checks its bounds and the words, and keeps the
+//! memo's books: ~300 instructions per allocation at 6 frames (callgrind
+//! on bench/churn.c's young workload), for an answer the thread has
+//! computed many times. Only the trace's hash is needed when the trace is
+//! in the thread's stack cache (most allocations); a shortcut answer
+//! carries no frames, and a caller that needs them walks again without the
+//! shortcut.
+//!
+//! Invariants:
+//! - The unwinder is a function of the start state (`pc`, `sp`, `rbp`),
+//!   the rules of the module generation, the thread's `top` and the stack
+//!   words it reads. An entry holds a walk's start state, `top`,
+//!   generation, frame count and hash, and the address and value of every
+//!   word that decided it: each step's return address, and the saved `rbp`
+//!   a step reloaded where the walk above it used that `rbp` (the words a
+//!   [`StackMemo`](crate::stack_memo::StackMemo) replay checks, for the same
+//!   reasons, see there); `rbp` is part of the key only where the walk used
+//!   it before reloading it (in code without frame pointers it is an
+//!   ordinary register whose value changes from call to call).
+//!   [`Shortcuts::find`] answers only when all of these are equal.
+//! - Every word's address lies in `[sp, top]` and is 8-aligned
+//!   ([`ShortcutFill::word`] refuses the entry otherwise), so a lookup from
+//!   the same `sp` with the same `top` reads only the live part of the
+//!   thread's own stack, which the walk may read.
+//! - An entry is written only by its thread (the table is in its private
+//!   [`ThreadTables`](crate::thread_tables::ThreadTables)); it is
+//!   unreachable (its key's `sp` is 0) while it is being filled, and a
+//!   fill that fails leaves it so. Words are kept as offsets from the start
+//!   state's stack pointer.
+
+use crate::stack_memo::Step;
+
+/// Words an entry can hold (walks that depend on more are not kept: on
+/// deep stacks a replay from the memo costs about what the check would).
+pub const SHORTCUT_WORDS: usize = 48;
+/// Sets of the table (two ways each).
+pub const SHORTCUT_SETS: usize = 32;
+
+/// Fills are paid for by answers: each fill adds [`FILL_COST`] to a debt
+/// that each answer pays down by one; past [`MAX_DEBT`], only one walk in
+/// [`FILL_EVERY`] of a run of unanswered ones fills. A thread whose walks
+/// repeat (a service's request loop) soon answers nearly all of them and
+/// keeps its entries up; one whose start states are too many for the
+/// table (deep recursion at random depths) would otherwise pay for
+/// writing entries that are evicted before they answer.
+const FILL_COST: u32 = 8;
+const MAX_DEBT: u32 = 128;
+const FILL_EVERY: u32 = 32;
+
+/// A kept walk's start state (see the module doc). Kept apart from the
+/// rest of its entry, two ways to a cache line, so that a walk the table
+/// does not hold costs one line of a small array.
+/// The table is asked while its answers pay for the asking: each walk it
+/// does not answer adds one to a doubt that each answer takes three off
+/// (so it keeps being asked while it answers at least a quarter of the
+/// walks: an answer saves a few hundred instructions, a lookup that
+/// finds nothing costs a few dozen and a line). Past [`DOUBT_LIMIT`] only
+/// one walk in [`ASK_EVERY`] asks (and may fill), until answers bring the
+/// doubt down again. A thread whose start states do not fit the table
+/// (the churn: 16 sites at random depths 8-32) thus pays next to nothing.
+const DOUBT_LIMIT: u32 = 64;
+const ANSWER_CREDIT: u32 = 3;
+const ASK_EVERY: u32 = 32;
+
+#[derive(Clone, Copy)]
+#[repr(C)]
+struct Key {
+    pc: u64,
+    /// 0: empty (a start state's stack pointer is never 0).
+    sp: usize,
+    rbp: usize,
+    /// `usize::MAX` where the walk used the start state's `rbp`, else 0.
+    rbp_mask: usize,
+}
+
+impl Key {
+    const EMPTY: Key = Key {
+        pc: 0,
+        sp: 0,
+        rbp: 0,
+        rbp_mask: 0,
+    };
+
+    /// Whether this is the walk from this start state.
+    #[inline(always)]
+    fn starts(&self, pc: u64, sp: usize, rbp: usize) -> bool {
+        ((self.pc ^ pc) | (self.sp ^ sp) as u64 | ((self.rbp ^ rbp) & self.rbp_mask) as u64) == 0
+    }
+}
+
+/// A kept walk's answer and words: word `i` is at `sp + offs[i]` and held
+/// `vals[i]`.
+#[repr(C)]
+struct Entry {
+    hash: u64,
+    frames: u32,
+    len: u32,
+    vals: [u64; SHORTCUT_WORDS],
+    offs: [u32; SHORTCUT_WORDS],
+}
+
+impl Entry {
+    const EMPTY: Entry = Entry {
+        hash: 0,
+        frames: 0,
+        len: 0,
+        vals: [0; SHORTCUT_WORDS],
+        offs: [0; SHORTCUT_WORDS],
+    };
+}
+
+/// A thread's shortcut table (see the module doc): two-way sets by the
+/// start state, the way last answered or filled kept.
+#[repr(C)]
+pub struct Shortcuts {
+    /// The `top` and rule generation of every entry (a fill with others
+    /// empties the table first).
+    top: usize,
+    generation: u64,
+    /// Walks in a row that the table did not answer.
+    misses: u32,
+    /// Fills not yet paid for by answers, see [`FILL_COST`].
+    debt: u32,
+    /// See [`DOUBT_LIMIT`].
+    doubt: u32,
+    /// Walks that did not ask while in doubt.
+    unasked: u32,
+    /// Per set: the way to fill next (the other one answered last).
+    victim: [u8; SHORTCUT_SETS],
+    keys: [[Key; 2]; SHORTCUT_SETS],
+    entries: [[Entry; 2]; SHORTCUT_SETS],
+}
+
+impl Default for Shortcuts {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// The set of a start state: call sites differ in `pc`, the depths of one
+/// site in `sp` (16-byte aligned at a call).
+#[inline(always)]
+fn set_of(pc: u64, sp: usize) -> usize {
+    let h = (pc ^ (sp as u64 >> 4)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    (h >> 59) as usize % SHORTCUT_SETS
+}
+const _: () = assert!(SHORTCUT_SETS == 32);
+
+impl Shortcuts {
+    /// An empty table (all zero bytes, as the thread's tables start).
+    pub const fn new() -> Self {
+        Shortcuts {
+            top: 0,
+            generation: 0,
+            misses: 0,
+            debt: 0,
+            doubt: 0,
+            unasked: 0,
+            victim: [0; SHORTCUT_SETS],
+            keys: [[Key::EMPTY; 2]; SHORTCUT_SETS],
+            entries: [const { [Entry::EMPTY, Entry::EMPTY] }; SHORTCUT_SETS],
+        }
+    }
+
+    /// The frame count and hash of the walk from state (`pc`, `sp`,
+    /// `rbp`) with `top` and rules of `generation`, if an entry holds that
+    /// walk and every word it depends on is unchanged.
+    ///
+    /// # Safety
+    /// `[sp, top + 8)` must be readable (the live part of the calling
+    /// thread's stack, as for a walk from `sp`).
+    #[inline(always)]
+    pub unsafe fn find(
+        &mut self,
+        pc: u64,
+        sp: usize,
+        rbp: usize,
+        top: usize,
+        generation: u64,
+    ) -> Option<(usize, u64)> {
+        let s = set_of(pc, sp);
+        let keys = &self.keys[s];
+        let way = if ((self.top ^ top) as u64 | (self.generation ^ generation)) != 0 {
+            usize::MAX
+        } else if keys[0].starts(pc, sp, rbp) {
+            0
+        } else if keys[1].starts(pc, sp, rbp) {
+            1
+        } else {
+            usize::MAX
+        };
+        if way > 1 {
+            self.missed();
+            return None;
+        };
+        let e = &self.entries[s][way];
+        let n = (e.len as usize).min(SHORTCUT_WORDS);
+        let mut diff = 0;
+        for (&off, &val) in e.offs[..n].iter().zip(&e.vals[..n]) {
+            // SAFETY: `sp + off` is 8-aligned and lies in `[sp, self.top]`
+            // (see `ShortcutFill::word`), which is `[sp, top]` here:
+            // readable by the caller's guarantee. Volatile: nothing may be
+            // assumed of the word.
+            diff |= unsafe { std::ptr::read_volatile((sp + off as usize) as *const u64) } ^ val;
+        }
+        if diff != 0 {
+            self.missed();
+            return None;
+        }
+        self.misses = 0;
+        self.debt = self.debt.saturating_sub(1);
+        self.doubt = self.doubt.saturating_sub(ANSWER_CREDIT);
+        self.victim[s] = (way ^ 1) as u8;
+        Some((e.frames as usize, e.hash))
+    }
+
+    /// Whether to ask the table about this walk (see [`DOUBT_LIMIT`]); a
+    /// walk that does not ask keeps nothing either.
+    #[inline(always)]
+    pub fn worth_asking(&mut self) -> bool {
+        if self.doubt < DOUBT_LIMIT {
+            return true;
+        }
+        self.unasked = self.unasked.wrapping_add(1);
+        self.unasked.is_multiple_of(ASK_EVERY)
+    }
+
+    /// Notes a walk the table did not answer.
+    #[inline(always)]
+    fn missed(&mut self) {
+        self.misses = self.misses.wrapping_add(1);
+        // Capped just past the limit: one answer restores asking.
+        self.doubt = (self.doubt + 1).min(DOUBT_LIMIT + ANSWER_CREDIT - 1);
+    }
+
+    /// Whether [`Shortcuts::fill`] would keep a walk now (a thread whose
+    /// fills have not paid off mostly skips the work of one).
+    #[inline(always)]
+    pub fn fill_due(&self) -> bool {
+        self.debt <= MAX_DEBT - FILL_COST || self.misses.is_multiple_of(FILL_EVERY)
+    }
+
+    /// Starts keeping the walk that just missed from (`pc`, `sp`, `rbp`),
+    /// if the thread's answers have paid for it (see [`FILL_COST`]). The
+    /// entry is the set's victim way; it is unreachable until
+    /// [`ShortcutFill::finish`].
+    #[inline]
+    pub fn fill(
+        &mut self,
+        pc: u64,
+        sp: usize,
+        top: usize,
+        generation: u64,
+    ) -> Option<ShortcutFill<'_>> {
+        if !self.fill_due() {
+            return None;
+        }
+        if self.debt <= MAX_DEBT - FILL_COST {
+            self.debt += FILL_COST;
+        }
+        if self.top != top || self.generation != generation {
+            for set in &mut self.keys {
+                for k in set {
+                    k.sp = 0;
+                }
+            }
+            self.top = top;
+            self.generation = generation;
+        }
+        let s = set_of(pc, sp);
+        let way = usize::from(self.victim[s] & 1);
+        self.victim[s] = (way ^ 1) as u8;
+        let key = &mut self.keys[s][way];
+        *key = Key {
+            pc,
+            sp: 0,
+            rbp: 0,
+            rbp_mask: 0,
+        };
+        let e = &mut self.entries[s][way];
+        e.len = 0;
+        Some(ShortcutFill {
+            key,
+            e,
+            sp,
+            top,
+            ok: sp != 0 && sp <= top,
+        })
+    }
+}
+
+/// An entry being filled (see [`Shortcuts::fill`]): the words, then
+/// [`ShortcutFill::finish`].
+pub struct ShortcutFill<'t> {
+    key: &'t mut Key,
+    e: &'t mut Entry,
+    sp: usize,
+    top: usize,
+    ok: bool,
+}
+
+impl ShortcutFill<'_> {
+    /// Adds the stack word at `at` with its current value. Refuses the
+    /// entry when the word is outside `[sp, top]`, unaligned, or one too
+    /// many.
+    #[inline]
+    pub fn word(&mut self, at: usize) {
+        let n = self.e.len as usize;
+        let off = at.wrapping_sub(self.sp);
+        if !self.ok || n >= SHORTCUT_WORDS || at < self.sp || at > self.top || !at.is_multiple_of(8)
+        {
+            self.ok = false;
+            return;
+        }
+        let Ok(off) = u32::try_from(off) else {
+            self.ok = false;
+            return;
+        };
+        // SAFETY: `at` is 8-aligned and lies in `[sp, top]`, the readable
+        // part of the thread's stack from the walk's start (the walk read
+        // this very word moments ago; `fill`'s caller's guarantee).
+        self.e.vals[n] = unsafe { std::ptr::read_volatile(at as *const u64) };
+        self.e.offs[n] = off;
+        self.e.len = n as u32 + 1;
+    }
+
+    /// Adds the words of the steps out of the frames `visited` (innermost
+    /// first, each with its rule classified by `classify`) that a walk
+    /// stepped through before it reached a state whose own walk depends
+    /// on `needs_rbp_below` and on the words already added, at stack
+    /// pointer `below_sp`. Returns whether the walk from the first of
+    /// `visited` uses its `rbp`. Mirrors `StackMemo::extend`: a step out of
+    /// a frame through its frame pointer reads the return address at the
+    /// new stack pointer - 8 and the saved `rbp` just below; a step by an
+    /// `rsp` rule the return address there and, where it has one, the
+    /// saved `rbp` at its offset from the new stack pointer. Any other
+    /// rule refuses the entry.
+    pub fn steps<V>(
+        &mut self,
+        visited: &[V],
+        mut below_sp: usize,
+        needs_rbp_below: bool,
+        state: impl Fn(&V) -> (usize, Step),
+    ) -> bool {
+        let mut needs = needs_rbp_below;
+        for v in visited.iter().rev() {
+            let (sp, step) = state(v);
+            let (fp, rbp_off) = match step {
+                Step::FramePointer => (true, 0),
+                Step::Rsp { rbp_off } => (false, rbp_off),
+                Step::End | Step::Other => {
+                    self.ok = false;
+                    return true;
+                }
+            };
+            let ra_at = below_sp.wrapping_sub(8);
+            let rbp_at = if fp {
+                below_sp.wrapping_sub(16)
+            } else {
+                below_sp.wrapping_add_signed(rbp_off as isize)
+            };
+            let reads_rbp = fp || rbp_off != 0;
+            if !(sp <= ra_at && ra_at < below_sp) {
+                self.ok = false;
+            }
+            self.word(ra_at);
+            if reads_rbp && needs {
+                if !(sp <= rbp_at && rbp_at < below_sp) {
+                    self.ok = false;
+                }
+                self.word(rbp_at);
+            }
+            needs = fp || (!reads_rbp && needs);
+            below_sp = sp;
+        }
+        needs
+    }
+
+    /// Makes the entry answer for start state `sp` (given to
+    /// [`Shortcuts::fill`]) and `rbp` (compared only when `uses_rbp`):
+    /// `frames` frames hashed to `hash`. Does nothing if a word was
+    /// refused.
+    pub fn finish(self, rbp: usize, uses_rbp: bool, frames: usize, hash: u64) {
+        if !self.ok || frames > u32::MAX as usize {
+            return;
+        }
+        self.e.frames = frames as u32;
+        self.e.hash = hash;
+        self.key.rbp = rbp;
+        self.key.rbp_mask = if uses_rbp { usize::MAX } else { 0 };
+        self.key.sp = self.sp;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A fake stack: 64 words, the "start" at word 8, the top at word 63.
+    fn stack() -> Box<[u64; 64]> {
+        let mut s = Box::new([0u64; 64]);
+        for (i, w) in s.iter_mut().enumerate() {
+            *w = 0x1000 + i as u64;
+        }
+        s
+    }
+
+    fn at(s: &[u64; 64], i: usize) -> usize {
+        &s[i] as *const u64 as usize
+    }
+
+    #[test]
+    fn an_entry_answers_only_while_its_start_state_and_every_word_are_unchanged() {
+        let mut s = stack();
+        let (sp, top) = (at(&s, 8), at(&s, 63));
+        let mut t = Box::new(Shortcuts::new());
+        // SAFETY (all `find`s): `[sp, top + 8)` lies inside `s`.
+        assert_eq!(unsafe { t.find(0x5000, sp, 7, top, 1) }, None);
+        let mut f = t.fill(0x5000, sp, top, 1).unwrap();
+        f.word(at(&s, 10));
+        f.word(at(&s, 20));
+        f.finish(7, false, 5, 0xabc);
+        assert_eq!(unsafe { t.find(0x5000, sp, 7, top, 1) }, Some((5, 0xabc)));
+        // rbp unused: another rbp walks the same frames.
+        assert_eq!(unsafe { t.find(0x5000, sp, 9, top, 1) }, Some((5, 0xabc)));
+        // Any other start, top or generation: no answer.
+        assert_eq!(unsafe { t.find(0x5001, sp, 7, top, 1) }, None);
+        assert_eq!(unsafe { t.find(0x5000, sp + 16, 7, top, 1) }, None);
+        assert_eq!(unsafe { t.find(0x5000, sp, 7, top - 8, 1) }, None);
+        assert_eq!(unsafe { t.find(0x5000, sp, 7, top, 2) }, None);
+        // A word changed: no answer until it holds its value again.
+        s[20] = 1;
+        assert_eq!(unsafe { t.find(0x5000, sp, 7, top, 1) }, None);
+        s[20] = 0x1000 + 20;
+        assert_eq!(unsafe { t.find(0x5000, sp, 7, top, 1) }, Some((5, 0xabc)));
+        // A word the entry does not hold changes nothing.
+        s[30] = 1;
+        assert_eq!(unsafe { t.find(0x5000, sp, 7, top, 1) }, Some((5, 0xabc)));
+    }
+
+    #[test]
+    fn rbp_is_compared_only_where_the_walk_used_it() {
+        let s = stack();
+        let (sp, top) = (at(&s, 8), at(&s, 63));
+        let mut t = Box::new(Shortcuts::new());
+        let f = t.fill(0x5000, sp, top, 1).unwrap();
+        f.finish(7, true, 3, 0x77);
+        assert_eq!(unsafe { t.find(0x5000, sp, 7, top, 1) }, Some((3, 0x77)));
+        assert_eq!(unsafe { t.find(0x5000, sp, 9, top, 1) }, None);
+    }
+
+    #[test]
+    fn a_word_outside_the_stack_from_the_start_or_unaligned_refuses_the_entry() {
+        let s = stack();
+        let (sp, top) = (at(&s, 8), at(&s, 62));
+        for bad in [at(&s, 7), at(&s, 63), at(&s, 10) + 4] {
+            let mut t = Box::new(Shortcuts::new());
+            let mut f = t.fill(0x5000, sp, top, 1).unwrap();
+            f.word(at(&s, 10));
+            f.word(bad);
+            f.finish(0, false, 1, 1);
+            assert_eq!(unsafe { t.find(0x5000, sp, 0, top, 1) }, None, "{bad:x}");
+        }
+        // Too many words.
+        let mut t = Box::new(Shortcuts::new());
+        let mut f = t.fill(0x5000, sp, top, 1).unwrap();
+        for i in 0..=SHORTCUT_WORDS {
+            f.word(at(&s, 9 + i));
+        }
+        f.finish(0, false, 1, 1);
+        assert_eq!(unsafe { t.find(0x5000, sp, 0, top, 1) }, None);
+    }
+
+    #[test]
+    fn steps_add_the_words_a_walk_read_and_say_whether_it_used_the_start_rbp() {
+        let s = stack();
+        let (top, w) = (at(&s, 63), |i| at(&s, i));
+        let mut t = Box::new(Shortcuts::new());
+        // Innermost first: a frame-pointer step from sp = word 8 to word
+        // 12, then an rsp step (rbp saved 3 words below the new sp) to
+        // word 20, then the walk met a state that uses its rbp.
+        let visited = [
+            (w(8), Step::FramePointer),
+            (w(12), Step::Rsp { rbp_off: -24 }),
+        ];
+        let mut f = t.fill(0x5000, w(8), top, 1).unwrap();
+        let uses = f.steps(&visited, w(20), true, |v| *v);
+        // The rsp step: return address at word 19, saved rbp at 17
+        // (the state below uses it); the frame-pointer step: return address
+        // at 11 only (the rbp it saved at 10 is reloaded by the rsp step
+        // before anything uses it).
+        let words: Vec<usize> = f.e.offs[..f.e.len as usize]
+            .iter()
+            .map(|&o| w(8) + o as usize)
+            .collect();
+        assert_eq!(words, [w(19), w(17), w(11)]);
+        assert!(uses, "a frame-pointer step uses the state's rbp");
+        f.finish(5, uses, 3, 0x33);
+        assert_eq!(unsafe { t.find(0x5000, w(8), 5, top, 1) }, Some((3, 0x33)));
+        assert_eq!(unsafe { t.find(0x5000, w(8), 6, top, 1) }, None);
+
+        // An rsp step that does not save rbp passes the need on; one that
+        // reloads it ends it; the saved rbp is read only where needed.
+        let mut f = t.fill(0x6000, w(8), top, 1).unwrap();
+        let only_ra = [(w(8), Step::Rsp { rbp_off: -16 })];
+        assert!(!f.steps(&only_ra, w(12), false, |v| *v));
+        assert_eq!(f.e.len, 1, "the saved rbp is not needed below");
+        let mut f = t.fill(0x6000, w(8), top, 1).unwrap();
+        let pass = [(w(8), Step::Rsp { rbp_off: 0 })];
+        assert!(f.steps(&pass, w(12), true, |v| *v));
+        // Another rule refuses the entry.
+        let mut f = t.fill(0x6000, w(8), top, 1).unwrap();
+        f.steps(&[(w(8), Step::Other)], w(12), false, |v| *v);
+        f.finish(0, false, 1, 1);
+        assert_eq!(unsafe { t.find(0x6000, w(8), 0, top, 1) }, None);
+    }
+
+    #[test]
+    fn a_table_that_answers_under_a_quarter_of_walks_is_asked_one_walk_in_32() {
+        let s = stack();
+        let (sp, top) = (at(&s, 8), at(&s, 63));
+        let mut t = Box::new(Shortcuts::new());
+        t.fill(0x5000, sp, top, 1).unwrap().finish(0, false, 1, 7);
+        // One answer in five walks: the doubt grows by 4 - 3 per five.
+        let mut asked = 0;
+        for i in 0..2000u64 {
+            if t.worth_asking() {
+                asked += 1;
+                let pc = if i % 5 == 0 { 0x5000 } else { 0x6000 + i };
+                // SAFETY: `[sp, top + 8)` lies inside `s`.
+                let _ = unsafe { t.find(pc, sp, 0, top, 1) };
+            }
+        }
+        assert!(asked < 600, "{asked} of 2000 walks asked");
+        // Answers at every walk bring it back.
+        let mut asked = 0;
+        for _ in 0..200 {
+            if t.worth_asking() {
+                asked += 1;
+                // SAFETY: as above.
+                assert!(unsafe { t.find(0x5000, sp, 0, top, 1) }.is_some());
+            }
+        }
+        assert!(asked > 150, "{asked} of 200 walks asked");
+    }
+
+    #[test]
+    fn fills_are_paid_for_by_answers() {
+        let s = stack();
+        let (sp, top) = (at(&s, 8), at(&s, 63));
+        let mut t = Box::new(Shortcuts::new());
+        let mut filled = 0;
+        let fill = |t: &mut Shortcuts, pc| {
+            // SAFETY: `[sp, top + 8)` lies inside `s`.
+            assert_eq!(unsafe { t.find(pc, sp, 0, top, 1) }, None);
+            t.fill(pc, sp, top, 1)
+                .map(|f| f.finish(0, false, 1, 7))
+                .is_some()
+        };
+        for i in 0..64u64 {
+            filled += usize::from(fill(&mut t, 0x9000 + i));
+        }
+        // 16 on credit, then one per 32 misses in a row (the 32nd, 64th).
+        assert_eq!(filled, 16 + 2);
+        // Eight answers pay for one more fill.
+        for _ in 0..8 {
+            // SAFETY: as above.
+            assert!(unsafe { t.find(0x9000 + 63, sp, 0, top, 1) }.is_some());
+        }
+        assert!(fill(&mut t, 0x8000));
+        assert!(!fill(&mut t, 0x8001));
+    }
+}
