@@ -1,6 +1,6 @@
 //! The per-thread tables too big for thread-local storage: the CFI rule
 //! cache (12 KiB), the stack memos (4 x 5 KiB), the trace shortcut
-//! (39 KiB) and the stack cache's
+//! (51 KiB) and the stack cache's
 //! replacement state (the cache itself is in the resources region, see
 //! `recorder::stack_key`).
 //!

@@ -36,8 +36,7 @@
 //! - An entry is written only by its thread (the table is in its private
 //!   [`ThreadTables`](crate::thread_tables::ThreadTables)); it is
 //!   unreachable (its key's `sp` is 0) while it is being filled, and a
-//!   fill that fails leaves it so. Words are kept as offsets from the start
-//!   state's stack pointer.
+//!   fill that fails leaves it so.
 
 use crate::stack_memo::Step;
 
@@ -99,15 +98,21 @@ impl Key {
     }
 }
 
-/// A kept walk's answer and words: word `i` is at `sp + offs[i]` and held
-/// `vals[i]`.
+/// A stack word a kept walk read: its address and the value it held.
+#[derive(Clone, Copy)]
+#[repr(C)]
+struct Word {
+    at: usize,
+    val: u64,
+}
+
+/// A kept walk's answer and words.
 #[repr(C)]
 struct Entry {
     hash: u64,
     frames: u32,
     len: u32,
-    vals: [u64; SHORTCUT_WORDS],
-    offs: [u32; SHORTCUT_WORDS],
+    words: [Word; SHORTCUT_WORDS],
 }
 
 impl Entry {
@@ -115,8 +120,7 @@ impl Entry {
         hash: 0,
         frames: 0,
         len: 0,
-        vals: [0; SHORTCUT_WORDS],
-        offs: [0; SHORTCUT_WORDS],
+        words: [Word { at: 0, val: 0 }; SHORTCUT_WORDS],
     };
 }
 
@@ -205,14 +209,13 @@ impl Shortcuts {
             return None;
         };
         let e = &self.entries[s][way];
-        let n = (e.len as usize).min(SHORTCUT_WORDS);
         let mut diff = 0;
-        for (&off, &val) in e.offs[..n].iter().zip(&e.vals[..n]) {
-            // SAFETY: `sp + off` is 8-aligned and lies in `[sp, self.top]`
-            // (see `ShortcutFill::word`), which is `[sp, top]` here:
-            // readable by the caller's guarantee. Volatile: nothing may be
-            // assumed of the word.
-            diff |= unsafe { std::ptr::read_volatile((sp + off as usize) as *const u64) } ^ val;
+        for w in &e.words[..(e.len as usize).min(SHORTCUT_WORDS)] {
+            // SAFETY: `w.at` is 8-aligned and lies in `[sp, self.top]` (see
+            // `ShortcutFill::word`), which is `[sp, top]` here: readable by
+            // the caller's guarantee. Volatile: nothing may be assumed of
+            // the word.
+            diff |= unsafe { std::ptr::read_volatile(w.at as *const u64) } ^ w.val;
         }
         if diff != 0 {
             self.missed();
@@ -317,21 +320,16 @@ impl ShortcutFill<'_> {
     #[inline]
     pub fn word(&mut self, at: usize) {
         let n = self.e.len as usize;
-        let off = at.wrapping_sub(self.sp);
         if !self.ok || n >= SHORTCUT_WORDS || at < self.sp || at > self.top || !at.is_multiple_of(8)
         {
             self.ok = false;
             return;
         }
-        let Ok(off) = u32::try_from(off) else {
-            self.ok = false;
-            return;
-        };
         // SAFETY: `at` is 8-aligned and lies in `[sp, top]`, the readable
         // part of the thread's stack from the walk's start (the walk read
         // this very word moments ago; `fill`'s caller's guarantee).
-        self.e.vals[n] = unsafe { std::ptr::read_volatile(at as *const u64) };
-        self.e.offs[n] = off;
+        let val = unsafe { std::ptr::read_volatile(at as *const u64) };
+        self.e.words[n] = Word { at, val };
         self.e.len = n as u32 + 1;
     }
 
@@ -500,10 +498,7 @@ mod tests {
         // (the state below uses it); the frame-pointer step: return address
         // at 11 only (the rbp it saved at 10 is reloaded by the rsp step
         // before anything uses it).
-        let words: Vec<usize> = f.e.offs[..f.e.len as usize]
-            .iter()
-            .map(|&o| w(8) + o as usize)
-            .collect();
+        let words: Vec<usize> = f.e.words[..f.e.len as usize].iter().map(|x| x.at).collect();
         assert_eq!(words, [w(19), w(17), w(11)]);
         assert!(uses, "a frame-pointer step uses the state's rbp");
         f.finish(5, uses, 3, 0x33);
