@@ -659,6 +659,36 @@ fn next_look_after(n: u64) -> u64 {
     }
 }
 
+/// Whether the thread's trace shortcut is asked about this walk, and its
+/// answer (frame count and hash). The shortcut answers most walks from a
+/// call site it saw before with their hash alone: enough when the trace
+/// is in the stack cache (else the walk finds the frames). It is asked
+/// only for a thread with a stack cache (`cached`: without one the hash
+/// alone is of no use), where the walk is a CFI walk (which keeps them),
+/// and while it answers enough walks to pay for being asked. (A function
+/// of its own so that its temporaries do not grow `stack_key`'s frame in
+/// debug builds, where a thread with a 32 KiB stack has little room.)
+#[inline]
+fn ask_shortcut(
+    w: &Writers,
+    shortcuts: &mut crate::trace_shortcut::Shortcuts,
+    cached: bool,
+    fixed: bool,
+    fp: usize,
+    sp: usize,
+    hi: usize,
+) -> (bool, Option<(usize, u64)>) {
+    let asks = cached
+        && !fixed
+        && matches!(w.config.unwind, UnwindMode::Auto | UnwindMode::Cfi)
+        && shortcuts.worth_asking();
+    if !asks || !stack_capture::walkable(sp, hi) {
+        return (asks, None);
+    }
+    // The shortcut reads the stack as the walk would: `walkable` holds.
+    (true, crate::cfi_unwind::shortcut(fp, sp, hi, shortcuts))
+}
+
 /// The stack key of the calling allocation (whose hook's frame pointer is
 /// `fp`), and the slot of the thread's stack cache that counts it (`None`:
 /// the thread has no stack cache; count on the stack's record). With
@@ -690,43 +720,16 @@ fn stack_key(
     let cache = t.stack_cache.get();
     // SAFETY: as for `memo`.
     let shortcuts = unsafe { tables.shortcuts() };
-    // The thread's trace shortcut answers most walks from a call site it
-    // saw before with their hash alone: enough when the trace is in the
-    // stack cache (else the walk below finds the frames).
-    // (Only where the walk below would be a CFI walk: it keeps them.)
-    let cfi = matches!(w.config.unwind, UnwindMode::Auto | UnwindMode::Cfi);
-    // (Kept only for a thread with a stack cache: without one the
-    // shortcut's answer is of no use.)
-    let mut keep = (cache.is_some() && shortcuts.worth_asking()).then_some(shortcuts);
-    if let (Some(cache), Some(s), true) = (cache, keep.as_deref_mut(), cfi && !fixed) {
-        // SAFETY of the shortcut's reads: `walkable` (as for the walk).
-        let found = stack_capture::walkable(sp, hi)
-            .then(|| crate::cfi_unwind::shortcut(fp, sp, hi, s))
-            .flatten();
-        if let Some((n, h)) = found {
-            // Debug builds (the tests') check every answer against the walk.
-            #[cfg(debug_assertions)]
-            {
-                let walked = crate::cfi_unwind::walk_trace(
-                    fp,
-                    sp,
-                    hi,
-                    &mut frames[..max],
-                    &tables.rules,
-                    memo,
-                    None,
-                    w.config.unwind == UnwindMode::Auto,
-                );
-                debug_assert_eq!((walked.frames, walked.hash), (n, h), "trace shortcut");
-            }
-            let _ = n;
-            if let Some((slot, key)) = w.resources.cache_find(cache, h) {
-                return Some((key, Some(slot)));
-            }
-            // Kept already: the walk need not keep it again.
-            keep = None;
+    let (asks, answer) = ask_shortcut(w, shortcuts, cache.is_some(), fixed, fp, sp, hi);
+    // (Debug builds, the tests', walk anyway and check the answer below.)
+    #[cfg(not(debug_assertions))]
+    if let (Some(cache), Some((_, h))) = (cache, answer) {
+        if let Some((slot, key)) = w.resources.cache_find(cache, h) {
+            return Some((key, Some(slot)));
         }
     }
+    // A walk the shortcut answered is kept there already.
+    let keep = (asks && answer.is_none() && crate::cfi_unwind::SHORTCUT).then_some(shortcuts);
     let trace = if fixed {
         frames[0] = 0x1000;
         Trace::whole((1, 0x1000_0001))
@@ -741,13 +744,14 @@ fn stack_key(
                 &mut frames[..max],
                 &tables.rules,
                 memo,
-                keep.filter(|_| crate::cfi_unwind::SHORTCUT),
+                keep,
                 w.config.unwind == UnwindMode::Auto,
             ),
             _ => Trace::whole(stack_capture::walk(fp, sp, hi, &mut frames[..max])),
         }
     };
     let (n, h) = (trace.frames, trace.hash);
+    debug_assert!(answer.is_none_or(|a| a == (n, h)), "trace shortcut");
     // The thread's stack cache: 4-way sets in the resources region, whose
     // slots also count the allocations (one line for both). A hit writes
     // nothing but the counts; a miss replaces the set's ways in turn
