@@ -25,8 +25,10 @@
 //! The exact-mode allocation path, top to bottom (the preload's
 //! `malloc_family::malloc_slow`, or the Rust `Agent`): [`on_alloc`] ->
 //! `record_weighted`: the thread's state (`thread_state::with`, busy flag),
-//! `prepare_thread`, `stack_key` (the walk, `cfi_unwind::walk` with the
-//! thread's `stack_memo`, then the thread's stack cache, a block of the
+//! `prepare_thread`, `stack_key` (the thread's `trace_shortcut`, which
+//! answers a walk it has seen from the same start with every stack word
+//! unchanged; else the walk, `cfi_unwind::walk_trace` with the thread's
+//! `stack_memo`; then the thread's stack cache, a block of the
 //! resources region; interning on a miss), the clock, the table insert
 //! (into the thread's young ring, or straight into the index while the
 //! thread's blocks outlive the ring: `young_policy`), the per-stack
@@ -34,9 +36,10 @@
 //! [`on_free_deferred`] -> `remove_block`. Budget (DESIGN §6, issue 30):
 //! at most 350 instructions added per malloc+free pair at 4 frames, 700 on
 //! the churn, 3 L1 data misses; `bench/instructions --parts` counts them
-//! per part (session 21, 2026-11-27: +1069 and +1343 instructions, +3.8
-//! and +6.9 misses: far over; see docs/benchmarks.md), and CI fails when
-//! they grow past `bench/instructions-budget.json`.
+//! per part (session 22, 2026-11-27: +946 and +1402 instructions, +4.0
+//! and +6.5 misses, +707 on a young block's pair: far over; see
+//! docs/benchmarks.md), and CI fails when they grow past
+//! `bench/instructions-budget.json`.
 
 use std::cell::UnsafeCell;
 use std::mem::MaybeUninit;

@@ -17,7 +17,9 @@
 //!   all zeros: key 0 = empty entry, `Rule::EMPTY` = 0, length 0, false),
 //!   so a fresh mapping (zero-filled by the kernel) needs no initialising,
 //!   and a block taken from the pool is zeroed in place (never built on the
-//!   stack: 32 KiB would not fit a small thread's stack).
+//!   stack: 82 KiB would not fit a small thread's stack), all but the
+//!   trace shortcut's entries (50 KiB), which only its zeroed keys lead
+//!   to: a thread touches the pages of the entries it fills, not all.
 //! - A block is owned by one thread from [`acquire`] to [`release`], and
 //!   only touched by it, with its `busy` flag set; a block in the pool is
 //!   touched only under the pool's lock.
@@ -35,6 +37,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use heapdump_table::resources_table::CACHE_SETS;
 
+use crate::trace_shortcut::Shortcuts;
+
 /// One thread's tables (see the module doc).
 #[repr(C)]
 pub struct ThreadTables {
@@ -45,12 +49,21 @@ pub struct ThreadTables {
     pub rules: crate::cfi_unwind::RuleCache,
     /// Earlier CFI walks of the thread (see `stack_memo`).
     memo: UnsafeCell<crate::stack_memo::StackMemos>,
-    /// The thread's recent walks by their start (see `trace_shortcut`).
-    shortcuts: UnsafeCell<crate::trace_shortcut::Shortcuts>,
     /// The next block of the pool while this one is in it (under the
     /// pool's lock only).
     next: Cell<*mut ThreadTables>,
+    /// The thread's recent walks by their start (see `trace_shortcut`).
+    /// Last: its last [`Shortcuts::UNZEROED`] bytes need no zeroing.
+    shortcuts: UnsafeCell<Shortcuts>,
 }
+
+/// The bytes of a block that a reused block must have zeroed: all but the
+/// tail that the trace shortcut reaches only through its (zeroed) keys.
+const ZEROED: usize = std::mem::size_of::<ThreadTables>() - Shortcuts::UNZEROED;
+const _: () = assert!(
+    std::mem::offset_of!(ThreadTables, shortcuts) + std::mem::size_of::<Shortcuts>()
+        == std::mem::size_of::<ThreadTables>()
+);
 
 impl ThreadTables {
     /// The thread's trace shortcut.
@@ -58,7 +71,7 @@ impl ThreadTables {
     /// # Safety
     /// As for [`ThreadTables::memo`].
     #[allow(clippy::mut_from_ref)]
-    pub unsafe fn shortcuts(&self) -> &mut crate::trace_shortcut::Shortcuts {
+    pub unsafe fn shortcuts(&self) -> &mut Shortcuts {
         // SAFETY: uniqueness per the contract (a field of its own, so it
         // never aliases the memos).
         unsafe { &mut *self.shortcuts.get() }
@@ -138,10 +151,11 @@ fn acquire_from(pool: &Pool) -> *mut ThreadTables {
     if !pooled.is_null() {
         // SAFETY: the block left the pool under the lock, so this thread
         // owns it alone; zeroing its bytes gives the empty tables (see the
-        // module doc). It is zeroed in place, with no copy on the stack.
-        unsafe {
-            std::ptr::write_bytes(pooled.cast::<u8>(), 0, std::mem::size_of::<ThreadTables>())
-        };
+        // module doc; the shortcut's entries, past `ZEROED`, are reached
+        // only through its keys, which are zeroed). It is zeroed in place,
+        // with no copy on the stack, and the untouched tail's pages stay
+        // as resident as the last thread left them.
+        unsafe { std::ptr::write_bytes(pooled.cast::<u8>(), 0, ZEROED) };
         return pooled;
     }
     // SAFETY: an anonymous private mapping, no address hint; the result is
@@ -212,6 +226,13 @@ mod tests {
             let t = unsafe { &*a };
             assert!(t.next_way.iter().all(|r| r.get() == 0));
             t.next_way[3].set(5);
+            // An entry with no words (none is read): a key set.
+            // SAFETY: this thread's block, no other reference to it.
+            let s = unsafe { t.shortcuts() };
+            s.fill(0x5000, 0x1000, 0x2000, 1)
+                .unwrap()
+                .finish(0, false, 1, 7);
+            assert!(!s.is_empty());
             // SAFETY: no longer used below.
             unsafe { release_to(&pool, a) };
             let b = acquire_from(&pool);
@@ -219,6 +240,9 @@ mod tests {
             // SAFETY: `b` is this thread's block.
             let t = unsafe { &*b };
             assert_eq!(t.next_way[3].get(), 0, "and comes back empty");
+            // The shortcut's keys are zeroed, its entries left as they were.
+            // SAFETY: as above.
+            assert!(unsafe { t.shortcuts() }.is_empty());
             let c = acquire_from(&pool);
             assert!(!c.is_null() && c != b, "an empty pool maps a new block");
             // SAFETY: both are this test's, unused from here (they stay

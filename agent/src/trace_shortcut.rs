@@ -143,8 +143,13 @@ pub struct Shortcuts {
     /// Per set: the way to fill next (the other one answered last).
     victim: [u8; SHORTCUT_SETS],
     keys: [[Key; 2]; SHORTCUT_SETS],
+    /// Last (see [`Shortcuts::UNZEROED`]).
     entries: [[Entry; 2]; SHORTCUT_SETS],
 }
+const _: () = assert!(
+    std::mem::offset_of!(Shortcuts, entries) + Shortcuts::UNZEROED
+        == std::mem::size_of::<Shortcuts>()
+);
 
 impl Default for Shortcuts {
     fn default() -> Self {
@@ -162,6 +167,16 @@ fn set_of(pc: u64, sp: usize) -> usize {
 const _: () = assert!(SHORTCUT_SETS == 32);
 
 impl Shortcuts {
+    /// Bytes at the end of the table that an empty table need not have
+    /// zeroed: the entries, reached only through their keys (whose zero
+    /// `sp` says empty), so a reused table zeroes the first part only.
+    pub const UNZEROED: usize = std::mem::size_of::<[[Entry; 2]; SHORTCUT_SETS]>();
+
+    /// Whether no key leads to an entry.
+    pub fn is_empty(&self) -> bool {
+        self.keys.iter().flatten().all(|k| k.sp == 0)
+    }
+
     /// An empty table (all zero bytes, as the thread's tables start).
     pub const fn new() -> Self {
         Shortcuts {
