@@ -20,9 +20,10 @@
 //! Invariants:
 //! - The unwinder is a function of the start state (`pc`, `sp`, `rbp`),
 //!   the rules of the module generation, the thread's `top` and the stack
-//!   words it reads. An entry holds a walk's start state, `top`,
-//!   generation, frame count and hash, and the address and value of every
-//!   word that decided it: each step's return address, and the saved `rbp`
+//!   words it reads. An entry holds a walk's start state, frame count and
+//!   hash, and the address and value of every word that decided it (the
+//!   table holds the `top` and generation of all its entries: a fill with
+//!   others empties it first): each step's return address, and the saved `rbp`
 //!   a step reloaded where the walk above it used that `rbp` (the words a
 //!   [`StackMemo`](crate::stack_memo::StackMemo) replay checks, for the same
 //!   reasons, see there); `rbp` is part of the key only where the walk used
@@ -57,9 +58,6 @@ const FILL_COST: u32 = 8;
 const MAX_DEBT: u32 = 128;
 const FILL_EVERY: u32 = 32;
 
-/// A kept walk's start state (see the module doc). Kept apart from the
-/// rest of its entry, two ways to a cache line, so that a walk the table
-/// does not hold costs one line of a small array.
 /// The table is asked while its answers pay for the asking: each walk it
 /// does not answer adds one to a doubt that each answer takes three off
 /// (so it keeps being asked while it answers at least a quarter of the
@@ -72,6 +70,9 @@ const DOUBT_LIMIT: u32 = 64;
 const ANSWER_CREDIT: u32 = 3;
 const ASK_EVERY: u32 = 32;
 
+/// A kept walk's start state (see the module doc). Kept apart from the
+/// rest of its entry, two ways to a cache line, so that a walk the table
+/// does not hold costs one line of a small array.
 #[derive(Clone, Copy)]
 #[repr(C)]
 struct Key {
