@@ -718,8 +718,6 @@ fn stack_key(
     let hi = t.stack_hi.get();
     // SAFETY: `with_thread` set this thread's busy flag.
     let memo = unsafe { tables.memo() };
-    // The CFI walk leaves the frames it took from the memo there until the
-    // cache below misses (see `cfi_unwind::Trace`).
     let cache = t.stack_cache.get();
     // SAFETY: as for `memo`.
     let shortcuts = unsafe { tables.shortcuts() };
@@ -733,6 +731,8 @@ fn stack_key(
     }
     // A walk the shortcut answered is kept there already.
     let keep = (asks && answer.is_none() && crate::cfi_unwind::SHORTCUT).then_some(shortcuts);
+    // The CFI walk leaves the frames it took from the memo there until the
+    // cache below misses (see `cfi_unwind::Trace`).
     let trace = if fixed {
         frames[0] = 0x1000;
         Trace::whole((1, 0x1000_0001))
