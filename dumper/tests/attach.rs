@@ -784,6 +784,52 @@ fn blocks(pid: u32, sig: i32) -> bool {
         .is_some_and(|m| m & (1u64 << (sig - 1)) != 0)
 }
 
+/// The signals a thread of `pid` named `name` blocks (`SigBlk` of its
+/// status), if there is one.
+fn thread_blocked_signals(pid: u32, name: &str) -> Option<u64> {
+    let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).ok()?;
+    tasks.flatten().find_map(|task| {
+        let comm = std::fs::read_to_string(task.path().join("comm")).ok()?;
+        if comm.trim_end() != name {
+            return None;
+        }
+        let status = std::fs::read_to_string(task.path().join("status")).ok()?;
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("SigBlk:"))
+            .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
+    })
+}
+
+#[test]
+fn the_agents_thread_in_an_attached_process_blocks_every_signal() {
+    // A signal sent to the process that its own threads block must wait
+    // for them: were the agent's thread to take it, the program's handler
+    // would run on it, beside the program (postgres's postmaster then
+    // forked a backend while its SIGCHLD handler held the locale lock on
+    // our thread: the backend hung in setlocale).
+    let t = start();
+    let pid = t.pid();
+    attach_ok(pid, &[]);
+    let mask = thread_blocked_signals(pid, "heapdump-attach")
+        .expect("the attached agent's thread, named heapdump-attach");
+    // Every signal but SIGKILL and SIGSTOP (which cannot be blocked) and
+    // glibc's two internal ones (32, 33: pthread_sigmask leaves them).
+    for sig in 1..=64 {
+        if [libc::SIGKILL, libc::SIGSTOP, 32, 33].contains(&sig) {
+            continue;
+        }
+        assert!(
+            mask & (1u64 << (sig - 1)) != 0,
+            "signal {sig} is not blocked in the agent's thread (SigBlk {mask:016x})"
+        );
+    }
+    // The program's own threads keep their masks (the borrowed thread got
+    // its own back): attach_target blocks nothing.
+    assert!(!blocks(pid, libc::SIGUSR1) && !blocks(pid, libc::SIGCHLD));
+    quit_without_eintr(t);
+}
+
 #[test]
 fn attach_for_detaches_after_its_output_closed_and_on_sigterm_or_sighup() {
     // `heapdump attach PID --for 1h | head -1`: the reader goes away, and

@@ -196,10 +196,24 @@ fn start_housekeeping() {
                 .0;
         }
     }
+    // The thread blocks every signal, from its first instruction: it is
+    // created with all of them blocked (a new thread inherits its
+    // creator's mask; the creator, the program's thread the injector
+    // borrowed, gets its own mask back at once). Otherwise the kernel
+    // may hand it a signal sent to the process that the program's own
+    // threads block, and the program's handler then runs on our thread,
+    // beside the program's code: postgres's postmaster blocks signals
+    // outside `select`, so its SIGCHLD handler ran here (found by
+    // `scripts/compat_services.py`), inside gettext's read lock of the
+    // locale, while the main thread forked a backend, which then waited
+    // forever for that lock in `setlocale`. A single-threaded program's
+    // handlers must never run concurrently with it.
+    //
     // SAFETY: plain pthread calls with valid pointers to locals; the
-    // attribute object is initialised before use and destroyed after.
-    // Without the thread, later libraries are not redirected and no heap
-    // figure is shown; recording goes on.
+    // attribute object is initialised before use and destroyed after;
+    // the signal sets are initialised by `sigfillset`/`pthread_sigmask`
+    // before they are read. Without the thread, later libraries are not
+    // redirected and no heap figure is shown; recording goes on.
     unsafe {
         let mut attr: libc::pthread_attr_t = std::mem::zeroed();
         if libc::pthread_attr_init(&mut attr) != 0 {
@@ -207,8 +221,18 @@ fn start_housekeeping() {
         }
         libc::pthread_attr_setstacksize(&mut attr, 256 << 10);
         libc::pthread_attr_setdetachstate(&mut attr, libc::PTHREAD_CREATE_DETACHED);
+        let mut all: libc::sigset_t = std::mem::zeroed();
+        let mut old: libc::sigset_t = std::mem::zeroed();
+        libc::sigfillset(&mut all);
+        let masked = libc::pthread_sigmask(libc::SIG_SETMASK, &all, &mut old) == 0;
         let mut t: libc::pthread_t = 0;
-        if libc::pthread_create(&mut t, &attr, housekeeping, std::ptr::null_mut()) == 0 {
+        // No thread that could run the program's handlers.
+        let created =
+            masked && libc::pthread_create(&mut t, &attr, housekeeping, std::ptr::null_mut()) == 0;
+        if masked {
+            libc::pthread_sigmask(libc::SIG_SETMASK, &old, std::ptr::null_mut());
+        }
+        if created {
             libc::pthread_setname_np(t, c"heapdump-attach".as_ptr());
             lock().housekeeping = true;
         }
