@@ -359,8 +359,10 @@ def postgres(work, mode_env):
     pg = ["runuser", "-u", "postgres", "--", "pgbench", "-h", sock, "-p", str(port)]
     subprocess.run(pg + ["-i", "-s", "1", "-q", "postgres"], check=True, capture_output=True,
                    timeout=GUARD)
-    r = subprocess.run(pg + ["-c", "4", "-t", "200", "postgres"], capture_output=True, text=True,
-                       timeout=GUARD)
+    # -C: a new connection, so a forked backend, per transaction (800
+    # forks of a possibly attached postmaster).
+    r = subprocess.run(pg + ["-C", "-c", "4", "-t", "200", "postgres"], capture_output=True,
+                       text=True, timeout=GUARD)
     done = next((l for l in r.stdout.splitlines()
                  if l.startswith("number of transactions actually processed")), "")
     return (r.returncode, done.split(":")[-1].strip()), p
