@@ -168,6 +168,9 @@ fn start_housekeeping() {
         // recorder, and whose reading of the table is wrapped itself)
         // allocate nothing.
         let mut state = lock();
+        // When to read the allocator's own figure next (`None`: never
+        // again, see `heap_read_pause`).
+        let mut next_heap_read = Some(std::time::Instant::now());
         loop {
             if state.resume {
                 // A re-attach: nothing records meanwhile (the slots still
@@ -185,8 +188,14 @@ fn start_housekeeping() {
             if let (true, Some(hooks)) = (state.recording, state.hooks.as_ref()) {
                 forwarding(|| {
                     slot_redirection::redirect_all(hooks);
-                    if let Some((source, bytes)) = allocator_heap() {
-                        recorder::set_allocator_heap(source, bytes);
+                    let now = std::time::Instant::now();
+                    if next_heap_read.is_some_and(|at| now >= at) {
+                        let figure = allocator_heap();
+                        let took = now.elapsed();
+                        if let Some((source, bytes)) = figure {
+                            recorder::set_allocator_heap(source, bytes);
+                        }
+                        next_heap_read = heap_read_pause(took).map(|pause| now + took + pause);
                     }
                 });
             }
@@ -238,6 +247,26 @@ fn start_housekeeping() {
         }
         libc::pthread_attr_destroy(&mut attr);
     }
+}
+
+/// The longest a read of the allocator's own figure may hold the
+/// program's allocator (DESIGN's bound for stopping a thread of an
+/// attached process).
+const HEAP_READ_MAX: Duration = Duration::from_millis(20);
+
+/// How long to wait after a read of the allocator's figure that took
+/// `took` before the next one; `None`: no more reads.
+///
+/// glibc's `mallinfo2` holds each arena's lock while it counts every free
+/// chunk in the arena's bins: on a fragmented heap that is long (1 M free
+/// chunks: ~145 ms on an AMD EPYC), and every thread allocating in that
+/// arena waits meanwhile.
+/// So the reads take at most a thousandth of the time (a wait of 1 000
+/// times the last read, at least a second), and a read that held the
+/// allocator longer than [`HEAP_READ_MAX`] is the last: the figure stays
+/// with the time it was read, which every snapshot shows.
+fn heap_read_pause(took: Duration) -> Option<Duration> {
+    (took <= HEAP_READ_MAX).then(|| (took * 1000).max(Duration::from_secs(1)))
 }
 
 /// The allocator's own figure for the bytes its program holds, from the
@@ -353,4 +382,24 @@ fn allocator_heap() -> Option<(HeapSource, u64)> {
         return Some((HeapSource::GlibcMallinfo, bytes));
     }
     None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_allocators_figure_is_read_at_most_a_thousandth_of_the_time_and_never_after_a_long_read()
+    {
+        let ms = Duration::from_millis;
+        // Cheap reads: once a second.
+        assert_eq!(heap_read_pause(Duration::from_micros(30)), Some(ms(1000)));
+        assert_eq!(heap_read_pause(ms(1)), Some(ms(1000)));
+        // Dearer ones: a thousand times their length.
+        assert_eq!(heap_read_pause(ms(5)), Some(ms(5000)));
+        assert_eq!(heap_read_pause(HEAP_READ_MAX), Some(ms(20_000)));
+        // A read that held the allocator past the bound is the last.
+        assert_eq!(heap_read_pause(ms(21)), None);
+        assert_eq!(heap_read_pause(ms(145)), None);
+    }
 }
