@@ -830,6 +830,51 @@ fn the_agents_thread_in_an_attached_process_blocks_every_signal() {
     quit_without_eintr(t);
 }
 
+/// `tests/c/seccomp_target.c` under a filter that meets memfd_create
+/// with `mode` ("kill" or "eperm").
+fn start_seccomp(mode: &str) -> Target {
+    let mut cmd = Command::new(compile_c("seccomp_target"));
+    cmd.arg(mode).env_remove("LD_PRELOAD");
+    Target::spawn(cmd)
+}
+
+#[test]
+fn a_process_under_a_seccomp_filter_is_refused_before_anything_is_injected() {
+    // A filter that kills on memfd_create (the agent's first call for its
+    // regions): injecting would end the service.
+    let mut t = start_seccomp("kill");
+    let pid = t.pid();
+    let out = attach(pid, &[]);
+    assert!(!out.status.success());
+    let err = stderr(&out);
+    assert!(err.contains("seccomp filter"), "{err}");
+    assert!(err.contains("--despite-seccomp"), "{err}");
+    // Nothing was loaded and the process runs on.
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap();
+    assert!(
+        !maps.contains("libheapdump_preload"),
+        "the library was loaded"
+    );
+    t.send("alive");
+    t.wait_line("alive");
+    t.send("quit");
+    assert!(t.finish().success());
+}
+
+#[test]
+fn despite_seccomp_a_filter_that_denies_the_agents_calls_fails_the_attach_and_the_process_runs_on()
+{
+    let mut t = start_seccomp("eperm");
+    let pid = t.pid();
+    let out = attach(pid, &["--despite-seccomp"]);
+    assert!(!out.status.success(), "{}", stdout(&out));
+    assert!(stderr(&out).contains("could not start"), "{}", stderr(&out));
+    t.send("alive");
+    t.wait_line("alive");
+    t.send("quit");
+    assert!(t.finish().success());
+}
+
 #[test]
 fn attach_for_detaches_after_its_output_closed_and_on_sigterm_or_sighup() {
     // `heapdump attach PID --for 1h | head -1`: the reader goes away, and

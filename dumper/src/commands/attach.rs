@@ -42,6 +42,12 @@ pub struct AttachArgs {
     /// The agent library (default: as `heapdump run` finds it).
     #[arg(long, value_name = "PATH")]
     pub library: Option<PathBuf>,
+    /// Attach even though a thread of the process runs under a seccomp
+    /// filter: the agent's system calls (memfd_create, mmap, ...) may then
+    /// be denied (the attach fails) or, with a filter that kills, end the
+    /// process.
+    #[arg(long)]
+    pub despite_seccomp: bool,
 }
 
 /// Options of `heapdump detach`.
@@ -142,6 +148,53 @@ fn check_process(pid: u32) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// The seccomp mode of the process's threads that is the most
+/// restrictive (0: none, 1: strict, 2: filter), from each thread's
+/// `Seccomp:` line (a filter is per thread; the injector borrows any
+/// one, and the agent's later calls run on every thread). 0 when the
+/// kernel does not say.
+fn seccomp_mode(pid: u32) -> u32 {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return 0;
+    };
+    // Bounded: a process has finitely many threads, each read once.
+    tasks
+        .flatten()
+        .filter_map(|task| {
+            let status = std::fs::read_to_string(task.path().join("status")).ok()?;
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix("Seccomp:"))
+                .and_then(|v| v.trim().parse::<u32>().ok())
+        })
+        .max()
+        .unwrap_or(0)
+}
+
+/// Refuses a process whose threads run under seccomp (unless `despite`,
+/// for a filter): the filter decides the fate of every system call the
+/// injected code and the agent make, and one that kills on a call it does
+/// not allow (systemd's `SystemCallFilter=` does by default) would end the
+/// service. Nothing here can tell which calls a filter allows.
+fn check_seccomp(pid: u32, despite: bool) -> Result<()> {
+    let name = crate::process::discovery::process_name(pid);
+    match seccomp_mode(pid) {
+        0 => Ok(()),
+        1 => bail!(
+            "process {pid} ({name}) runs in seccomp strict mode: any system call but read, \
+             write, exit and sigreturn kills it, so nothing can be loaded into it"
+        ),
+        _ if despite => Ok(()),
+        _ => bail!(
+            "not attaching to {pid} ({name}): it runs under a seccomp filter (Seccomp: 2 in \
+             /proc/{pid}/status), which may deny the agent's system calls (memfd_create, mmap, \
+             mprotect, ...) or kill the process on one of them (systemd's SystemCallFilter= \
+             does by default); start it under heapdump run instead, or pass \
+             --despite-seccomp if its filter allows them (a filter that kills would end it)"
+        ),
+    }
 }
 
 /// What the preload agent cannot see in this program: refused before
@@ -261,6 +314,7 @@ fn attach_held(a: AttachArgs) -> Result<i32> {
         AgentState::None | AgentState::Detached => {}
     }
     check_visibility(pid)?;
+    check_seccomp(pid, a.despite_seccomp)?;
     if !inject::has_dlopen(pid) {
         bail!(
             "process {pid} ({name}) maps no dlopen (neither glibc 2.34+'s libc.so.6 nor \
