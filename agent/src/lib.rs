@@ -24,6 +24,7 @@ pub mod jemalloc_calls;
 pub mod module_table;
 pub mod recorder;
 pub mod sampling;
+pub mod seccomp_guard;
 mod signal;
 pub mod stack_capture;
 pub mod stack_memo;

@@ -321,6 +321,9 @@ fn init(role: Role) -> Option<&'static Writers> {
         );
     }
     GENERATION.fetch_add(1, Ordering::Relaxed);
+    // The filters the regions were made under (a fork child under others
+    // makes none, see `after_fork_child`).
+    crate::seccomp_guard::note_start();
     // Release: the slots above are written before any thread sees READY.
     STATE.store(READY, Ordering::Release);
     Some(w)
@@ -382,6 +385,12 @@ extern "C" fn after_fork_child() {
     EST_LIVE_BYTES.store(0, Ordering::Relaxed);
     EST_LIVE_BLOCKS_X1024.store(0, Ordering::Relaxed);
     EST_ALLOC_BYTES.store(0, Ordering::Relaxed);
+    if was_ready && !crate::seccomp_guard::same_as_start() {
+        // A seccomp filter installed since the regions were made may kill
+        // the child on the calls that make its own: it runs unrecorded.
+        STATE.store(DISABLED, Ordering::Release);
+        return;
+    }
     STATE.store(UNINIT, Ordering::Release);
     if was_ready {
         // The child's own regions now, not at its first recorded event: in

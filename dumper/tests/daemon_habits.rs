@@ -55,6 +55,27 @@ fn a_fork_after_close_range_leaves_the_programs_socket_alone() {
 }
 
 #[test]
+fn a_child_forked_after_the_program_sandboxed_itself_runs_unrecorded_not_killed() {
+    // The program installs a seccomp filter that kills on memfd_create
+    // after the agent started, then forks: the child's regions would need
+    // that call, and the child was killed by SIGSYS in the agent's fork
+    // handler. Now it runs (unrecorded); the parent stays recorded.
+    let exe = compile_c("seccomp_fork");
+    let mut cmd = Command::new(&exe);
+    cmd.env("LD_PRELOAD", preload_lib());
+    let mut t = Target::spawn_until(cmd, "child ");
+    assert_eq!(t.last_line(), "child exited 0");
+    let line = t.wait_line("ready ");
+    let pid: u32 = line["ready ".len()..].parse().unwrap();
+    let dir = TempDir::new("seccomp-fork");
+    let j = snapshot_json(pid, &dir, "parent.json");
+    // The parent's one block from before the filter (1000 bytes at main).
+    let sites = live_by_leaf(&j);
+    assert_eq!(sites.get("main"), Some(&(1, 1000)), "{sites:#?}");
+    assert!(t.finish().success());
+}
+
+#[test]
 fn a_process_that_closed_its_descriptors_stays_listed_and_dumpable() {
     let exe = compile_c("closefds_fork");
     let mut cmd = Command::new(&exe);
