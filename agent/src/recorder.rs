@@ -439,6 +439,14 @@ fn tables<'t>(w: &Writers, t: &'t ThreadState) -> Option<&'t crate::thread_table
         Some(tables) => {
             // Given back at thread exit.
             arm_thread_exit();
+            // How many threads may hold unsettled live bytes at once
+            // (each takes its tables first): the peak's tolerance.
+            if let Some(r) = allocations_region() {
+                r.set_header_word(
+                    heapdump_table::header::offsets::BATCHING_THREADS,
+                    crate::thread_tables::mapped(),
+                );
+            }
             Some(tables)
         }
         None => {

@@ -33,7 +33,7 @@
 
 use std::cell::Cell;
 use std::cell::UnsafeCell;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use heapdump_table::resources_table::CACHE_SETS;
 
@@ -110,6 +110,17 @@ unsafe impl Sync for Pool {}
 
 static POOL: Pool = Pool::new();
 
+/// Blocks mapped by [`acquire`] in this process (since its last `fork`):
+/// the most threads that held tables at once, as blocks are never
+/// unmapped and a released one is reused before a new one is mapped.
+static MAPPED: AtomicU64 = AtomicU64::new(0);
+
+/// How many blocks [`acquire`] has mapped (see [`MAPPED`]): an upper bound
+/// of the threads that recorded at the same time.
+pub fn mapped() -> u64 {
+    MAPPED.load(Ordering::Relaxed)
+}
+
 impl Pool {
     const fn new() -> Self {
         Pool {
@@ -173,6 +184,7 @@ fn acquire_from(pool: &Pool) -> *mut ThreadTables {
     if p == libc::MAP_FAILED {
         return std::ptr::null_mut();
     }
+    MAPPED.fetch_add(1, Ordering::Relaxed);
     // A fresh mapping is zero-filled: the empty tables, page-aligned.
     p.cast()
 }
@@ -208,6 +220,9 @@ unsafe fn release_to(pool: &Pool, b: *mut ThreadTables) {
 pub fn after_fork_child() {
     POOL.head.set(std::ptr::null_mut());
     POOL.locked.store(false, Ordering::Release);
+    // The child's one thread may hold a block of its own (taken in the
+    // parent, never acquired again): counted.
+    MAPPED.store(1, Ordering::Relaxed);
 }
 
 #[cfg(test)]

@@ -112,6 +112,30 @@ fn the_curve_reaches_the_peak_and_ends_at_the_current_heap() {
 }
 
 #[test]
+fn threads_that_come_and_go_one_after_another_do_not_widen_the_peaks_tolerance() {
+    // Each thread may hold up to 64 KiB of live bytes not yet in the
+    // running total that drives the peak; the tolerance once counted
+    // every thread ever seen (100 here: "up to 6.3 MiB higher" for a
+    // 100 KB heap). Only threads that recorded at the same time count.
+    let t = start("thread_succession", &[], &[]);
+    let dir = TempDir::new("thread-succession");
+    let file = dir.str("s.json");
+    let out = heapdump(&["snapshot", &t.pid().to_string(), "-o", &file]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let j = read_json(&dir.path("s.json"));
+    let sites = live_by_leaf(&j);
+    assert_eq!(sites.get("work"), Some(&(100, 100_000)), "{sites:#?}");
+    let tolerance = j["totals"]["peak_tolerance"].as_u64().unwrap();
+    let batch = heapdump_table::allocations_table::LIVE_BATCH as u64;
+    // The main thread and one worker at a time (a margin of one more).
+    assert!(
+        tolerance <= 3 * batch + j["totals"]["peak_bytes"].as_u64().unwrap(),
+        "tolerance {tolerance} for threads that never overlapped"
+    );
+    assert!(t.finish().success());
+}
+
+#[test]
 fn a_watch_final_snapshot_after_the_process_was_killed_still_has_the_curve() {
     let mut t = start("peak", &[], &[]);
     let dir = TempDir::new("timeline-killed");

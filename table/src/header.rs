@@ -34,7 +34,9 @@ pub const FORMAT_MAJOR: u16 = 1;
 /// counts, which a 1.4 reader leaves out of live blocks and totals; its
 /// snapshots are unaffected); 1.6 the resources region's stack caches in
 /// place of its counter blocks (a 1.5 reader marks their sums partial and
-/// leaves them out of the cumulative counts).
+/// leaves them out of the cumulative counts), and later the
+/// `offsets::BATCHING_THREADS` word (0 from an older agent: readers then
+/// count every thread).
 pub const FORMAT_MINOR: u16 = 6;
 /// Bytes reserved for the header at the start of every region.
 pub const HEADER_SIZE: u64 = 4096;
@@ -150,6 +152,15 @@ pub mod offsets {
     /// When [`ALLOCATOR_HEAP`] was read, monotonic ns (0: not recorded,
     /// an agent before this word). Format 1.3, added later.
     pub const ALLOCATOR_HEAP_AT: u64 = 576;
+    /// The most threads that could hold live bytes not yet added to the
+    /// running live total at once (the agent's per-thread tables it has
+    /// mapped: a thread takes them at its first event and gives them back,
+    /// its batch settled, at exit). The running total, and so the peak,
+    /// lags the truth by at most
+    /// [`LIVE_BATCH`](crate::allocations_table::LIVE_BATCH) bytes per such
+    /// thread (see [`read_batching_threads`]). 0: not recorded (an agent
+    /// before this word). Format 1.6, added later.
+    pub const BATCHING_THREADS: u64 = 584;
     /// First kind-specific dynamic word.
     pub const KIND_WORDS: u64 = 1024;
 }
@@ -303,6 +314,13 @@ pub fn read_attach(view: &SharedView) -> AttachWords {
             .map(|s| (s, w(offsets::ALLOCATOR_HEAP))),
         allocator_heap_at: w(offsets::ALLOCATOR_HEAP_AT),
     }
+}
+
+/// [`offsets::BATCHING_THREADS`]: how many threads' unsettled live
+/// bytes the peak may miss, at most, when the agent said (`None`: an agent
+/// before the word; any value is safe to read).
+pub fn read_batching_threads(view: &SharedView) -> Option<u64> {
+    view.load_u64(offsets::BATCHING_THREADS).filter(|n| *n != 0)
 }
 
 /// Longest snapshot-request name kept in the header.

@@ -31,7 +31,8 @@ pub struct Totals {
     pub peak_bytes: u64,
     /// How far the true high-water mark may lie above `peak_bytes`: 1/64
     /// of it (a smaller rise does not move the recorded peak) plus the
-    /// writers' running-total lag (64 KiB per thread).
+    /// writers' running-total lag (64 KiB per thread recording at
+    /// the same time).
     pub peak_tolerance: u64,
 }
 
@@ -192,7 +193,8 @@ pub struct PeakInfo {
     pub live_bytes: u64,
     /// How far below the true high-water mark this may be, bytes: 1/64 of
     /// it (a smaller rise does not move the recorded peak) plus the
-    /// writers' running-total lag (64 KiB per thread).
+    /// writers' running-total lag (64 KiB per thread recording at
+    /// the same time).
     pub tolerance: u64,
 }
 
@@ -1074,10 +1076,16 @@ pub fn take(
             nodes: stats.nodes,
         },
     };
+    // Threads whose unsettled live bytes the running total (so the peak)
+    // may miss at once: every thread seen, or fewer where the agent says
+    // how many recorded at the same time at most (threads that come and
+    // go, one after another, do not add up).
     let threads_seen = snap.threads.len().max(1) as u64;
+    let batching = heapdump_table::header::read_batching_threads(&target.allocations.view())
+        .map_or(threads_seen, |n| n.min(threads_seen));
     let tolerance_of = |bytes: u64| {
         bytes / heapdump_table::peak::TOLERANCE_DIV
-            + threads_seen * heapdump_table::allocations_table::LIVE_BATCH as u64
+            + batching * heapdump_table::allocations_table::LIVE_BATCH as u64
     };
     if let Some(p) = &peak {
         snap.peak = Some(PeakInfo {

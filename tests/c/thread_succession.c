@@ -1,0 +1,32 @@
+/* Threads that come and go one after another, as a thread-per-request
+ * server's do: 100 threads, each started after the previous one ended,
+ * each allocating 1000 bytes that stay live (kept in `kept`). Prints
+ * "ready PID" and waits for stdin to close. */
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#define THREADS 100
+
+void *kept[THREADS];
+
+static void *work(void *arg) {
+    kept[(long)arg] = malloc(1000);
+    return NULL;
+}
+
+int main(void) {
+    for (long i = 0; i < THREADS; i++) {
+        pthread_t t;
+        if (pthread_create(&t, NULL, work, (void *)i) != 0)
+            return 1;
+        pthread_join(t, NULL);
+    }
+    printf("ready %d\n", getpid());
+    fflush(stdout);
+    char line[16];
+    while (fgets(line, sizeof line, stdin)) {
+    }
+    return 0;
+}
