@@ -191,7 +191,7 @@ fn init(role: Role) -> Option<&'static Writers> {
     if !config.quiet {
         report_warnings(&warnings);
     }
-    if config.disabled {
+    if config.disabled || SANDBOXED.load(Ordering::Relaxed) {
         STATE.store(DISABLED, Ordering::Release);
         return None;
     }
@@ -385,7 +385,7 @@ extern "C" fn after_fork_child() {
     EST_LIVE_BYTES.store(0, Ordering::Relaxed);
     EST_LIVE_BLOCKS_X1024.store(0, Ordering::Relaxed);
     EST_ALLOC_BYTES.store(0, Ordering::Relaxed);
-    if was_ready && !crate::seccomp_guard::same_as_start() {
+    if SANDBOXED.load(Ordering::Relaxed) || (was_ready && !crate::seccomp_guard::same_as_start()) {
         // A seccomp filter installed since the regions were made may kill
         // the child on the calls that make its own: it runs unrecorded.
         STATE.store(DISABLED, Ordering::Release);
@@ -1380,6 +1380,31 @@ pub fn forwarding<R>(f: impl FnOnce() -> R) -> R {
 /// after a rename carry the new name.
 pub fn thread_renamed() {
     NAME_EPOCH.fetch_add(1, Ordering::Relaxed);
+}
+
+/// Set once the program installs a seccomp filter (see [`sandboxed`]).
+static SANDBOXED: AtomicBool = AtomicBool::new(false);
+
+/// To be called by a hook just *before* the program installs a seccomp
+/// filter or enters seccomp's strict mode (`prctl(PR_SET_SECCOMP)`,
+/// `syscall(SYS_seccomp, ...)`): recording stops for good in this process
+/// and its later children. A filter decides every system call the agent
+/// makes from then on (naming threads, their tables, a child's regions),
+/// and one that kills on a call it does not expect would end the program
+/// (a program that forbade `prctl` once it had sandboxed itself was
+/// killed by the agent's look at a thread's name). What was recorded
+/// stays readable; the header says when recording stopped, as after a
+/// detach.
+pub fn sandboxed() {
+    if SANDBOXED.swap(true, Ordering::Relaxed) {
+        return;
+    }
+    if STATE.load(Ordering::Acquire) == READY {
+        mark_detached();
+    }
+    // Hooks now pass every call through (`writers` is `None`); a thread
+    // already inside the agent finishes its event.
+    STATE.store(DISABLED, Ordering::Release);
 }
 
 /// Snapshot of the agent's process-wide counters.

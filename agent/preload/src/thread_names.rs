@@ -1,7 +1,9 @@
 //! `pthread_setname_np` and `prctl`, interposed only to learn that a thread
 //! was renamed, so the blocks it allocates next carry its new name (a
 //! daemon typically names its threads just after they start, after their
-//! first allocations).
+//! first allocations), and, through `prctl(PR_SET_SECCOMP)`, that the
+//! program sandboxes itself (`recorder::sandboxed`: recording stops
+//! before the filter applies).
 //!
 //! Invariants:
 //! - Each call is forwarded unchanged to the next definition (glibc's,
@@ -43,6 +45,10 @@ pub unsafe extern "C" fn prctl(
     a4: c_ulong,
     a5: c_ulong,
 ) -> c_int {
+    if option == libc::PR_SET_SECCOMP {
+        // Before the filter applies to the agent's own calls.
+        heapdump_agent::recorder::sandboxed();
+    }
     let r = match next::prctl() {
         // SAFETY: glibc's prctl, called with the same five register
         // arguments (see the module doc).

@@ -26,7 +26,7 @@
 //!   "notes": ["what the snapshot cannot show, e.g. no allocation recorded and why"],
 //!   "unwinder": "cfi+fp" | "cfi" | "fp" | "fp-no-cfi" | "unknown",
 //!   "sampling": null | {"rate_bytes": 524288, "estimated": true},
-//!   "recording": null | {"attached_at": "RFC 3339", "detached_at": null | "RFC 3339",
+//!   "recording": null | {"attached_at": null | "RFC 3339", "detached_at": null | "RFC 3339",
 //!                        "allocator_heap": null | {"source", "bytes", "read_at"}},
 //!   "timeline": null | [{"time": "RFC 3339", "live_bytes", "live_blocks", "alloc_bytes"}],
 //!   "timeline_thinned": 0,

@@ -90,7 +90,10 @@ pub fn render(s: &Snapshot, opts: TextOptions) -> String {
         "live: {} in {} blocks | allocated since {}: {} in {} blocks | peak live: {}{}",
         human_bytes(t.live_bytes),
         t.live_blocks,
-        if s.recording.is_some() {
+        if s.recording
+            .as_ref()
+            .is_some_and(|r| r.attached_at.is_some())
+        {
             "the first attach"
         } else {
             "start"

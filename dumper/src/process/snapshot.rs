@@ -306,12 +306,16 @@ pub fn timeline(target: &Target, last: Option<TimelinePoint>) -> Option<Timeline
     })
 }
 
-/// What a snapshot of an attached process says of its recording.
+/// What a snapshot of an attached process says of its recording (or of a
+/// process recorded since it started whose recording stopped).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Recording {
-    /// When `heapdump attach` started recording (the last attach).
+    /// When `heapdump attach` started recording (the last attach); `None`
+    /// for a process recorded since it started.
     pub attached_at: Option<SystemTime>,
-    /// When `heapdump detach` stopped it, if it is stopped.
+    /// When `heapdump detach` stopped it, if it is stopped (in a process
+    /// recorded since it started: when the program sandboxed itself, see
+    /// the agent's `recorder::sandboxed`).
     pub detached_at: Option<SystemTime>,
     /// The allocator's own figure for the bytes the whole heap holds,
     /// blocks from before the attach included: (where it was read, bytes).
@@ -327,6 +331,18 @@ impl Recording {
     /// mallinfo2".
     pub fn describe(&self, recorded_live_bytes: u64, taken_at: Option<SystemTime>) -> String {
         use crate::formats::text::human_bytes;
+        if self.attached_at.is_none() {
+            if let Some(d) = self.detached_at {
+                // Recorded since start, stopped by the agent itself.
+                return format!(
+                    "recording stopped at {} (the program installed a seccomp filter, which \
+                     could forbid the agent's system calls; nothing recorded since): {} live \
+                     recorded before",
+                    crate::formats::json::rfc3339(d),
+                    human_bytes(recorded_live_bytes)
+                );
+            }
+        }
         let at = self
             .attached_at
             .map(crate::formats::json::rfc3339)
@@ -379,11 +395,13 @@ impl Recording {
 /// started).
 pub fn recording(target: &Target) -> Option<Recording> {
     let w = heapdump_table::header::read_attach(&target.allocations.view());
-    if w.attached_at == 0 {
+    if w.attached_at == 0 && w.detached_at == 0 {
         return None;
     }
     Some(Recording {
-        attached_at: wall_time(target, w.attached_at),
+        attached_at: (w.attached_at != 0)
+            .then(|| wall_time(target, w.attached_at))
+            .flatten(),
         detached_at: (w.detached_at != 0)
             .then(|| wall_time(target, w.detached_at))
             .flatten(),
