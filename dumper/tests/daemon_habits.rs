@@ -79,26 +79,31 @@ fn a_child_forked_after_the_program_sandboxed_itself_runs_unrecorded_not_killed(
 fn a_program_that_sandboxes_itself_is_not_killed_by_the_agents_calls_and_keeps_what_was_recorded() {
     // Its filter kills on prctl, which the agent calls now and then to
     // see a thread's name: the agent stops recording when the filter is
-    // installed (prctl(PR_SET_SECCOMP) passes through its hook) and the
-    // program runs to its end.
+    // installed (prctl(PR_SET_SECCOMP), or syscall(SYS_seccomp) as
+    // libseccomp calls it, pass through its hooks) and the program runs
+    // to its end.
     let exe = compile_c("seccomp_late");
-    let mut cmd = Command::new(&exe);
-    cmd.env("LD_PRELOAD", preload_lib());
-    let mut t = Target::spawn_until(cmd, "done");
-    let line = t.wait_line("ready ");
-    let pid: u32 = line["ready ".len()..].parse().unwrap();
-    let dir = TempDir::new("seccomp-late");
-    let j = snapshot_json(pid, &dir, "s.json");
-    // What was recorded before stays; recording stopped when it
-    // sandboxed itself (said as a detach).
-    let sites = live_by_leaf(&j);
-    assert_eq!(sites.get("before_sandbox"), Some(&(1, 1000)), "{sites:#?}");
-    assert!(
-        j["recording"]["detached_at"].is_string(),
-        "{}",
-        j["recording"]
-    );
-    assert!(t.finish().success());
+    for how in ["prctl", "syscall"] {
+        let mut cmd = Command::new(&exe);
+        cmd.arg(how).env("LD_PRELOAD", preload_lib());
+        let mut t = Target::spawn_until(cmd, "done");
+        let line = t.wait_line("ready ");
+        let pid: u32 = line["ready ".len()..].parse().unwrap();
+        let dir = TempDir::new("seccomp-late");
+        let j = snapshot_json(pid, &dir, "s.json");
+        // What was recorded before stays; recording stopped when it
+        // sandboxed itself (said as a detach).
+        let sites = live_by_leaf(&j);
+        let rec = &j["recording"];
+        assert_eq!(
+            sites.get("before_sandbox"),
+            Some(&(1, 1000)),
+            "{how}: {sites:#?}"
+        );
+        assert!(rec["detached_at"].is_string(), "{how}: {rec}");
+        assert!(rec["attached_at"].is_null(), "{how}: {rec}");
+        assert!(t.finish().success());
+    }
 }
 
 #[test]

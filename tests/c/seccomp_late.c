@@ -1,7 +1,9 @@
 /* A program that sandboxes itself after start, as sshd's pre-auth child
  * does: it allocates (the agent starts and records), installs a seccomp
  * filter that kills the process on prctl (which it does not need any
- * more) through prctl(PR_SET_SECCOMP), then allocates a million times
+ * more) through prctl(PR_SET_SECCOMP), or with argv[1] = "syscall" through
+ * syscall(SYS_seccomp, ...) as libseccomp does, then allocates a million
+ * times
  * (the agent looks at a thread's name with prctl every so often) and
  * prints "done", then "ready PID", and waits for stdin to close. */
 #define _GNU_SOURCE
@@ -10,6 +12,7 @@
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <sys/prctl.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -18,7 +21,8 @@ void *volatile kept;
 
 __attribute__((noinline)) void before_sandbox(void) { kept = malloc(1000); }
 
-int main(void) {
+int main(int argc, char **argv) {
+    int by_syscall = argc > 1 && strcmp(argv[1], "syscall") == 0;
     before_sandbox();
     struct sock_filter filter[] = {
         BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, nr)),
@@ -28,7 +32,8 @@ int main(void) {
     };
     struct sock_fprog prog = {.len = sizeof filter / sizeof filter[0], .filter = filter};
     if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 ||
-        prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &prog) != 0) {
+        (by_syscall ? syscall(SYS_seccomp, SECCOMP_SET_MODE_FILTER, 0, &prog)
+                    : prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &prog)) != 0) {
         perror("seccomp");
         return 1;
     }

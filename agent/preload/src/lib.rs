@@ -31,6 +31,7 @@ pub mod internal_api;
 pub mod jemalloc_attached;
 pub mod malloc_family;
 pub mod next_allocator;
+pub mod sandbox;
 pub mod slot_redirection;
 pub mod thread_names;
 

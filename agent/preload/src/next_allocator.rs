@@ -242,6 +242,17 @@ next_functions! {
     prctl = c"prctl": unsafe extern "C" fn(c_int, c_ulong, c_ulong, c_ulong, c_ulong) -> c_int;
     /// `dlclose(3)` (observed, see `dlclose_hook`).
     dlclose = c"dlclose": unsafe extern "C" fn(*mut c_void) -> c_int;
+    /// `syscall(3)` with its six further arguments (observed, see
+    /// `sandbox`).
+    syscall = c"syscall": unsafe extern "C" fn(
+        libc::c_long,
+        libc::c_long,
+        libc::c_long,
+        libc::c_long,
+        libc::c_long,
+        libc::c_long,
+        libc::c_long,
+    ) -> libc::c_long;
 }
 
 /// The slot's value once binding is done (0: absent), or 0 while binding
