@@ -102,6 +102,13 @@ fn a_program_that_sandboxes_itself_is_not_killed_by_the_agents_calls_and_keeps_w
         );
         assert!(rec["detached_at"].is_string(), "{how}: {rec}");
         assert!(rec["attached_at"].is_null(), "{how}: {rec}");
+        // `list` marks it as stopped.
+        let list = stdout(&heapdump(&["list"]));
+        let row = list
+            .lines()
+            .find(|l| l.split_whitespace().next() == Some(&pid.to_string()))
+            .unwrap_or_else(|| panic!("{pid} not listed: {list}"));
+        assert!(row.contains("exact-"), "{how}: {row}");
         assert!(t.finish().success());
     }
 }

@@ -22,7 +22,8 @@ struct Row {
     dropped: u64,
     total_allocs: u64,
     rate: Option<u64>,
-    /// `+` attached and recording, `-` detached, empty: since start.
+    /// `+` attached and recording, `-` detached (or stopped when the
+    /// program sandboxed itself), empty: since start.
     attached: &'static str,
 }
 
@@ -41,9 +42,11 @@ fn row(t: &discovery::Target) -> Result<Row, discovery::DiscoveryError> {
     let threads = discovery::live_threads(pid).map_or("?".to_string(), |t| t.to_string());
     let words = heapdump_table::header::read_attach(&t.allocations.view());
     let attached = match (words.attached_at != 0, words.detached_at != 0) {
-        (false, _) => "",
+        (false, false) => "",
         (true, false) => "+",
-        (true, true) => "-",
+        // Detached, or (recorded since start) stopped when the program
+        // sandboxed itself.
+        (_, true) => "-",
     };
     let (mode, live, blocks, rate) = match estimate {
         None => (
@@ -132,8 +135,9 @@ pub fn command() -> Result<i32> {
         if attached {
             writeln!(
                 out,
-                "+: recording since heapdump attach; -: detached (what was recorded stays \
-                 readable); figures count only what was allocated since the attach"
+                "+: recording since heapdump attach; -: detached, or stopped when the \
+                 program installed a seccomp filter (what was recorded stays readable); \
+                 figures count only what was allocated since the attach, if attached"
             )?;
         }
         for (e, r) in &rows {
