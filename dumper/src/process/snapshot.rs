@@ -283,12 +283,18 @@ pub fn timeline(target: &Target, last: Option<TimelinePoint>) -> Option<Timeline
         return None;
     }
     let curve = heapdump_table::timeline::read(&target.allocations.view()).unwrap_or_default();
+    // One clock pairing for every point: each pairing of the wall and
+    // monotonic clocks differs from the next by a microsecond or so, and
+    // points read within one coarse tick must not come out of order.
+    let clock = Clock::now(target.allocations.header().clock_monotonic_ns);
     let mut points: Vec<TimelinePoint> = curve
         .points
         .iter()
         .filter_map(|p| {
             Some(TimelinePoint {
-                time: wall_time(target, p.time_ns)?,
+                time: (p.time_ns != 0)
+                    .then(|| clock.wall_of_monotonic(p.time_ns))
+                    .flatten()?,
                 live_bytes: p.live_bytes,
                 live_blocks: p.live_blocks,
                 alloc_bytes: p.alloc_bytes,
