@@ -125,8 +125,12 @@ impl Entry {
     };
 }
 
-/// A thread's shortcut table (see the module doc): two-way sets by the
-/// start state, the way last answered or filled kept.
+/// A thread's shortcut table (see the module doc): two ways, each indexed
+/// by its own hash of the start state (a skewed two-way table: states that
+/// share a set in one way rarely share it in the other, so three states
+/// seldom fight over two places, which in plain two-way sets happened to
+/// 16 call sites often enough to move the benchmarks with the code's
+/// layout), the place last answered or filled kept.
 #[repr(C)]
 pub struct Shortcuts {
     /// The `top` and rule generation of every entry (a fill with others
@@ -141,7 +145,8 @@ pub struct Shortcuts {
     doubt: u32,
     /// Walks that did not ask while in doubt.
     unasked: u32,
-    /// Per set: the way to fill next (the other one answered last).
+    /// Per set, bit `w`: the set's place in way `w` is the one to fill
+    /// next for a state whose other place answered or was filled last.
     victim: [u8; SHORTCUT_SETS],
     keys: [[Key; 2]; SHORTCUT_SETS],
     /// Last (see [`Shortcuts::UNZEROED`]).
@@ -158,14 +163,25 @@ impl Default for Shortcuts {
     }
 }
 
-/// The set of a start state: call sites differ in `pc`, the depths of one
-/// site in `sp` (16-byte aligned at a call).
+/// The sets of a start state in way 0 and in way 1: call sites differ in
+/// `pc`, the depths of one site in `sp` (16-byte aligned at a call); the
+/// two ways take different bits of the product.
 #[inline(always)]
-fn set_of(pc: u64, sp: usize) -> usize {
+fn sets_of(pc: u64, sp: usize) -> [usize; 2] {
     let h = (pc ^ (sp as u64 >> 4)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-    (h >> 59) as usize % SHORTCUT_SETS
+    [(h >> 59) as usize, (h >> 54) as usize % SHORTCUT_SETS]
 }
 const _: () = assert!(SHORTCUT_SETS == 32);
+
+impl Shortcuts {
+    /// Marks the place of `way` (at `sets[way]`) as just used: the state's
+    /// other place is the one to fill next.
+    #[inline(always)]
+    fn used(&mut self, sets: [usize; 2], way: usize) {
+        self.victim[sets[way]] &= !(1 << way);
+        self.victim[sets[way ^ 1]] |= 1 << (way ^ 1);
+    }
+}
 
 impl Shortcuts {
     /// Bytes at the end of the table that an empty table need not have
@@ -209,13 +225,12 @@ impl Shortcuts {
         top: usize,
         generation: u64,
     ) -> Option<(usize, u64)> {
-        let s = set_of(pc, sp);
-        let keys = &self.keys[s];
+        let sets = sets_of(pc, sp);
         let way = if ((self.top ^ top) as u64 | (self.generation ^ generation)) != 0 {
             usize::MAX
-        } else if keys[0].starts(pc, sp, rbp) {
+        } else if self.keys[sets[0]][0].starts(pc, sp, rbp) {
             0
-        } else if keys[1].starts(pc, sp, rbp) {
+        } else if self.keys[sets[1]][1].starts(pc, sp, rbp) {
             1
         } else {
             usize::MAX
@@ -224,7 +239,7 @@ impl Shortcuts {
             self.missed();
             return None;
         };
-        let e = &self.entries[s][way];
+        let e = &self.entries[sets[way]][way];
         let mut diff = 0;
         for w in &e.words[..(e.len as usize).min(SHORTCUT_WORDS)] {
             // SAFETY: `w.at` is 8-aligned and lies in `[sp, self.top]` (see
@@ -240,8 +255,11 @@ impl Shortcuts {
         self.misses = 0;
         self.debt = self.debt.saturating_sub(1);
         self.doubt = self.doubt.saturating_sub(ANSWER_CREDIT);
-        self.victim[s] = (way ^ 1) as u8;
-        Some((e.frames as usize, e.hash))
+        let answer = (e.frames as usize, e.hash);
+        // Not due any more (a fill marks the other place due; a hit only
+        // keeps its own: one byte written, as before the skew).
+        self.victim[sets[way]] &= !(1 << way);
+        Some(answer)
     }
 
     /// Whether to ask the table about this walk (see [`DOUBT_LIMIT`]); a
@@ -297,9 +315,14 @@ impl Shortcuts {
             self.top = top;
             self.generation = generation;
         }
-        let s = set_of(pc, sp);
-        let way = usize::from(self.victim[s] & 1);
-        self.victim[s] = (way ^ 1) as u8;
+        let sets = sets_of(pc, sp);
+        // An empty place first (way 0's, then way 1's), else the one due
+        // (way 0's if both or neither are).
+        let free = [self.keys[sets[0]][0].sp == 0, self.keys[sets[1]][1].sp == 0];
+        let due = [self.victim[sets[0]] & 1 != 0, self.victim[sets[1]] & 2 != 0];
+        let way = usize::from(!free[0] && (free[1] || (due[1] && !due[0])));
+        self.used(sets, way);
+        let s = sets[way];
         let key = &mut self.keys[s][way];
         *key = Key {
             pc,
