@@ -439,20 +439,27 @@ fn tables<'t>(w: &Writers, t: &'t ThreadState) -> Option<&'t crate::thread_table
         Some(tables) => {
             // Given back at thread exit.
             arm_thread_exit();
-            // How many threads may hold unsettled live bytes at once
-            // (each takes its tables first): the peak's tolerance.
-            if let Some(r) = allocations_region() {
-                r.set_header_word(
-                    heapdump_table::header::offsets::BATCHING_THREADS,
-                    crate::thread_tables::mapped(),
-                );
-            }
+            note_batching_threads();
             Some(tables)
         }
         None => {
             w.counters.on_dropped(DroppedReason::NotReady);
             None
         }
+    }
+}
+
+/// Stores how many threads may hold unsettled live bytes at once (each
+/// takes its tables first; see `thread_tables::mapped`) for the peak's
+/// tolerance. Out of line: only a thread's first event gets here.
+#[cold]
+#[inline(never)]
+fn note_batching_threads() {
+    if let Some(r) = allocations_region() {
+        r.set_header_word(
+            heapdump_table::header::offsets::BATCHING_THREADS,
+            crate::thread_tables::mapped(),
+        );
     }
 }
 

@@ -32,7 +32,11 @@ static AT_START: AtomicU64 = AtomicU64::new(UNKNOWN);
 const UNKNOWN: u64 = u64::MAX;
 
 /// The calling thread's seccomp filter count (or, before Linux 5.9, its
-/// seccomp mode), `None` when it cannot be read.
+/// seccomp mode), `None` when it cannot be read. Never inlined: its 4 KiB
+/// buffer must not grow the frame of a caller on the allocation path (a
+/// frame past a page takes a stack probe at every call).
+#[cold]
+#[inline(never)]
 pub fn filters_now() -> Option<u64> {
     let mut buf = [0u8; 4096];
     // SAFETY: open/read/close with a NUL-terminated path and a buffer of
@@ -75,6 +79,8 @@ fn parse_status(text: &[u8]) -> Option<u64> {
 }
 
 /// Notes the filters the regions were made under (call once they are).
+#[cold]
+#[inline(never)]
 pub fn note_start() {
     AT_START.store(filters_now().unwrap_or(UNKNOWN), Ordering::Relaxed);
 }
@@ -83,6 +89,8 @@ pub fn note_start() {
 /// filters than the regions were made under (making its own may then be
 /// refused, or punished); true otherwise, also when either count could
 /// not be read (as before this check existed).
+#[cold]
+#[inline(never)]
 pub fn same_as_start() -> bool {
     let start = AT_START.load(Ordering::Relaxed);
     match filters_now() {

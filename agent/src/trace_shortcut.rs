@@ -44,7 +44,7 @@ use crate::stack_memo::Step;
 /// Words an entry can hold (walks that depend on more are not kept: on
 /// deep stacks a replay from the memo costs about what the check would).
 pub const SHORTCUT_WORDS: usize = 48;
-/// Sets of the table (two ways each).
+/// Sets of the table (two ways each, each way indexed by its own hash).
 pub const SHORTCUT_SETS: usize = 32;
 
 /// Fills are paid for by answers: each fill adds [`FILL_COST`] to a debt
@@ -71,8 +71,9 @@ const ANSWER_CREDIT: u32 = 3;
 const ASK_EVERY: u32 = 32;
 
 /// A kept walk's start state (see the module doc). Kept apart from the
-/// rest of its entry, two ways to a cache line, so that a walk the table
-/// does not hold costs one line of a small array.
+/// rest of its entry, two to a cache line (a set's two ways), so that a
+/// walk the table does not hold costs at most two lines of a small array
+/// (its place in each way, in two sets: see [`Shortcuts`]).
 #[derive(Clone, Copy)]
 #[repr(C)]
 struct Key {
