@@ -324,6 +324,12 @@ fn init(role: Role) -> Option<&'static Writers> {
     // The filters the regions were made under (a fork child under others
     // makes none, see `after_fork_child`).
     crate::seccomp_guard::note_start();
+    if SANDBOXED.load(Ordering::Relaxed) {
+        // The program sandboxed itself while this thread was starting the
+        // agent (`sandboxed` found INITIALIZING, not READY).
+        STATE.store(DISABLED, Ordering::Release);
+        return None;
+    }
     // Release: the slots above are written before any thread sees READY.
     STATE.store(READY, Ordering::Release);
     Some(w)

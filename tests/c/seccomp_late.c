@@ -1,5 +1,5 @@
-/* A program that sandboxes itself after start, as sshd's pre-auth child
- * does: it allocates (the agent starts and records), installs a seccomp
+/* A program that sandboxes itself after start, as a hardened daemon may
+ * do: it allocates (the agent starts and records), installs a seccomp
  * filter that kills the process on prctl (which it does not need any
  * more) through prctl(PR_SET_SECCOMP), or with argv[1] = "syscall" through
  * syscall(SYS_seccomp, ...) as libseccomp does, then allocates a million

@@ -258,9 +258,9 @@ const HEAP_READ_MAX: Duration = Duration::from_millis(20);
 /// `took` before the next one; `None`: no more reads.
 ///
 /// glibc's `mallinfo2` holds each arena's lock while it counts every free
-/// chunk in the arena's bins: on a fragmented heap that is long (1 M free
-/// chunks: ~145 ms on an AMD EPYC), and every thread allocating in that
-/// arena waits meanwhile.
+/// chunk in the arena's bins: on a fragmented heap that is long (tens to
+/// hundreds of milliseconds for a million free chunks), and every thread
+/// allocating in that arena waits meanwhile.
 /// So the reads take at most a thousandth of the time (a wait of 1 000
 /// times the last read, at least a second), and a read that held the
 /// allocator longer than [`HEAP_READ_MAX`] is the last: the figure stays

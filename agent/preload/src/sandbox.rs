@@ -1,6 +1,5 @@
 //! `syscall(3)`, interposed only to see the program install a seccomp
-//! filter through it (libseccomp's `seccomp_load` does, as chrony's and
-//! tor's sandboxes do): the agent stops recording *before* the filter
+//! filter through it (libseccomp's `seccomp_load` does): the agent stops recording *before* the filter
 //! applies (`recorder::sandboxed`), so no later call of the agent's
 //! (naming threads, mapping their tables, a child's regions) can meet a
 //! filter that kills on it. `prctl(PR_SET_SECCOMP)` is seen the same way
