@@ -46,12 +46,13 @@ use std::mem::MaybeUninit;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 
 use heapdump_table::allocations_table::YOUNG_RINGS;
+use heapdump_table::allocations_table::{NodeCache, OWNER_TABLES};
 use heapdump_table::header::{DroppedReason, HeaderCounters};
 use heapdump_table::resources_table::CacheSlot;
 use heapdump_table::stack_compression::{encode_into, MAX_ENCODED_LEN, MAX_FRAMES};
 use heapdump_table::{
-    AllocationRecord, AllocationsConfig, AllocationsWriter, InsertError, RegionWriter, ResourceKey,
-    ResourcesWriter, YoungRegistry,
+    AllocationRecord, AllocationsConfig, AllocationsWriter, InsertError, OwnedInsert, RegionWriter,
+    ResourceKey, ResourcesWriter, YoungRegistry,
 };
 
 use crate::ablation;
@@ -486,6 +487,11 @@ extern "C" fn thread_exit(_value: *mut libc::c_void) {
                 if let Some(k) = held_ring(t) {
                     YOUNG.release(k);
                 }
+                // Its owner table likewise keeps its blocks.
+                if let Some((k, _)) = held_table(t) {
+                    YOUNG.release_owner_table(k);
+                }
+                t.owner_table.set(NO_RING);
                 if let Some(cache) = t.stack_cache.take() {
                     w.resources.release_stack_cache(cache);
                 }
@@ -986,9 +992,27 @@ fn record_weighted<const DIRECT: bool>(
                 {
                     return 0;
                 }
+            } else if let Some((table, ring)) = bypass_table::<DIRECT>(w, t, rate) {
+                // Bypassing the ring into the thread's owner table
+                // (`young_policy`).
+                match w.allocations.insert_owned(&rec, &YOUNG, table, ring, nodes) {
+                    Ok(OwnedInsert::Kept) => {}
+                    Ok(OwnedInsert::Evicted) => t.young_policy.evicted_one(),
+                    Ok(OwnedInsert::Full) => {
+                        // The thread's blocks outlive even its table: drained
+                        // into the index, where this one goes too.
+                        t.young_policy.table_full();
+                        drain_owner_table(w, t, nodes);
+                        if w.allocations.insert_cached(&rec, nodes).is_err() {
+                            return 0;
+                        }
+                    }
+                    Err(_) => return 0,
+                }
+                count_bypass(w, t, nodes);
             } else {
                 if !DIRECT && rate == 0 {
-                    count_bypass(t);
+                    count_bypass(w, t, nodes);
                 }
                 let inserted = match prefetched {
                     Some(p) => w.allocations.insert_cached_prefetched(&rec, p, nodes),
@@ -1107,7 +1131,7 @@ fn remove_block(t: &ThreadState, w: &Writers, addr: usize, token: u64) -> Option
         // thread's ring (a thread bypassing its ring names none: its ring
         // is searched after the index, with the others).
         w.allocations
-            .remove_any(addr as u64, &YOUNG, own_ring(t), nodes)?
+            .remove_any_owned(addr as u64, &YOUNG, own_ring(t), own_table(t), nodes)?
     } else {
         w.allocations.remove_cached_freed(addr as u64, nodes)?
     };
@@ -1121,6 +1145,9 @@ fn remove_block(t: &ThreadState, w: &Writers, addr: usize, token: u64) -> Option
 /// not bypass (the number's range check is the one they always made).
 const BYPASSING: u32 = 1 << 30;
 const _: () = assert!(YOUNG_RINGS < BYPASSING as usize && NO_RING & BYPASSING != 0);
+// Owner-table values pack a ring and a table number in 16 bits each,
+// below `DRAINED_TABLE`.
+const _: () = assert!(YOUNG_RINGS < 0x3fff && OWNER_TABLES < 0xffff);
 
 /// This thread's young ring for a new block, claiming one at its first
 /// young block (`None`: the thread bypasses its ring for now, every ring
@@ -1146,10 +1173,24 @@ fn ring_of(young: u32) -> Option<u32> {
 /// the thread's bypass, if it is bypassing, and takes the ring up again
 /// when the bypass is over.
 #[inline(always)]
-fn count_bypass(t: &ThreadState) {
+fn count_bypass(w: &Writers, t: &ThreadState, nodes: &mut NodeCache) {
     let young = t.young.get();
     if young != NO_RING && young & BYPASSING != 0 && t.young_policy.bypassed_one() {
         t.young.set(young & !BYPASSING);
+        if t.young_policy.take_drain() {
+            drain_owner_table(w, t, nodes);
+        }
+    }
+}
+
+/// Moves the blocks of this thread's owner table into the index (its
+/// blocks outlive the table, see `young_policy`).
+#[cold]
+#[inline(never)]
+fn drain_owner_table(w: &Writers, t: &ThreadState, nodes: &mut NodeCache) {
+    if let Some((k, ring)) = own_table(t) {
+        w.allocations.drain_owner_table(&YOUNG, k, ring, nodes);
+        t.owner_table.set(t.owner_table.get() | DRAINED_TABLE);
     }
 }
 
@@ -1170,6 +1211,70 @@ fn claim_ring(w: &Writers, t: &ThreadState) -> Option<u32> {
 #[inline(always)]
 fn own_ring(t: &ThreadState) -> Option<u32> {
     ring_of(t.young.get())
+}
+
+/// The owner table (and the young ring whose writer line counts it) for
+/// a block that bypasses the ring, claiming the table at the first such
+/// block; `None` when the block goes into the index (sampled mode, a
+/// direct block, a bypass that the policy sends to the index, or no table
+/// to be had). Call only when the block does not go into the ring.
+#[inline(always)]
+fn bypass_table<const DIRECT: bool>(w: &Writers, t: &ThreadState, rate: u64) -> Option<(u32, u32)> {
+    if DIRECT || rate != 0 {
+        return None;
+    }
+    let v = t.owner_table.get();
+    if let Some(own) = table_of(v & !DRAINED_TABLE) {
+        // A thread with a table holds its ring: it is bypassing it.
+        if !t.young_policy.into_owner_table() {
+            return None;
+        }
+        t.owner_table.set(v & !DRAINED_TABLE);
+        return Some(own);
+    }
+    let young = t.young.get();
+    if v != 0 || young == NO_RING || young & BYPASSING == 0 {
+        return None;
+    }
+    claim_owner_table(w, t, ring_of(young & !BYPASSING)?)
+}
+
+#[cold]
+#[inline(never)]
+fn claim_owner_table(w: &Writers, t: &ThreadState, ring: u32) -> Option<(u32, u32)> {
+    // Given back at thread exit, with the ring (already armed).
+    let k = w.allocations.claim_owner_table(&YOUNG, ring);
+    t.owner_table
+        .set(k.map_or(NO_RING, |k| (ring + 1) << 16 | (k + 1)));
+    k.map(|k| (k, ring))
+}
+
+/// Set in [`ThreadState::owner_table`] while the thread's table is empty
+/// (drained, and nothing inserted since: other threads never insert), so
+/// that its frees skip it without reading its memory.
+const DRAINED_TABLE: u32 = 1 << 30;
+
+/// The owner table and ring named by a [`ThreadState::owner_table`] value,
+/// unless it names none or is [`DRAINED_TABLE`]: one compare.
+#[inline(always)]
+fn table_of(v: u32) -> Option<(u32, u32)> {
+    (v.wrapping_sub(1) < DRAINED_TABLE - 1).then(|| ((v & 0xffff) - 1, (v >> 16) - 1))
+}
+
+/// This thread's owner table, with the young ring whose writer line
+/// counts it, for a free (looked in after the ring, before the index),
+/// unless it is empty.
+#[inline(always)]
+fn own_table(t: &ThreadState) -> Option<(u32, u32)> {
+    table_of(t.owner_table.get())
+}
+
+/// This thread's owner table, empty or not (to drain or give it back).
+fn held_table(t: &ThreadState) -> Option<(u32, u32)> {
+    match t.owner_table.get() {
+        NO_RING => None,
+        v => table_of(v & !DRAINED_TABLE),
+    }
 }
 
 /// This thread's young ring if it holds one, bypassing it or not (to give

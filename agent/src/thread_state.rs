@@ -90,6 +90,12 @@ pub struct ThreadState {
     /// (see `young_policy`; while it does, `young` carries the
     /// recorder's `BYPASSING` flag).
     pub young_policy: crate::young_policy::YoungPolicy,
+    /// This thread's owner table (`recorder::YOUNG`'s, see `young_policy`):
+    /// its number plus one in the low 16 bits, and in the high bits the
+    /// number plus one of the young ring whose writer line counts it
+    /// (and `recorder`'s `DRAINED_TABLE` while it is empty); 0 = none
+    /// claimed yet, [`NO_RING`] = none to be had.
+    pub owner_table: Cell<u32>,
 }
 
 /// [`ThreadState::young`] when the thread records without a young ring.
@@ -122,6 +128,7 @@ thread_local! {
             sampler: crate::sampling::SamplerState::new(),
             young: Cell::new(0),
             young_policy: crate::young_policy::YoungPolicy::new(),
+            owner_table: Cell::new(0),
         }
     };
 }
@@ -201,6 +208,7 @@ impl ThreadState {
         // them; the first generation claimed none).
         self.young.set(0);
         self.young_policy.reset();
+        self.owner_table.set(0);
         // SAFETY: called with `busy` set (see `nodes`).
         unsafe { self.nodes() }.clear();
     }

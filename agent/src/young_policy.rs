@@ -1,5 +1,5 @@
-//! Whether a thread's next allocation goes through its young ring or
-//! straight into the shared index (exact mode).
+//! Whether a thread's next allocation goes through its young ring, its
+//! owner table or straight into the shared index (exact mode).
 //!
 //! The young ring (`heapdump_table::allocations_table`'s `young.rs`) keeps
 //! a thread's last 16 blocks out of the shared index, so a block freed
@@ -25,6 +25,19 @@
 //! leaves it about as long; a thread whose blocks always live long spends
 //! one window in 33 on it.
 //!
+//! A bypassed block goes into the thread's *owner table* (`owner_table.rs`
+//! in `heapdump_table::allocations_table`: 16 384 entries hashed by
+//! address, the thread's own, so its own free of the block takes no lock
+//! and probes no shared index), when the thread could claim one. A block
+//! that takes the entry of a still-live one evicts that one into the
+//! index, as a ring promotes. When at least 1/4 of a bypass's blocks
+//! evicted one (the thread's blocks outlive even the table: the churn's
+//! 100 000), the table is *drained* (its blocks moved into the index, so
+//! that frees skip it) and the thread's next bypass goes straight into the
+//! index, and the next [`FIRST_TABLE_BACKOFF`] bypasses too; then twice
+//! as many, up to [`MAX_TABLE_BACKOFF`], each time a bypass into the table
+//! fails again.
+//!
 //! Invariants:
 //! - The policy decides where a block is *put*, never whether it is
 //!   found: a free looks in the calling thread's ring, the index and every
@@ -45,6 +58,15 @@ use std::cell::Cell;
 pub const WINDOW: u64 = 256;
 /// Most allocations a bypass lasts (32 windows).
 pub const MAX_BYPASS: u64 = 32 * WINDOW;
+/// Bypasses in a row that go into the index after the first one into the
+/// owner table that evicted too much (then twice as many each time, up to
+/// [`MAX_TABLE_BACKOFF`]): a thread whose blocks outlived its table once
+/// likely keeps them long, and a failed try costs the table's inserts and
+/// draining it (~8 000 blocks, ~4 M instructions on `bench/churn.c`).
+pub const FIRST_TABLE_BACKOFF: u64 = 16;
+/// Most bypasses in a row that go into the index after one into the owner
+/// table evicted too much.
+pub const MAX_TABLE_BACKOFF: u64 = 128;
 
 /// One thread's policy state (see the module doc). All zeroes: the ring
 /// is used, nothing counted yet.
@@ -58,6 +80,19 @@ pub struct YoungPolicy {
     promoted: Cell<u64>,
     /// How long the next bypass lasts, in windows (0 reads as 1).
     next_windows: Cell<u64>,
+    /// How many allocations the current bypass lasts.
+    bypass_len: Cell<u64>,
+    /// Blocks the current bypass evicted from the owner table.
+    evicted: Cell<u64>,
+    /// Bypasses (the current one included) that go into the index, not
+    /// the owner table.
+    index_bypasses: Cell<u64>,
+    /// How many the next failed bypass into the table sends there (0
+    /// reads as [`FIRST_TABLE_BACKOFF`]).
+    next_backoff: Cell<u64>,
+    /// The bypass that just ended evicted too much: the table is to be
+    /// drained.
+    drain_due: Cell<bool>,
 }
 
 impl YoungPolicy {
@@ -68,6 +103,11 @@ impl YoungPolicy {
             window_start: Cell::new(0),
             promoted: Cell::new(0),
             next_windows: Cell::new(0),
+            bypass_len: Cell::new(0),
+            evicted: Cell::new(0),
+            index_bypasses: Cell::new(0),
+            next_backoff: Cell::new(0),
+            drain_due: Cell::new(false),
         }
     }
 
@@ -78,6 +118,31 @@ impl YoungPolicy {
         self.window_start.set(0);
         self.promoted.set(0);
         self.next_windows.set(0);
+        self.bypass_len.set(0);
+        self.evicted.set(0);
+        self.index_bypasses.set(0);
+        self.next_backoff.set(0);
+        self.drain_due.set(false);
+    }
+
+    /// Whether the current bypass puts blocks into the owner table (else
+    /// straight into the index).
+    #[inline(always)]
+    pub fn into_owner_table(&self) -> bool {
+        self.index_bypasses.get() == 0
+    }
+
+    /// True once after a bypass into the owner table evicted too much:
+    /// the caller drains its table.
+    #[inline(always)]
+    pub fn take_drain(&self) -> bool {
+        self.drain_due.replace(false)
+    }
+
+    /// Counts an owner-table insert that evicted a live block.
+    #[inline(always)]
+    pub fn evicted_one(&self) {
+        self.evicted.set(self.evicted.get() + 1);
     }
 
     /// Counts an allocation that bypassed the ring (call only after
@@ -87,7 +152,47 @@ impl YoungPolicy {
     pub fn bypassed_one(&self) -> bool {
         let left = self.bypass_left.get().saturating_sub(1);
         self.bypass_left.set(left);
+        if left == 0 {
+            self.bypass_over();
+        }
         left == 0
+    }
+
+    /// The owner table holds all it takes: the current bypass goes into
+    /// the index from now on, as after a bypass that evicted too much, and
+    /// the caller drains the table now (not [`Self::take_drain`]).
+    #[cold]
+    #[inline(never)]
+    pub fn table_full(&self) {
+        self.fail_table();
+        self.drain_due.set(false);
+    }
+
+    /// A bypass into the table failed: the next few go into the index.
+    fn fail_table(&self) {
+        let n = self.next_backoff.get().max(FIRST_TABLE_BACKOFF);
+        // The current bypass, then `n` more.
+        self.index_bypasses.set(n + 1);
+        self.next_backoff.set((n * 2).min(MAX_TABLE_BACKOFF));
+        self.drain_due.set(true);
+        self.evicted.set(0);
+    }
+
+    /// Judges the bypass that just ended (see the module doc).
+    #[cold]
+    #[inline(never)]
+    fn bypass_over(&self) {
+        let index = self.index_bypasses.get();
+        if index > 0 {
+            self.index_bypasses.set(index - 1);
+        } else if self.evicted.get().saturating_mul(4) >= self.bypass_len.get().max(1) {
+            self.fail_table();
+            // Only the next `n`: this one is over.
+            self.index_bypasses.set(self.index_bypasses.get() - 1);
+        } else {
+            self.next_backoff.set(0);
+        }
+        self.evicted.set(0);
     }
 
     /// Counts a ring insert that promoted an older block, the thread's
@@ -118,6 +223,8 @@ impl YoungPolicy {
         if bypass {
             let windows = self.next_windows.get().max(1);
             self.bypass_left.set(windows * WINDOW);
+            self.bypass_len.set(windows * WINDOW);
+            self.evicted.set(0);
             self.next_windows
                 .set((windows * 2).min(MAX_BYPASS / WINDOW));
         } else {

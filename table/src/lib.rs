@@ -26,7 +26,7 @@ pub mod timeline;
 
 pub use allocations_table::{
     AllocationRecord, AllocationsConfig, AllocationsReader, AllocationsWriter, InsertError,
-    WalkStats, YoungRegistry,
+    OwnedInsert, WalkStats, YoungRegistry,
 };
 pub use error::TableError;
 pub use header::{

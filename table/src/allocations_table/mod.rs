@@ -95,6 +95,7 @@ use crate::shared_view::SharedView;
 
 mod index;
 mod layout;
+mod owner_table;
 mod reader;
 mod record;
 mod shards;
@@ -106,11 +107,13 @@ mod tests;
 
 use index::*;
 use layout::*;
+use owner_table::*;
 use writer::*;
 use young::*;
 
 pub use index::{prefetch_line, Prefetched};
 pub use layout::{AllocationsConfig, MAX_NODES};
+pub use owner_table::{OwnedInsert, OWNER_SETS, OWNER_TABLES};
 pub use reader::{
     AllocationsReader, WalkStats, WALK_MAX_DEFERRED, WALK_RETRY_BUDGET, WALK_RETRY_TIME,
 };

@@ -742,6 +742,20 @@ fn threads_freeing_each_others_young_blocks_leave_the_exact_live_set() {
     // the rest they free themselves soon (young) or keep. A reader walks
     // the table all along: never a torn record. At the end (no writer
     // running) the table and its counters are exactly the kept blocks.
+    threads_free_each_others_blocks(false);
+}
+
+#[test]
+fn threads_freeing_each_others_owner_table_blocks_leave_the_exact_live_set() {
+    // The same with every block put in its thread's owner table: handed
+    // blocks are claimed from another thread's table, racing with its
+    // owner's evictions (sets fill up: the kept blocks stay) and drains;
+    // once a table holds all it takes, blocks go into the index, as the
+    // agent puts them.
+    threads_free_each_others_blocks(true);
+}
+
+fn threads_free_each_others_blocks(owned: bool) {
     use std::sync::mpsc;
     use std::sync::Arc;
     const THREADS: u64 = 4;
@@ -772,6 +786,7 @@ fn threads_freeing_each_others_young_blocks_leave_the_exact_live_set() {
             std::thread::spawn(move || {
                 let w = AllocationsWriter::new(&r).unwrap();
                 let k = w.claim_young(&reg).unwrap();
+                let table = owned.then(|| w.claim_owner_table(&reg, k).unwrap());
                 let mut cache = NodeCache::new();
                 let mut next = xorshift(0x1000 + t);
                 let mut mine: Vec<u64> = Vec::new();
@@ -780,30 +795,55 @@ fn threads_freeing_each_others_young_blocks_leave_the_exact_live_set() {
                 for n in 0..30_000u64 {
                     let addr = base + n * 32;
                     let size = addr % 1000 + 1;
-                    w.insert_young(&rec(addr, size), &reg, k, &mut cache)
-                        .unwrap();
+                    let r = rec(addr, size);
+                    match table {
+                        Some(tb) => {
+                            if n % 9_000 == 8_999 {
+                                w.drain_owner_table(&reg, tb, k, &mut cache);
+                            }
+                            if w.insert_owned(&r, &reg, tb, k, &mut cache).unwrap()
+                                == OwnedInsert::Full
+                            {
+                                w.insert_cached(&r, &mut cache).unwrap();
+                            }
+                        }
+                        None => w.insert_young(&r, &reg, k, &mut cache).unwrap(),
+                    }
                     match next() % 6 {
                         0 | 1 => tx.send(addr).unwrap(),
                         2 => kept.push(addr),
                         _ => mine.push(addr),
                     }
+                    let own = table.map(|tb| (tb, k));
                     if mine.len() > 4 + (next() % 20) as usize {
                         let a = mine.remove(0);
-                        assert!(w.remove_any(a, &reg, Some(k), &mut cache).is_some());
+                        assert!(w
+                            .remove_any_owned(a, &reg, Some(k), own, &mut cache)
+                            .is_some());
                     }
                     while let Ok(a) = rx.try_recv() {
-                        assert!(w.remove_any(a, &reg, Some(k), &mut cache).is_some());
+                        assert!(w
+                            .remove_any_owned(a, &reg, Some(k), own, &mut cache)
+                            .is_some());
                     }
                 }
                 drop(tx);
+                let own = table.map(|tb| (tb, k));
                 for a in rx {
-                    assert!(w.remove_any(a, &reg, Some(k), &mut cache).is_some());
+                    assert!(w
+                        .remove_any_owned(a, &reg, Some(k), own, &mut cache)
+                        .is_some());
                 }
                 for a in mine {
-                    assert!(w.remove_any(a, &reg, Some(k), &mut cache).is_some());
+                    assert!(w
+                        .remove_any_owned(a, &reg, Some(k), own, &mut cache)
+                        .is_some());
                 }
                 w.flush_cache(&mut cache);
                 reg.release(k);
+                if let Some(tb) = table {
+                    reg.release_owner_table(tb);
+                }
                 kept
             })
         })
@@ -831,4 +871,122 @@ fn threads_freeing_each_others_young_blocks_leave_the_exact_live_set() {
     // The peak of a concurrent run is not modelled: at most every byte.
     m.peak = bytes;
     m.check_peak(&r, false);
+}
+
+#[test]
+fn owner_table_blocks_match_a_model_whoever_frees_them_and_after_drains() {
+    // Three "threads" with a ring and an owner table, and one with
+    // neither, insert into their table (or, once it is full, the index),
+    // their ring or the index, and free blocks whoever allocated them,
+    // naming their ring and table or not; now and then a table is drained.
+    // Addresses are dense (neighbouring granules), so sets fill and evict.
+    // Every free returns exactly what the model holds, and the counters
+    // match it after every round.
+    let r = region(1 << 16, 8);
+    let w = AllocationsWriter::new(&r).unwrap();
+    let reg = Box::new(YoungRegistry::new());
+    let rings: Vec<u32> = (0..3).map(|_| w.claim_young(&reg).unwrap()).collect();
+    let tables: Vec<u32> = rings
+        .iter()
+        .map(|k| w.claim_owner_table(&reg, *k).unwrap())
+        .collect();
+    let mut caches: Vec<NodeCache> = (0..4).map(|_| NodeCache::new()).collect();
+    let mut m = Model::default();
+    let mut next = xorshift(0x9e37_79b9_7f4a_7c15);
+    let mut evictions = 0;
+    for round in 0..4 {
+        for _ in 0..40_000 {
+            let addr = 0x5555_0000_0000 + (next() % 24_000) * 16;
+            let who = (next() % 4) as usize;
+            let own = rings.get(who).copied();
+            let table = tables.get(who).copied().zip(own);
+            if m.live.contains_key(&addr) {
+                let named = next().is_multiple_of(2);
+                let got = w.remove_any_owned(
+                    addr,
+                    &reg,
+                    own.filter(|_| named),
+                    table.filter(|_| named),
+                    &mut caches[who],
+                );
+                assert_eq!(got.map(|f| f.size), m.free(addr));
+            } else if round < 3 || next().is_multiple_of(3) {
+                let size = next() % 3000 + 1;
+                let a = rec(addr, size);
+                match (table, next() % 4) {
+                    (Some((t, k)), 0 | 1) => match w.insert_owned(&a, &reg, t, k, &mut caches[who])
+                    {
+                        Ok(OwnedInsert::Full) => w.insert_cached(&a, &mut caches[who]).unwrap(),
+                        Ok(OwnedInsert::Evicted) => evictions += 1,
+                        Ok(OwnedInsert::Kept) => {}
+                        Err(e) => panic!("{e:?}"),
+                    },
+                    (Some((_, k)), 2) => w.insert_young(&a, &reg, k, &mut caches[who]).unwrap(),
+                    _ => w.insert_cached(&a, &mut caches[who]).unwrap(),
+                }
+                m.alloc(a);
+            } else {
+                assert_eq!(
+                    w.remove_any_owned(addr, &reg, own, table, &mut caches[who]),
+                    None
+                );
+            }
+            if next().is_multiple_of(10_000) {
+                let t = (next() % 3) as usize;
+                w.drain_owner_table(&reg, tables[t], rings[t], &mut caches[t]);
+                assert_eq!(reg.held_in_owner_table(tables[t]), 0);
+            }
+        }
+        for c in caches.iter_mut() {
+            w.flush_cache(c);
+        }
+        m.check_peak(&r, false);
+    }
+    assert!(evictions > 0, "no set ever filled up");
+    assert!(tables.iter().any(|t| reg.held_in_owner_table(*t) > 0));
+    let rest: Vec<u64> = m.live.keys().copied().collect();
+    for (n, a) in rest.into_iter().enumerate() {
+        let who = n % 4;
+        let own = rings.get(who).copied().filter(|_| n % 8 < 4);
+        let table = tables.get(who).copied().zip(own);
+        let got = w.remove_any_owned(a, &reg, own, table, &mut caches[who]);
+        assert_eq!(got.map(|f| f.size), m.free(a));
+    }
+    for c in caches.iter_mut() {
+        w.flush_cache(c);
+    }
+    m.check_peak(&r, false);
+    assert!(tables.iter().all(|t| reg.held_in_owner_table(*t) == 0));
+}
+
+#[test]
+fn a_forked_childs_reset_empties_every_owner_table() {
+    let reg = Box::new(YoungRegistry::new());
+    let r = region(1024, 2);
+    let w = AllocationsWriter::new(&r).unwrap();
+    let mut cache = NodeCache::new();
+    let k = w.claim_young(&reg).unwrap();
+    let t = w.claim_owner_table(&reg, k).unwrap();
+    assert_eq!(
+        w.insert_owned(&rec(0x1230, 5), &reg, t, k, &mut cache),
+        Ok(OwnedInsert::Kept)
+    );
+    assert_eq!(reg.held_in_owner_table(t), 1);
+    reg.reset();
+    assert_eq!(reg.held_in_owner_table(t), 0);
+    let k = w.claim_young(&reg).unwrap();
+    assert_eq!(
+        w.claim_owner_table(&reg, k),
+        Some(t),
+        "every table is free again"
+    );
+    // The emptied table takes blocks again, and finds them.
+    assert_eq!(
+        w.insert_owned(&rec(0x1230, 6), &reg, t, k, &mut cache),
+        Ok(OwnedInsert::Kept)
+    );
+    let f = w
+        .remove_any_owned(0x1230, &reg, None, Some((t, k)), &mut cache)
+        .unwrap();
+    assert_eq!(f.size, 6);
 }

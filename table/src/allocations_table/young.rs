@@ -82,15 +82,15 @@ pub(super) const L_USED: u64 = 32;
 #[derive(Debug)]
 pub struct YoungRing {
     /// Block address of each entry, 0 = empty.
-    addrs: [AtomicU64; YOUNG],
+    pub(super) addrs: [AtomicU64; YOUNG],
     /// Node of each entry (meaningful while its address is not 0).
-    nodes: [AtomicU32; YOUNG],
+    pub(super) nodes: [AtomicU32; YOUNG],
     /// One byte per entry, a hash of its address ([`tag`]), so a lookup
     /// compares 16 bytes in two words before it reads any address.
     tags: [AtomicU64; 2],
     /// Blocks inserted (owner only): the next entry is `head % YOUNG`, the
     /// oldest one.
-    head: AtomicU32,
+    pub(super) head: AtomicU32,
     /// 1 while a thread owns the ring.
     owner: AtomicU32,
 }
@@ -112,6 +112,12 @@ impl YoungRing {
     /// (part of the baseline), elsewhere bytewise in each word.
     #[inline(always)]
     fn candidates(&self, addr: u64) -> u32 {
+        self.tag_matches(tag(addr))
+    }
+
+    /// Entries whose tag is `t`, as bits (see [`Self::candidates`]).
+    #[inline(always)]
+    pub(super) fn tag_matches(&self, t: u8) -> u32 {
         let lo = self.tags[0].load(Ordering::Relaxed);
         let hi = self.tags[1].load(Ordering::Relaxed);
         #[cfg(target_arch = "x86_64")]
@@ -121,13 +127,13 @@ impl YoungRing {
             // x86_64).
             unsafe {
                 let tags = _mm_set_epi64x(hi as i64, lo as i64);
-                let eq = _mm_cmpeq_epi8(tags, _mm_set1_epi8(tag(addr) as i8));
+                let eq = _mm_cmpeq_epi8(tags, _mm_set1_epi8(t as i8));
                 _mm_movemask_epi8(eq) as u32
             }
         }
         #[cfg(not(target_arch = "x86_64"))]
         {
-            let t = u64::from(tag(addr)) * 0x0101_0101_0101_0101;
+            let t = u64::from(t) * 0x0101_0101_0101_0101;
             zero_bytes(lo ^ t) | zero_bytes(hi ^ t) << 8
         }
     }
@@ -137,6 +143,13 @@ impl YoungRing {
     /// 16-byte load and compare.
     #[inline(always)]
     fn own_candidates(&self, addr: u64) -> u32 {
+        self.own_tag_matches(tag(addr))
+    }
+
+    /// [`Self::tag_matches`] for the ring's owner (see
+    /// [`Self::own_candidates`]).
+    #[inline(always)]
+    pub(super) fn own_tag_matches(&self, t: u8) -> u32 {
         #[cfg(target_arch = "x86_64")]
         {
             use core::arch::x86_64::*;
@@ -146,18 +159,23 @@ impl YoungRing {
             // on x86_64.
             unsafe {
                 let tags = _mm_loadu_si128(self.tags.as_ptr().cast());
-                let eq = _mm_cmpeq_epi8(tags, _mm_set1_epi8(tag(addr) as i8));
+                let eq = _mm_cmpeq_epi8(tags, _mm_set1_epi8(t as i8));
                 _mm_movemask_epi8(eq) as u32
             }
         }
         #[cfg(not(target_arch = "x86_64"))]
-        self.candidates(addr)
+        self.tag_matches(t)
     }
 
     /// The owner's [`Self::find`] (see [`Self::own_candidates`]).
     #[inline(always)]
     fn find_own(&self, addr: u64) -> Option<usize> {
-        let mut m = self.own_candidates(addr);
+        self.find_own_among(addr, self.own_candidates(addr))
+    }
+
+    /// The entry among candidates `m` (owner's view) that holds `addr`.
+    #[inline(always)]
+    pub(super) fn find_own_among(&self, addr: u64, mut m: u32) -> Option<usize> {
         while m != 0 {
             let i = m.trailing_zeros() as usize;
             m &= m - 1;
@@ -172,7 +190,13 @@ impl YoungRing {
     /// loads: Acquire for another thread's ring.
     #[inline(always)]
     fn find(&self, addr: u64, order: Ordering) -> Option<usize> {
-        let mut m = self.candidates(addr);
+        self.find_among(addr, self.candidates(addr), order)
+    }
+
+    /// The entry among candidates `m` that holds `addr` (see
+    /// [`Self::find`]).
+    #[inline(always)]
+    pub(super) fn find_among(&self, addr: u64, mut m: u32, order: Ordering) -> Option<usize> {
         while m != 0 {
             let i = m.trailing_zeros() as usize;
             m &= m - 1;
@@ -189,11 +213,18 @@ impl YoungRing {
         (&self.tags[i / 8], (i % 8) * 8)
     }
 
-    /// Sets entry `i`'s tag (owner only).
+    /// Sets entry `i`'s tag to `addr`'s (owner only).
+    #[cfg(test)]
     #[inline(always)]
     fn set_tag(&self, i: usize, addr: u64) {
+        self.set_tag_byte(i, tag(addr));
+    }
+
+    /// Sets entry `i`'s tag to `t` (owner only).
+    #[inline(always)]
+    pub(super) fn set_tag_byte(&self, i: usize, t: u8) {
         let (word, shift) = self.tag_at(i);
-        let v = word.load(Ordering::Relaxed) & !(0xff << shift) | u64::from(tag(addr)) << shift;
+        let v = word.load(Ordering::Relaxed) & !(0xff << shift) | u64::from(t) << shift;
         word.store(v, Ordering::Relaxed);
     }
 
@@ -224,7 +255,7 @@ impl YoungRing {
 /// bits above 16-byte alignment, folded with the page bits, so
 /// neighbouring small blocks differ.
 #[inline(always)]
-fn tag(addr: u64) -> u8 {
+pub(super) fn tag(addr: u64) -> u8 {
     ((addr >> 4) ^ (addr >> 12)) as u8
 }
 
@@ -246,6 +277,8 @@ pub struct YoungRegistry {
     rings: [YoungRing; YOUNG_RINGS],
     /// Rings ever claimed: lookups across rings stop here.
     high: AtomicU32,
+    /// The threads' owner tables (`owner_table.rs`).
+    pub(super) owners: OwnerTables,
 }
 
 impl Default for YoungRegistry {
@@ -260,6 +293,7 @@ impl YoungRegistry {
         YoungRegistry {
             rings: [const { YoungRing::new() }; YOUNG_RINGS],
             high: AtomicU32::new(0),
+            owners: OwnerTables::new(),
         }
     }
 
@@ -290,9 +324,20 @@ impl YoungRegistry {
         }
     }
 
-    /// Empties and frees every ring. Only in a process with one thread
-    /// (a forked child, before it records anything).
+    /// Gives owner table `k` back (its blocks stay in it, still found).
+    pub fn release_owner_table(&self, k: u32) {
+        self.owners.release(k);
+    }
+
+    /// Blocks held in owner table `k` now (for tests and statistics).
+    pub fn held_in_owner_table(&self, k: u32) -> usize {
+        self.owners.held(k)
+    }
+
+    /// Empties and frees every ring and owner table. Only in a process
+    /// with one thread (a forked child, before it records anything).
     pub fn reset(&self) {
+        self.owners.reset();
         let high = self.high.load(Ordering::Relaxed) as usize;
         for r in self.rings.iter().take(high) {
             r.clear();
@@ -316,7 +361,7 @@ impl AllocationsWriter<'_> {
     /// Whether this region has a writer line for ring `k` (a region
     /// written before format 1.5 has none: young recording is off).
     #[inline(always)]
-    fn has_line(&self, k: u32) -> bool {
+    pub(super) fn has_line(&self, k: u32) -> bool {
         u64::from(k) + 1 < self.layout.lines
     }
 
@@ -405,8 +450,33 @@ impl AllocationsWriter<'_> {
                 Some(p) if p.address == old => p.hash,
                 _ => hash(old),
             };
-            self.promote(r, i, old, h, line, cache);
+            self.promote((&r.addrs[i], &r.nodes[i]), old, h, line, cache);
         }
+        self.fill_entry(
+            (&r.addrs[i], &r.nodes[i]),
+            || r.set_tag_byte(i, tag(w1)),
+            (t32, w1, w2, w3),
+            line,
+            cache,
+        )?;
+        r.head.store(head.wrapping_add(1), Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Writes a new block (its encoded words) into an entry (its address
+    /// and node words) that the calling thread owns and has seen empty (an
+    /// Acquire load, or its own claim), and counts it in writer line
+    /// `line`. `set_tag` sets the entry's tag, between the node and the
+    /// address.
+    #[inline(always)]
+    pub(super) fn fill_entry(
+        &self,
+        (entry, node_word): (&AtomicU64, &AtomicU32),
+        set_tag: impl FnOnce(),
+        (t32, w1, w2, w3): (u32, u64, u64, u64),
+        line: u32,
+        cache: &mut NodeCache,
+    ) -> Result<(), InsertError> {
         let node = match cache.pop() {
             Some(n) => n,
             None => match self.fresh_node(w1) {
@@ -418,12 +488,11 @@ impl AllocationsWriter<'_> {
             },
         };
         self.write_node(node, t32, w1, w2, w3);
-        r.nodes[i].store(node, Ordering::Relaxed);
-        r.set_tag(i, w1);
+        node_word.store(node, Ordering::Relaxed);
+        set_tag();
         // Release: node, tag and node word before the address that
         // another thread's lookup acquires.
-        r.addrs[i].store(w1, Ordering::Release);
-        r.head.store(head.wrapping_add(1), Ordering::Relaxed);
+        entry.store(w1, Ordering::Release);
         let size = w2 & SIZE_MASK;
         self.line_add(line, L_ALLOCS, 1);
         self.line_add(line, L_BYTES, size);
@@ -458,23 +527,21 @@ impl AllocationsWriter<'_> {
         self.take_node(home)
     }
 
-    /// Moves the block in entry `i` of the caller's ring (address `addr`,
-    /// hash `h`)
-    /// into the shared index, unless another thread claimed it first (it
-    /// is freeing it). Its counts move from writer line `line` to the
-    /// shard.
+    /// Moves the block in an entry (its address and node words) of the
+    /// caller's ring or owner table (address `addr`, hash `h`) into the
+    /// shared index, unless another thread claimed it first (it is freeing
+    /// it). Its counts move from writer line `line` to the shard.
     #[inline(never)]
-    fn promote(
+    pub(super) fn promote(
         &self,
-        r: &YoungRing,
-        i: usize,
+        (entry, node_word): (&AtomicU64, &AtomicU32),
         addr: u64,
         h: u64,
         line: u32,
         cache: &mut NodeCache,
     ) {
         // Read before the claim (see the module doc).
-        let node = r.nodes[i].load(Ordering::Relaxed);
+        let node = node_word.load(Ordering::Relaxed);
         let home = self.home_shard(addr, h);
         let size = {
             let _g = self.lock(home);
@@ -483,10 +550,10 @@ impl AllocationsWriter<'_> {
             // a store, no CAS: every other thread claims under this lock
             // too (`remove_elsewhere`), and the owner's own frees come
             // before or after this on this thread.
-            if r.addrs[i].load(Ordering::Acquire) != addr {
+            if entry.load(Ordering::Acquire) != addr {
                 return;
             }
-            r.addrs[i].store(0, Ordering::Release);
+            entry.store(0, Ordering::Release);
             let size = self.node_word(node, 2).load(Ordering::Relaxed) & SIZE_MASK;
             match self.link_locked(home, h, addr, node) {
                 Ok(()) => {
@@ -559,7 +626,7 @@ impl AllocationsWriter<'_> {
     /// writer line `line`; the node goes to `cache` (or back to a shard
     /// when the cache is full). The caller settles live bytes.
     #[inline(always)]
-    fn free_young_node(&self, node: u32, line: u32, cache: &mut NodeCache) -> Freed {
+    pub(super) fn free_young_node(&self, node: u32, line: u32, cache: &mut NodeCache) -> Freed {
         let w2 = self.node_word(node, 2).load(Ordering::Relaxed);
         let w3 = self.node_word(node, 3).load(Ordering::Relaxed);
         let size = w2 & SIZE_MASK;
@@ -578,14 +645,29 @@ impl AllocationsWriter<'_> {
 
     /// Removes the block at `addr` wherever it is recorded: in the calling
     /// thread's ring `own` (no lock), in the shared index, or in another
-    /// thread's ring. Returns what it held, `None` if it is not recorded.
-    /// Never allocates. The node goes to `cache`.
+    /// thread's ring or owner table. Returns what it held, `None` if it is
+    /// not recorded. Never allocates. The node goes to `cache`.
     #[inline(always)]
     pub fn remove_any(
         &self,
         addr: u64,
         reg: &YoungRegistry,
         own: Option<u32>,
+        cache: &mut NodeCache,
+    ) -> Option<Freed> {
+        self.remove_any_owned(addr, reg, own, None, cache)
+    }
+
+    /// [`Self::remove_any`] for a thread that also owns an owner table
+    /// (`table`: the table and the young ring whose writer line counts
+    /// it), looked in after its ring and before the index.
+    #[inline(always)]
+    pub fn remove_any_owned(
+        &self,
+        addr: u64,
+        reg: &YoungRegistry,
+        own: Option<u32>,
+        table: Option<(u32, u32)>,
         cache: &mut NodeCache,
     ) -> Option<Freed> {
         let own = own.filter(|k| self.has_line(*k));
@@ -606,18 +688,24 @@ impl AllocationsWriter<'_> {
                 }
             }
         }
+        let table = table.filter(|(_, k)| self.has_line(*k));
+        if let Some((t, k)) = table {
+            if let Some(f) = self.remove_owned(addr, reg, t, k + 1, cache) {
+                return Some(f);
+            }
+        }
         if let Some(f) = self.remove_impl(addr, Some(cache)) {
             return Some(f);
         }
         if self.layout.lines == 0 {
             return None;
         }
-        self.remove_elsewhere(addr, reg, own, cache)
+        self.remove_elsewhere(addr, reg, own, table, cache)
     }
 
-    /// The rest of [`Self::remove_any`] after the caller's ring and the
-    /// index missed: the other rings, then the index again (see the
-    /// module doc).
+    /// The rest of [`Self::remove_any_owned`] after the caller's ring, its
+    /// table and the index missed: the other rings and tables, then the
+    /// index again (see the module doc).
     #[cold]
     #[inline(never)]
     fn remove_elsewhere(
@@ -625,12 +713,14 @@ impl AllocationsWriter<'_> {
         addr: u64,
         reg: &YoungRegistry,
         own: Option<u32>,
+        table: Option<(u32, u32)>,
         cache: &mut NodeCache,
     ) -> Option<Freed> {
-        let line = own.map_or(0, |k| k + 1);
+        let line = own.or(table.map(|(_, k)| k)).map_or(0, |k| k + 1);
         let high = (reg.high.load(Ordering::Acquire) as usize).min(YOUNG_RINGS);
         if high == 0 {
-            // No ring was ever claimed: no young block anywhere.
+            // No ring was ever claimed: no young block anywhere (an owner
+            // table is claimed only by a thread that holds a ring).
             return None;
         }
         for (k, r) in reg.rings.iter().enumerate().take(high) {
@@ -657,7 +747,15 @@ impl AllocationsWriter<'_> {
             }
             // Its owner promoted it meanwhile: the index look below finds
             // it, under the lock the promotion held.
-            break;
+            return self.remove_impl(addr, Some(cache));
+        }
+        // The owner tables (the caller's own was looked in first), then,
+        // whether one held the block and its owner evicted it meanwhile or
+        // none held it, the index again.
+        if let Ok(Some(f)) =
+            self.remove_from_other_tables(addr, reg, table.map(|(t, _)| t), line, cache)
+        {
+            return Some(f);
         }
         self.remove_impl(addr, Some(cache))
     }
