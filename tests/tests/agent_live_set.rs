@@ -103,6 +103,25 @@ fn threads_that_exit_while_bypassing_their_young_rings_leave_the_exact_live_set(
     );
 }
 
+#[test]
+fn blocks_in_owner_tables_full_drained_and_inherited_leave_the_exact_live_set() {
+    // tests/c/outlive_table.c: a thread's medium-lived blocks live and die
+    // in its owner table, another's long-lived ones overflow its table
+    // (drained into the index); main and a later thread (which takes the
+    // first one's table up with the blocks it holds) free blocks of a
+    // thread that is gone.
+    check_c_live_set(
+        "outlive_table",
+        "site_none",
+        &[
+            ("site_huge", 10_000, 64),
+            ("site_fifo", 500, 32),
+            ("site_fifo_b", 2_000, 200),
+        ],
+        2 * (2_000 + 30_000) + 20_000,
+    );
+}
+
 fn check_rust_pattern(hold: bool) {
     check_rust_program(env!("CARGO_BIN_EXE_rust_pattern"), "rust_pattern", hold);
 }
