@@ -50,6 +50,12 @@
 //! probes nothing. The 17th allocation promotes the oldest into the index.
 //! Readers see no difference but the counters they sum (shards and lines).
 //!
+//! **Owner tables** (`owner_table.rs`). A thread whose blocks outlive its
+//! ring keeps them, while the agent's policy says so, in a hashed table of
+//! its own with the ring's entry protocol (counted in its writer line), so
+//! its own free of such a block takes no lock either; a full set evicts
+//! its oldest into the index. Readers see no difference.
+//!
 //! **Direct blocks.** A writer that can keep a block's node number with
 //! the block itself (the Rust `Agent` puts it in a header before each
 //! block) inserts with [`AllocationsWriter::insert_direct`] and removes
@@ -61,7 +67,8 @@
 //!
 //! Invariants:
 //! - A node's words change only under its shard's lock (or, for a young
-//!   block, by the one thread that holds its ring entry, see `young.rs`),
+//!   or owner-table block, by the one thread that holds its ring or table
+//!   entry, see `young.rs`),
 //!   always inside a seqlock write: `seq` made odd, a Release fence, the words, then `seq`
 //!   made even with a Release store. A reader accepts a node only between
 //!   two equal even readings of `seq` (Acquire fence between data and the
@@ -79,8 +86,9 @@
 //! `record.rs` (nodes and their seqlock), `index.rs` (the per-shard
 //! address index), `shards.rs` (shard choice, locks, spill, counters),
 //! `writer.rs` (the writer's operations and node caches), `young.rs`
-//! (young blocks and writer lines) and `reader.rs` (the walk); each states
-//! its own invariants.
+//! (young blocks and writer lines), `owner_table.rs` (a thread's blocks
+//! that outlive its ring) and `reader.rs` (the walk); each states its own
+//! invariants.
 
 use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
 
@@ -113,7 +121,7 @@ use young::*;
 
 pub use index::{prefetch_line, Prefetched};
 pub use layout::{AllocationsConfig, MAX_NODES};
-pub use owner_table::{OwnedInsert, OWNER_SETS, OWNER_TABLES};
+pub use owner_table::{OwnedInsert, OWNER_HOLDS, OWNER_SETS, OWNER_TABLES, OWNER_WAYS};
 pub use reader::{
     AllocationsReader, WalkStats, WALK_MAX_DEFERRED, WALK_RETRY_BUDGET, WALK_RETRY_TIME,
 };

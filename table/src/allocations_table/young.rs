@@ -42,12 +42,15 @@
 //!   (AcqRel), and the owner writes a new node into an entry only after
 //!   reading (Acquire) that the entry is empty, so the node read is the
 //!   claimed block's.
-//! - A block is in exactly one of: its owner's ring, the shared index, or
-//!   neither (freed). A free that finds it in neither the calling thread's
-//!   ring nor the index looks through every ring, then the index again: a
-//!   promotion (ring -> index, under the shard lock, claim inside the
-//!   lock) may have moved it between the first two looks, and the second
-//!   index look, under the same lock, sees it. A writer may also put
+//! - A block is in exactly one of: its owner's ring, its owner's table
+//!   (`owner_table.rs`, the same rules), the shared index, or neither
+//!   (freed). A free that finds it in neither the calling thread's ring,
+//!   its table nor the index looks through every ring and table, then the
+//!   index again: a promotion or eviction (ring or table -> index, under
+//!   the shard lock, claim inside the lock) may have moved it between the
+//!   first two looks, and the second index look, under the same lock,
+//!   sees it. Blocks only ever move towards the index, so the one pass
+//!   over the rings and tables cannot miss a block that stays put. A writer may also put
 //!   blocks straight into the index while it owns a ring (the agent does
 //!   while its blocks outlive the ring), and free without naming its ring
 //!   (`own` = `None`): its ring is then searched after the index with the
