@@ -998,9 +998,10 @@ fn record_weighted<const DIRECT: bool>(
                 match w.allocations.insert_owned(&rec, &YOUNG, table, ring, nodes) {
                     Ok(OwnedInsert::Kept) => {}
                     Ok(OwnedInsert::Evicted) => t.young_policy.evicted_one(),
-                    Ok(OwnedInsert::Full) => {
-                        // The thread's blocks outlive even its table: drained
-                        // into the index, where this one goes too.
+                    Ok(OwnedInsert::Full | OwnedInsert::FreedElsewhere) => {
+                        // The thread's blocks outlive even its table, or
+                        // other threads free them: drained into the index,
+                        // where this one goes too.
                         t.young_policy.table_full();
                         drain_owner_table(w, t, nodes);
                         if w.allocations.insert_cached(&rec, nodes).is_err() {

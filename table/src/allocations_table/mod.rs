@@ -121,7 +121,9 @@ use young::*;
 
 pub use index::{prefetch_line, Prefetched};
 pub use layout::{AllocationsConfig, MAX_NODES};
-pub use owner_table::{OwnedInsert, OWNER_HOLDS, OWNER_SETS, OWNER_TABLES, OWNER_WAYS};
+pub use owner_table::{
+    OwnedInsert, OWNER_CHECK, OWNER_HOLDS, OWNER_SETS, OWNER_TABLES, OWNER_WAYS,
+};
 pub use reader::{
     AllocationsReader, WalkStats, WALK_MAX_DEFERRED, WALK_RETRY_BUDGET, WALK_RETRY_TIME,
 };

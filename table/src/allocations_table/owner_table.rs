@@ -27,6 +27,13 @@
 //! An entry another thread freed keeps its tag until the head reaches it:
 //! the owner then finds its address 0 and takes it without an eviction.
 //!
+//! Each table counts the inserts into it and, on a line of their own, the
+//! frees other threads made of its blocks; when those are a quarter of
+//! the inserts or more (a producer whose blocks its consumers free), an
+//! insert answers [`OwnedInsert::FreedElsewhere`] and records nothing: such
+//! frees search every ring and table, where the index would find the
+//! block at once.
+//!
 //! Tables are claimed by a thread (the agent's policy decides when: see
 //! its `young_policy`), given back at its exit, and inherited with their
 //! blocks by the next claimant, as rings are. Their memory is mapped
@@ -76,8 +83,26 @@ pub(super) struct OwnerTable {
     /// Owner only: an upper bound of the blocks the table holds (entries
     /// with a tag), so a free skips an empty table without reading it.
     held: AtomicU64,
+    /// Owner only: blocks inserted, and [`Self::remote`] when last looked
+    /// at (every [`OWNER_CHECK`] inserts).
+    inserts: AtomicU64,
+    remote_seen: AtomicU64,
+    /// Blocks of this table freed by other threads (their line, not the
+    /// owner's).
+    remote: RemoteCount,
     sets: [OwnerSet; OWNER_SETS],
 }
+
+/// A counter other threads add to, on a line of its own.
+#[repr(C, align(64))]
+struct RemoteCount(AtomicU64);
+
+/// Inserts between two looks at how many of a table's blocks other
+/// threads freed: when they freed at least a quarter as many as were
+/// inserted meanwhile, the table is the wrong place for the owner's blocks
+/// (each such free searches every ring and table), and the insert answers
+/// [`OwnedInsert::FreedElsewhere`].
+pub const OWNER_CHECK: u64 = 256;
 
 /// A live block's tag in an owner table: never 0, which marks an empty
 /// entry.
@@ -273,6 +298,9 @@ pub enum OwnedInsert {
     Evicted,
     /// Nothing was recorded: the table holds [`OWNER_HOLDS`] blocks.
     Full,
+    /// Nothing was recorded: other threads free many of the table's blocks
+    /// (see [`OWNER_CHECK`]).
+    FreedElsewhere,
 }
 
 impl AllocationsWriter<'_> {
@@ -314,6 +342,11 @@ impl AllocationsWriter<'_> {
             // and evict. The caller decides (the agent drains the table).
             return Ok(OwnedInsert::Full);
         }
+        let inserts = t.inserts.load(Ordering::Relaxed) + 1;
+        t.inserts.store(inserts, Ordering::Relaxed);
+        if inserts % OWNER_CHECK == 0 && self.freed_elsewhere(t) {
+            return Ok(OwnedInsert::FreedElsewhere);
+        }
         let addr = words.1;
         let set = t.set_of(addr);
         // Empty entries (tag 0): the owner zeroed them after its own
@@ -348,6 +381,17 @@ impl AllocationsWriter<'_> {
             cache,
         )?;
         Ok(how)
+    }
+
+    /// Whether other threads freed at least a quarter of [`OWNER_CHECK`]
+    /// of table `t`'s blocks since the owner last asked.
+    #[cold]
+    #[inline(never)]
+    fn freed_elsewhere(&self, t: &OwnerTable) -> bool {
+        let remote = t.remote.0.load(Ordering::Relaxed);
+        let since = remote.wrapping_sub(t.remote_seen.load(Ordering::Relaxed));
+        t.remote_seen.store(remote, Ordering::Relaxed);
+        since.saturating_mul(4) >= OWNER_CHECK
     }
 
     /// Moves every block of owner table `table` (the calling thread's)
@@ -453,6 +497,7 @@ impl AllocationsWriter<'_> {
             if !claimed {
                 return Err(());
             }
+            t.remote.0.fetch_add(1, Ordering::Relaxed);
             let f = self.free_young_node(node, line, cache);
             self.live_changed(Some(cache), -(f.size as i64));
             return Ok(Some(f));
@@ -558,5 +603,48 @@ mod tests {
                 .remove_any(0x10_0000 + j * 48, &reg, None, &mut cache)
                 .is_some());
         }
+    }
+
+    #[test]
+    fn a_table_whose_blocks_other_threads_free_refuses_more() {
+        let r = region(1 << 14);
+        let w = AllocationsWriter::new(&r).unwrap();
+        let reg = Box::new(YoungRegistry::new());
+        let k = w.claim_young(&reg).unwrap();
+        let t = w.claim_owner_table(&reg, k).unwrap();
+        let mut owner = NodeCache::new();
+        let mut other = NodeCache::new();
+        // The owner frees its own blocks: never refused.
+        for j in 0..4 * OWNER_CHECK {
+            let a = 0x20_0000 + j * 64;
+            assert_eq!(
+                w.insert_owned(&rec(a, 8), &reg, t, k, &mut owner),
+                Ok(OwnedInsert::Kept)
+            );
+            assert!(w
+                .remove_any_owned(a, &reg, Some(k), Some((t, k)), &mut owner)
+                .is_some());
+        }
+        // Another thread frees one block in three: refused at the next look.
+        let mut refused = None;
+        for j in 0..2 * OWNER_CHECK {
+            let a = 0x40_0000 + j * 64;
+            match w.insert_owned(&rec(a, 8), &reg, t, k, &mut owner) {
+                Ok(OwnedInsert::FreedElsewhere) => {
+                    refused = Some(j);
+                    break;
+                }
+                Ok(OwnedInsert::Kept) => {}
+                other => panic!("{other:?}"),
+            }
+            let (who, own) = if j % 3 == 0 {
+                (&mut other, None)
+            } else {
+                (&mut owner, Some((t, k)))
+            };
+            assert!(w.remove_any_owned(a, &reg, None, own, who).is_some());
+        }
+        let j = refused.expect("never refused");
+        assert!(j < OWNER_CHECK, "refused only at insert {j}");
     }
 }

@@ -801,9 +801,10 @@ fn threads_free_each_others_blocks(owned: bool) {
                             if n % 9_000 == 8_999 {
                                 w.drain_owner_table(&reg, tb, k, &mut cache);
                             }
-                            if w.insert_owned(&r, &reg, tb, k, &mut cache).unwrap()
-                                == OwnedInsert::Full
-                            {
+                            if matches!(
+                                w.insert_owned(&r, &reg, tb, k, &mut cache).unwrap(),
+                                OwnedInsert::Full | OwnedInsert::FreedElsewhere
+                            ) {
                                 w.insert_cached(&r, &mut cache).unwrap();
                             }
                         }
@@ -916,7 +917,9 @@ fn owner_table_blocks_match_a_model_whoever_frees_them_and_after_drains() {
                 match (table, next() % 4) {
                     (Some((t, k)), 0 | 1) => match w.insert_owned(&a, &reg, t, k, &mut caches[who])
                     {
-                        Ok(OwnedInsert::Full) => w.insert_cached(&a, &mut caches[who]).unwrap(),
+                        Ok(OwnedInsert::Full | OwnedInsert::FreedElsewhere) => {
+                            w.insert_cached(&a, &mut caches[who]).unwrap()
+                        }
                         Ok(OwnedInsert::Evicted) => evictions += 1,
                         Ok(OwnedInsert::Kept) => {}
                         Err(e) => panic!("{e:?}"),
