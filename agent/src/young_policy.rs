@@ -30,13 +30,16 @@
 //! address, the thread's own, so its own free of the block takes no lock
 //! and probes no shared index), when the thread could claim one. A block
 //! that takes the entry of a still-live one evicts that one into the
-//! index, as a ring promotes. When at least 1/4 of a bypass's blocks
-//! evicted one (the thread's blocks outlive even the table: the churn's
-//! 100 000), the table is *drained* (its blocks moved into the index, so
-//! that frees skip it) and the thread's next bypass goes straight into the
-//! index, and the next [`FIRST_TABLE_BACKOFF`] bypasses too; then twice
-//! as many, up to [`MAX_TABLE_BACKOFF`], each time a bypass into the table
-//! fails again.
+//! index, as a ring promotes. The table *fails* when at least 1/4 of a
+//! bypass's blocks evicted one, when it holds all it takes (8 192: the
+//! thread's blocks outlive even the table, as the churn's 100 000 do), or
+//! when other threads free a quarter as many of its blocks as it takes
+//! (a producer's, whose frees would search every table). It is then
+//! *drained* (its blocks moved into the index, so that frees skip it) and
+//! the rest of the bypass and the next [`FIRST_TABLE_BACKOFF`] bypasses go
+//! straight into the index; then twice as many, up to
+//! [`MAX_TABLE_BACKOFF`], each time the table fails again, and back to
+//! [`FIRST_TABLE_BACKOFF`] once a bypass into it succeeds.
 //!
 //! Invariants:
 //! - The policy decides where a block is *put*, never whether it is
@@ -62,7 +65,8 @@ pub const MAX_BYPASS: u64 = 32 * WINDOW;
 /// owner table that evicted too much (then twice as many each time, up to
 /// [`MAX_TABLE_BACKOFF`]): a thread whose blocks outlived its table once
 /// likely keeps them long, and a failed try costs the table's inserts and
-/// draining it (~8 000 blocks, ~4 M instructions on `bench/churn.c`).
+/// draining it (up to 8 192 blocks, 2-4 M instructions on
+/// `bench/churn.c`).
 pub const FIRST_TABLE_BACKOFF: u64 = 16;
 /// Most bypasses in a row that go into the index after one into the owner
 /// table evicted too much.
@@ -158,9 +162,10 @@ impl YoungPolicy {
         left == 0
     }
 
-    /// The owner table holds all it takes: the current bypass goes into
-    /// the index from now on, as after a bypass that evicted too much, and
-    /// the caller drains the table now (not [`Self::take_drain`]).
+    /// The owner table holds all it takes, or other threads free its
+    /// blocks: the current bypass goes into the index from now on, as after
+    /// a bypass that evicted too much, and the caller drains the table now
+    /// (not [`Self::take_drain`]).
     #[cold]
     #[inline(never)]
     pub fn table_full(&self) {
@@ -340,5 +345,101 @@ mod tests {
             on_ring * 33 <= total * 12 / 10,
             "{on_ring} of {total} on the ring"
         );
+    }
+
+    /// Runs one whole bypass (from a window that asks for it) into the
+    /// table or the index, as the recorder does; `evicts(i)` says whether
+    /// the i-th insert into the table evicted, `full_at` when the table
+    /// refuses. Returns whether the bypass went into the table.
+    fn bypass(t: &mut Thread, evicts: impl Fn(u64) -> bool, full_at: Option<u64>) -> bool {
+        t.run(WINDOW + 1, |_| true);
+        assert!(t.bypassing);
+        let into_table = t.p.into_owner_table();
+        let mut i = 0;
+        while t.bypassing {
+            if t.p.into_owner_table() {
+                if Some(i) == full_at {
+                    t.p.table_full();
+                } else if evicts(i) {
+                    t.p.evicted_one();
+                }
+            }
+            i += 1;
+            t.at += 1;
+            t.bypassing = !t.p.bypassed_one();
+        }
+        into_table
+    }
+
+    #[test]
+    fn a_table_whose_blocks_die_in_it_takes_every_bypass() {
+        let mut t = Thread::default();
+        for _ in 0..40 {
+            // One insert in 20 evicts: well under a quarter.
+            assert!(bypass(&mut t, |i| i % 20 == 0, None));
+            assert!(!t.p.take_drain());
+        }
+    }
+
+    #[test]
+    fn a_failing_table_is_drained_and_skipped_for_longer_and_longer() {
+        let mut t = Thread::default();
+        // Every insert into the table evicts: each try fails.
+        assert!(bypass(&mut t, |_| true, None));
+        let mut runs = vec![];
+        for _ in 0..7 {
+            assert!(t.p.take_drain(), "a failed bypass drains the table");
+            assert!(!t.p.take_drain(), "once");
+            let mut skipped = 0;
+            while !bypass(&mut t, |_| true, None) {
+                skipped += 1;
+            }
+            runs.push(skipped);
+        }
+        assert_eq!(runs, [16, 32, 64, 128, 128, 128, 128]);
+        // A bypass into the table that succeeds resets the backoff.
+        let mut t = Thread::default();
+        assert!(bypass(&mut t, |_| true, None));
+        assert!(t.p.take_drain());
+        let mut skipped = 0;
+        while !bypass(&mut t, |_| false, None) {
+            skipped += 1;
+        }
+        assert_eq!(skipped, FIRST_TABLE_BACKOFF);
+        assert!(!t.p.take_drain());
+        assert!(bypass(&mut t, |i| i % 2 == 0, None));
+        let mut skipped = 0;
+        while !bypass(&mut t, |_| false, None) {
+            skipped += 1;
+        }
+        assert_eq!(skipped, FIRST_TABLE_BACKOFF, "back to the first backoff");
+    }
+
+    #[test]
+    fn a_full_table_sends_the_rest_of_its_bypass_to_the_index() {
+        let mut t = Thread::default();
+        // Full at the 100th insert: the recorder drains at once (no
+        // drain left due), the rest of the bypass goes to the index.
+        t.run(WINDOW + 1, |_| true);
+        let mut into_table = 0;
+        let mut i = 0;
+        while t.bypassing {
+            if t.p.into_owner_table() {
+                into_table += 1;
+                if i == 100 {
+                    t.p.table_full();
+                }
+            }
+            i += 1;
+            t.at += 1;
+            t.bypassing = !t.p.bypassed_one();
+        }
+        assert_eq!(into_table, 101);
+        assert!(!t.p.take_drain());
+        let mut skipped = 0;
+        while !bypass(&mut t, |_| false, None) {
+            skipped += 1;
+        }
+        assert_eq!(skipped, FIRST_TABLE_BACKOFF);
     }
 }
