@@ -4,10 +4,11 @@
 //! shared index either (issue 30's shallow loop: 4 096 blocks live per
 //! thread, freed by the thread that allocated them).
 //!
-//! A table is [`OWNER_SETS`] sets of 16 entries; a block's set is chosen by
-//! a hash of its address. Each set *is* a [`YoungRing`] (addresses, nodes,
-//! one tag byte per entry, a head), and every rule of `young.rs` holds for
-//! its entries unchanged: only the table's owner stores a non-zero address
+//! A table is [`OWNER_SETS`] sets of [`OWNER_WAYS`] entries; a block's set
+//! is chosen by a hash of its address. A set is a small ring in one cache
+//! line (addresses, nodes, one tag byte per entry, a head: a ring's three
+//! lines per operation cost twice the misses), and every rule of
+//! `young.rs` holds for its entries unchanged: only the table's owner stores a non-zero address
 //! into an entry, and only while that entry is empty; an entry is claimed
 //! by the one write that turns its address to 0 (the owner's own free, a
 //! compare-and-swap; the owner's eviction into the index, under the
@@ -37,7 +38,7 @@
 //! Tables are claimed by a thread (the agent's policy decides when: see
 //! its `young_policy`), given back at its exit, and inherited with their
 //! blocks by the next claimant, as rings are. Their memory is mapped
-//! (private, anonymous) when a table is first claimed, 128 KiB each, at
+//! (private, anonymous) when a table is first claimed, 256 KiB each, at
 //! most [`OWNER_TABLES`] of them: the agent's memory, not the region's
 //! (readers never look at them). A forked child's reset returns every
 //! table's pages to zero (`MADV_DONTNEED`): all entries empty.
@@ -47,7 +48,12 @@
 //!   and its memory is never unmapped, so a lookup that loaded it
 //!   (Acquire) may read it at any later time.
 //! - At most one thread owns a table (`owned`, claimed by compare-and-swap
-//!   with Acquire, given back with Release).
+//!   with Acquire, given back with Release); only the owner writes the
+//!   table's `held`, `inserts` and `remote_seen` and the sets' heads and
+//!   tags. `held` bounds the entries with a tag from above (the owner
+//!   counts its inserts into empty entries and its own frees; another
+//!   thread's free leaves the count, and the entry's tag, as they were),
+//!   so a table whose `held` is 0 holds no block.
 
 use super::*;
 
@@ -285,6 +291,20 @@ impl OwnerTables {
                 .filter(|a| a.load(Ordering::Relaxed) != 0)
                 .count()
         })
+    }
+}
+
+impl Drop for OwnerTables {
+    /// Unmaps the tables (a registry that is not a `static`: tests).
+    fn drop(&mut self) {
+        for t in &self.tables {
+            let p = t.load(Ordering::Relaxed);
+            if !p.is_null() {
+                // SAFETY: `p` is our mapping of this size (`claim`), and
+                // `&mut self` means no reference into it is left.
+                unsafe { libc::munmap(p.cast(), std::mem::size_of::<OwnerTable>()) };
+            }
+        }
     }
 }
 
