@@ -384,7 +384,8 @@ extern "C" fn after_fork_child() {
     // rebuilding the module table.
     crate::thread_tables::after_fork_child();
     crate::module_table::after_fork_child();
-    // The rings hold the parent's blocks, in the parent's regions.
+    // The rings and owner tables hold the parent's blocks, in the parent's
+    // regions (memory stores only: see below for the tables' pages).
     YOUNG.reset();
     // A parent thread was initialising: its half-built state is not ours.
     GENERATION.fetch_add(1, Ordering::Relaxed);
@@ -398,6 +399,9 @@ extern "C" fn after_fork_child() {
         STATE.store(DISABLED, Ordering::Release);
         return;
     }
+    // The child records: its owner tables are emptied (system calls,
+    // which only now are known to be allowed).
+    YOUNG.empty_owner_tables();
     STATE.store(UNINIT, Ordering::Release);
     if was_ready {
         // The child's own regions now, not at its first recorded event: in

@@ -28,7 +28,8 @@ fn c_program_under_preload_exact_live_set_with_threads_alive() {
 }
 
 /// Runs `tests/c/NAME` under the preload until it is ready and quiet,
-/// dumps it, and checks the exact live set: nothing at `freed` (a site all
+/// dumps it (or the process whose pid its `ready` line names), and checks
+/// the exact live set: nothing at `freed` (a site all
 /// of whose blocks were freed), each of `kept` (site, blocks, size of each)
 /// exactly, the header's counters (shards plus the threads' writer lines)
 /// equal to the blocks walked, at least `min_allocs` allocations counted
@@ -38,7 +39,13 @@ fn check_c_live_set(name: &str, freed: &str, kept: &[(&str, u64, u64)], min_allo
     let mut cmd = Command::new(&exe);
     cmd.env("LD_PRELOAD", preload_lib());
     let mut target = Target::spawn(cmd);
-    let pid = target.pid();
+    // The process that printed `ready PID` (a forked child, for some).
+    let pid = target
+        .last_line()
+        .split_whitespace()
+        .nth(1)
+        .and_then(|p| p.parse().ok())
+        .unwrap_or(target.pid());
     let d = dump(pid);
     assert_eq!(d.partial, None);
     let syms = Symbols::of_process(&exe, pid);
@@ -119,6 +126,19 @@ fn blocks_in_owner_tables_full_drained_and_inherited_leave_the_exact_live_set() 
             ("site_fifo_b", 2_000, 200),
         ],
         2 * (2_000 + 30_000) + 20_000,
+    );
+}
+
+#[test]
+fn a_forked_child_never_sees_its_parents_owner_table_entries() {
+    // tests/c/fork_tables.c: the parent's owner table holds blocks when it
+    // forks; the child runs the same pattern itself, taking that table up,
+    // then frees half of the parent's blocks (never recorded there).
+    check_c_live_set(
+        "fork_tables",
+        "site_parent",
+        &[("site_child", 2_000, 48)],
+        2_000 + 30_000,
     );
 }
 

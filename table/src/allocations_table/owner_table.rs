@@ -40,8 +40,9 @@
 //! blocks by the next claimant, as rings are. Their memory is mapped
 //! (private, anonymous) when a table is first claimed, 256 KiB each, at
 //! most [`OWNER_TABLES`] of them: the agent's memory, not the region's
-//! (readers never look at them). A forked child's reset returns every
-//! table's pages to zero (`MADV_DONTNEED`): all entries empty.
+//! (readers never look at them). A forked child forgets every table at
+//! once (memory stores only), and empties them (`MADV_DONTNEED`) once it
+//! knows it will record; until then none can be claimed.
 //!
 //! Invariants (beyond `young.rs`'s):
 //! - A table's pointer, once published (Release, non-null), never changes
@@ -57,7 +58,7 @@
 
 use super::*;
 
-use std::sync::atomic::AtomicPtr;
+use std::sync::atomic::{AtomicBool, AtomicPtr};
 
 /// Sets in an owner table (4 entries each: 16 384 blocks).
 pub const OWNER_SETS: usize = 4096;
@@ -180,6 +181,9 @@ pub(super) struct OwnerTables {
     owned: [AtomicU32; OWNER_TABLES],
     /// Tables ever published: lookups across tables stop here.
     high: AtomicU32,
+    /// The tables hold a parent's entries (a forked child between
+    /// [`Self::forget`] and [`Self::empty_all`]): none is claimed.
+    stale: AtomicBool,
 }
 
 impl OwnerTables {
@@ -188,6 +192,7 @@ impl OwnerTables {
             tables: [const { AtomicPtr::new(std::ptr::null_mut()) }; OWNER_TABLES],
             owned: [const { AtomicU32::new(0) }; OWNER_TABLES],
             high: AtomicU32::new(0),
+            stale: AtomicBool::new(false),
         }
     }
 
@@ -208,6 +213,9 @@ impl OwnerTables {
     /// first time; `None` when every table is owned or no memory could be
     /// mapped.
     pub(super) fn claim(&self) -> Option<u32> {
+        if self.stale.load(Ordering::Acquire) {
+            return None;
+        }
         for k in 0..OWNER_TABLES {
             let owned = &self.owned[k];
             if owned.load(Ordering::Relaxed) != 0
@@ -252,34 +260,49 @@ impl OwnerTables {
         }
     }
 
-    /// Empties every table and frees it. Only in a process with one thread
-    /// (a forked child, before it records anything).
-    pub(super) fn reset(&self) {
-        for k in 0..OWNER_TABLES {
-            let p = self.tables[k].load(Ordering::Relaxed);
-            if !p.is_null() {
-                // SAFETY: `p` is our private anonymous mapping of this
-                // size; MADV_DONTNEED makes its pages read as zero (all
-                // entries empty) and nobody else uses them (one thread).
-                let r = unsafe {
-                    libc::madvise(
-                        p.cast(),
-                        std::mem::size_of::<OwnerTable>(),
-                        libc::MADV_DONTNEED,
-                    )
-                };
-                if r != 0 {
-                    // Cannot happen for our own mapping; zero it by hand
-                    // rather than keep the parent's entries.
-                    // SAFETY: as above, the whole mapping is ours.
-                    unsafe {
-                        std::ptr::write_bytes(p.cast::<u8>(), 0, std::mem::size_of::<OwnerTable>())
-                    };
-                }
-            }
-            self.owned[k].store(0, Ordering::Relaxed);
+    /// Frees every table and marks them all stale: none can be claimed
+    /// until [`Self::empty_all`] empties them. Memory stores only (a forked
+    /// child may be under a seccomp filter that kills on any other system
+    /// call: it must not make one before it knows). Only in a process with
+    /// one thread (a forked child, before it records anything).
+    pub(super) fn forget(&self) {
+        for o in &self.owned {
+            o.store(0, Ordering::Relaxed);
         }
         self.high.store(0, Ordering::Release);
+        self.stale.store(true, Ordering::Release);
+    }
+
+    /// Empties every table (after [`Self::forget`]): their pages read as
+    /// zero again (`MADV_DONTNEED`, which also lets go of the pages a
+    /// forked child shares with its parent). Only in a process with one
+    /// thread.
+    pub(super) fn empty_all(&self) {
+        for t in &self.tables {
+            let p = t.load(Ordering::Relaxed);
+            if p.is_null() {
+                continue;
+            }
+            // SAFETY: `p` is our private anonymous mapping of this size;
+            // MADV_DONTNEED makes its pages read as zero (all entries
+            // empty) and nobody else uses them (one thread).
+            let r = unsafe {
+                libc::madvise(
+                    p.cast(),
+                    std::mem::size_of::<OwnerTable>(),
+                    libc::MADV_DONTNEED,
+                )
+            };
+            if r != 0 {
+                // Cannot happen for our own mapping; zero it by hand
+                // rather than keep the parent's entries.
+                // SAFETY: as above, the whole mapping is ours.
+                unsafe {
+                    std::ptr::write_bytes(p.cast::<u8>(), 0, std::mem::size_of::<OwnerTable>())
+                };
+            }
+        }
+        self.stale.store(false, Ordering::Release);
     }
 
     /// Blocks held in table `k` now (for tests and statistics).

@@ -976,8 +976,10 @@ fn a_forked_childs_reset_empties_every_owner_table() {
     );
     assert_eq!(reg.held_in_owner_table(t), 1);
     reg.reset();
-    assert_eq!(reg.held_in_owner_table(t), 0);
     let k = w.claim_young(&reg).unwrap();
+    assert_eq!(w.claim_owner_table(&reg, k), None, "stale until emptied");
+    reg.empty_owner_tables();
+    assert_eq!(reg.held_in_owner_table(t), 0);
     assert_eq!(
         w.claim_owner_table(&reg, k),
         Some(t),

@@ -337,16 +337,25 @@ impl YoungRegistry {
         self.owners.held(k)
     }
 
-    /// Empties and frees every ring and owner table. Only in a process
-    /// with one thread (a forked child, before it records anything).
+    /// Empties and frees every ring, and frees every owner table, which
+    /// cannot be claimed again until [`Self::empty_owner_tables`]. Memory
+    /// stores only. Only in a process with one thread (a forked child,
+    /// before it records anything).
     pub fn reset(&self) {
-        self.owners.reset();
+        self.owners.forget();
         let high = self.high.load(Ordering::Relaxed) as usize;
         for r in self.rings.iter().take(high) {
             r.clear();
             r.owner.store(0, Ordering::Relaxed);
         }
         self.high.store(0, Ordering::Release);
+    }
+
+    /// Empties every owner table after [`Self::reset`] (a system call per
+    /// table: call once the process is known to record). Only in a process
+    /// with one thread.
+    pub fn empty_owner_tables(&self) {
+        self.owners.empty_all();
     }
 
     /// Blocks held in ring `k` now (for tests and statistics).
