@@ -524,6 +524,13 @@ impl AllocationsWriter<'_> {
             let Some(t) = reg.owners.get(k) else {
                 continue;
             };
+            // An empty table (drained, or never used) holds nothing: skip
+            // its set's line. `held` is at least 1 from the insert of a
+            // block this thread was handed (that insert happened before)
+            // until the owner drains it, which moves it to the index first.
+            if t.held.load(Ordering::Relaxed) == 0 {
+                continue;
+            }
             let set = t.set_of(addr);
             let Some(i) = set.find_among(addr, set.matching(t8), Ordering::Acquire) else {
                 continue;
