@@ -85,15 +85,15 @@ pub(super) const L_USED: u64 = 32;
 #[derive(Debug)]
 pub struct YoungRing {
     /// Block address of each entry, 0 = empty.
-    pub(super) addrs: [AtomicU64; YOUNG],
+    addrs: [AtomicU64; YOUNG],
     /// Node of each entry (meaningful while its address is not 0).
-    pub(super) nodes: [AtomicU32; YOUNG],
+    nodes: [AtomicU32; YOUNG],
     /// One byte per entry, a hash of its address ([`tag`]), so a lookup
     /// compares 16 bytes in two words before it reads any address.
     tags: [AtomicU64; 2],
     /// Blocks inserted (owner only): the next entry is `head % YOUNG`, the
     /// oldest one.
-    pub(super) head: AtomicU32,
+    head: AtomicU32,
     /// 1 while a thread owns the ring.
     owner: AtomicU32,
 }
@@ -120,7 +120,7 @@ impl YoungRing {
 
     /// Entries whose tag is `t`, as bits (see [`Self::candidates`]).
     #[inline(always)]
-    pub(super) fn tag_matches(&self, t: u8) -> u32 {
+    fn tag_matches(&self, t: u8) -> u32 {
         let lo = self.tags[0].load(Ordering::Relaxed);
         let hi = self.tags[1].load(Ordering::Relaxed);
         #[cfg(target_arch = "x86_64")]
@@ -152,7 +152,7 @@ impl YoungRing {
     /// [`Self::tag_matches`] for the ring's owner (see
     /// [`Self::own_candidates`]).
     #[inline(always)]
-    pub(super) fn own_tag_matches(&self, t: u8) -> u32 {
+    fn own_tag_matches(&self, t: u8) -> u32 {
         #[cfg(target_arch = "x86_64")]
         {
             use core::arch::x86_64::*;
@@ -178,7 +178,7 @@ impl YoungRing {
 
     /// The entry among candidates `m` (owner's view) that holds `addr`.
     #[inline(always)]
-    pub(super) fn find_own_among(&self, addr: u64, mut m: u32) -> Option<usize> {
+    fn find_own_among(&self, addr: u64, mut m: u32) -> Option<usize> {
         while m != 0 {
             let i = m.trailing_zeros() as usize;
             m &= m - 1;
@@ -199,7 +199,7 @@ impl YoungRing {
     /// The entry among candidates `m` that holds `addr` (see
     /// [`Self::find`]).
     #[inline(always)]
-    pub(super) fn find_among(&self, addr: u64, mut m: u32, order: Ordering) -> Option<usize> {
+    fn find_among(&self, addr: u64, mut m: u32, order: Ordering) -> Option<usize> {
         while m != 0 {
             let i = m.trailing_zeros() as usize;
             m &= m - 1;
@@ -225,7 +225,7 @@ impl YoungRing {
 
     /// Sets entry `i`'s tag to `t` (owner only).
     #[inline(always)]
-    pub(super) fn set_tag_byte(&self, i: usize, t: u8) {
+    fn set_tag_byte(&self, i: usize, t: u8) {
         let (word, shift) = self.tag_at(i);
         let v = word.load(Ordering::Relaxed) & !(0xff << shift) | u64::from(t) << shift;
         word.store(v, Ordering::Relaxed);
