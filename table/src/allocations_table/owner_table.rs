@@ -535,21 +535,10 @@ impl AllocationsWriter<'_> {
             let Some(i) = set.find_among(addr, set.matching(t8), Ordering::Acquire) else {
                 continue;
             };
-            let node = set.nodes[i].load(Ordering::Relaxed);
-            // Claimed under the block's shard lock, which the owner holds
-            // to evict it; a CAS against the owner's own free.
-            let claimed = {
-                let _g = self.lock(self.home_shard(addr, hash(addr)));
-                set.addrs[i]
-                    .compare_exchange(addr, 0, Ordering::AcqRel, Ordering::Relaxed)
-                    .is_ok()
-            };
-            if !claimed {
+            let Some(f) = self.claim_elsewhere(set.entry(i), addr, line, cache) else {
                 return Err(());
-            }
+            };
             t.remote.0.fetch_add(1, Ordering::Relaxed);
-            let f = self.free_young_node(node, line, cache);
-            self.live_changed(Some(cache), -(f.size as i64));
             return Ok(Some(f));
         }
         Ok(None)

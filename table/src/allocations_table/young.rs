@@ -715,6 +715,38 @@ impl AllocationsWriter<'_> {
         self.remove_elsewhere(addr, reg, own, table, cache)
     }
 
+    /// Frees the block `addr` in another thread's ring or table entry
+    /// (its address and node words, the address found equal with Acquire)
+    /// for the calling thread, counting the free in writer line `line`;
+    /// `None` when the entry's owner promoted or evicted it first (the
+    /// index holds it now).
+    #[inline(always)]
+    pub(super) fn claim_elsewhere(
+        &self,
+        (entry, node_word): (&AtomicU64, &AtomicU32),
+        addr: u64,
+        line: u32,
+        cache: &mut NodeCache,
+    ) -> Option<Freed> {
+        // Read before the claim (see the module doc).
+        let node = node_word.load(Ordering::Relaxed);
+        // Claimed under the block's shard lock, which the owner holds to
+        // promote or evict it (see `promote`); a CAS against the owner's
+        // own free of it, which only a double free would race with.
+        let claimed = {
+            let _g = self.lock(self.home_shard(addr, hash(addr)));
+            entry
+                .compare_exchange(addr, 0, Ordering::AcqRel, Ordering::Relaxed)
+                .is_ok()
+        };
+        if !claimed {
+            return None;
+        }
+        let f = self.free_young_node(node, line, cache);
+        self.live_changed(Some(cache), -(f.size as i64));
+        Some(f)
+    }
+
     /// The rest of [`Self::remove_any_owned`] after the caller's ring, its
     /// table and the index missed: the other rings and tables, then the
     /// index again (see the module doc).
@@ -742,19 +774,7 @@ impl AllocationsWriter<'_> {
             let Some(i) = r.find(addr, Ordering::Acquire) else {
                 continue;
             };
-            let node = r.nodes[i].load(Ordering::Relaxed);
-            // Claimed under the block's shard lock, which the owner holds
-            // to promote it (see `promote`); a CAS against the owner's own
-            // free of it, which only a double free would race with.
-            let claimed = {
-                let _g = self.lock(self.home_shard(addr, hash(addr)));
-                r.addrs[i]
-                    .compare_exchange(addr, 0, Ordering::AcqRel, Ordering::Relaxed)
-                    .is_ok()
-            };
-            if claimed {
-                let f = self.free_young_node(node, line, cache);
-                self.live_changed(Some(cache), -(f.size as i64));
+            if let Some(f) = self.claim_elsewhere((&r.addrs[i], &r.nodes[i]), addr, line, cache) {
                 return Some(f);
             }
             // Its owner promoted it meanwhile: the index look below finds
