@@ -231,10 +231,13 @@ fn check_peak_composition(j: &Value, sampled: bool) {
     let tolerance = peak["tolerance"].as_u64().unwrap();
     let live = peak["live_bytes"].as_u64().unwrap();
     assert_eq!(live, j["totals"]["live_bytes"].as_u64().unwrap());
-    assert!(tolerance >= 320 * MIB / 64, "{peak}");
     // One peak: the rebuilt heap is the document's peak figure within the
     // tolerance, and the curve's highest point is that figure.
     let figure = j["totals"]["peak_bytes"].as_u64().unwrap();
+    // The tolerance covers the last 1/64 of the rise: of the 320 MiB peak,
+    // or, sampled, of its estimate (which may fall below 320 MiB).
+    let rise = if sampled { figure } else { 320 * MIB };
+    assert!(tolerance >= rise / 64, "{peak}");
     assert_eq!(j["totals"]["peak_tolerance"].as_u64().unwrap(), tolerance);
     assert!(
         live <= figure && figure - live <= tolerance,
