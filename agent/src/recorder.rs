@@ -119,12 +119,37 @@ struct Writers {
 #[inline]
 fn writers() -> Option<&'static Writers> {
     if STATE.load(Ordering::Acquire) == READY {
+        if crate::fork_guard::forked() {
+            // A fork child that the atfork handler did not run in.
+            return forked_without_handlers();
+        }
         // SAFETY: READY (Acquire) is published only after WRITERS was
-        // written (see `init`), and WRITERS is not rewritten while READY.
+        // written (see `init`), and WRITERS is not rewritten while READY
+        // (in a fork child, not before the guard word is set again: see
+        // `fork_guard`, whose Acquire load orders this read after the
+        // child's own writers).
         Some(unsafe { (*WRITERS.0.get()).assume_init_ref() })
     } else {
         None
     }
+}
+
+/// A fork child made without the atfork handlers (`fork_guard`): lets go
+/// of the parent's regions as [`after_fork_child`] does; the event that
+/// found out passes unrecorded, and `ready_writers` makes the child's own
+/// regions at once. One thread does it (the child's first event is made
+/// by its one thread, unless it started threads without allocating);
+/// others pass through meanwhile.
+#[cold]
+#[inline(never)]
+fn forked_without_handlers() -> Option<&'static Writers> {
+    if STATE
+        .compare_exchange(READY, INITIALIZING, Ordering::Acquire, Ordering::Relaxed)
+        .is_ok()
+    {
+        forget_parent(true);
+    }
+    None
 }
 
 fn stderr(msg: &[u8]) {
@@ -331,6 +356,9 @@ fn init(role: Role) -> Option<&'static Writers> {
         STATE.store(DISABLED, Ordering::Release);
         return None;
     }
+    // A fork child made without the atfork handlers will read the guard
+    // word 0 (`fork_guard`); set after the slots above.
+    crate::fork_guard::arm();
     // Release: the slots above are written before any thread sees READY.
     STATE.store(READY, Ordering::Release);
     Some(w)
@@ -370,9 +398,39 @@ fn preload_present() -> bool {
 /// can never write into them, then build the child's own at once.
 extern "C" fn after_fork_child() {
     let was_ready = STATE.load(Ordering::Acquire) == READY;
+    forget_parent(was_ready);
+    if was_ready && STATE.load(Ordering::Relaxed) == UNINIT {
+        // The child's own regions now, not at its first recorded event: in
+        // sampled mode that may be never (a postgres checkpointer), and the
+        // child would look uninstrumented and get no final snapshot. A few
+        // system calls; the forking thread is not inside the agent, and
+        // anything `init` allocates passes through (busy flag).
+        let role = if ROLE.load(Ordering::Relaxed) == Role::GlobalAlloc as u8 {
+            Role::GlobalAlloc
+        } else {
+            Role::Preload
+        };
+        with_thread(|_| {
+            ready_writers(role);
+        });
+    }
+}
+
+/// Lets a fork child go of its parent's regions (`was_ready`: it had
+/// them), rings and tables, and leaves the agent UNINIT (its own regions
+/// are made at the next event) or DISABLED. Only in a child with one
+/// thread in the agent (the atfork handler's, or the one that found the
+/// fork in `forked_without_handlers`, which owns INITIALIZING).
+fn forget_parent(was_ready: bool) {
     if was_ready {
-        // SAFETY: the child has a single thread, which is inside fork() and
-        // not inside the agent, so nobody holds references into the slots.
+        // SAFETY: the child has a single thread in the agent: the atfork
+        // handler's, inside fork() and not inside the agent, or the one
+        // in `forked_without_handlers`, whose event has not got the
+        // writers (every event gets them from `writers`, which sent it
+        // here; other threads' `writers` find READY gone or the guard
+        // word 0). So nobody holds references into the slots. (A child
+        // forked by a signal handler that interrupted an event in the
+        // agent would; no handler may allocate, nor should it fork.)
         // Dropping the writers unmaps, and closes each memfd only if its
         // descriptor still names it (no allocation).
         unsafe {
@@ -403,21 +461,6 @@ extern "C" fn after_fork_child() {
     // which only now are known to be allowed).
     YOUNG.empty_owner_tables();
     STATE.store(UNINIT, Ordering::Release);
-    if was_ready {
-        // The child's own regions now, not at its first recorded event: in
-        // sampled mode that may be never (a postgres checkpointer), and the
-        // child would look uninstrumented and get no final snapshot. A few
-        // system calls; the forking thread is not inside the agent, and
-        // anything `init` allocates passes through (busy flag).
-        let role = if ROLE.load(Ordering::Relaxed) == Role::GlobalAlloc as u8 {
-            Role::GlobalAlloc
-        } else {
-            Role::Preload
-        };
-        with_thread(|_| {
-            ready_writers(role);
-        });
-    }
 }
 
 /// Makes [`thread_exit`] run when this thread exits (again, if it has run

@@ -46,9 +46,24 @@ fn check_c_live_set(name: &str, freed: &str, kept: &[(&str, u64, u64)], min_allo
         .nth(1)
         .and_then(|p| p.parse().ok())
         .unwrap_or(target.pid());
+    check_live_set_of(&exe, pid, freed, kept, min_allocs);
+    target.send("go");
+    target.wait_line("done");
+    assert!(target.finish().success());
+}
+
+/// Dumps process `pid` (running `exe`) and checks its exact live set as
+/// [`check_c_live_set`] says.
+fn check_live_set_of(
+    exe: &std::path::Path,
+    pid: u32,
+    freed: &str,
+    kept: &[(&str, u64, u64)],
+    min_allocs: u64,
+) {
     let d = dump(pid);
     assert_eq!(d.partial, None);
-    let syms = Symbols::of_process(&exe, pid);
+    let syms = Symbols::of_process(exe, pid);
     let t = by_site(&d, &syms, "site_");
     assert!(!t.contains_key(freed), "freed blocks reported: {t:#?}");
     for &(site, blocks, size) in kept {
@@ -64,6 +79,42 @@ fn check_c_live_set(name: &str, freed: &str, kept: &[(&str, u64, u64)], min_allo
     assert_eq!(d.counters.live_bytes, live);
     assert!(d.counters.total_allocs >= min_allocs);
     assert_eq!(d.counters.dropped_total(), 0, "{:?}", d.counters.dropped);
+}
+
+#[test]
+fn a_child_forked_without_the_atfork_handlers_never_writes_into_its_parents_regions() {
+    // tests/c/raw_fork.c: a child made by the raw fork system call (no
+    // atfork handler runs) frees every block it inherited and keeps its
+    // own; the parent's snapshot afterwards must still hold exactly its
+    // blocks, and the child is recorded in regions of its own
+    // (agent/src/fork_guard.rs).
+    let exe = compile_c("raw_fork");
+    let mut cmd = Command::new(&exe);
+    cmd.env("LD_PRELOAD", preload_lib());
+    let mut target = Target::spawn_until(cmd, "child");
+    let child: u32 = target
+        .last_line()
+        .split_whitespace()
+        .nth(1)
+        .and_then(|p| p.parse().ok())
+        .expect("child pid");
+    check_live_set_of(
+        &exe,
+        child,
+        "site_parent",
+        &[("site_child", 5_000, 24)],
+        5_000,
+    );
+    target.send("go");
+    target.wait_line("ready");
+    assert_eq!(target.last_line(), format!("ready {}", target.pid()));
+    check_live_set_of(
+        &exe,
+        target.pid(),
+        "site_child",
+        &[("site_parent", 3_000, 40)],
+        20_000 + 3_000,
+    );
     target.send("go");
     target.wait_line("done");
     assert!(target.finish().success());
