@@ -1,9 +1,10 @@
-/* A child made without the atfork handlers (the raw fork system call, as
- * container runtimes, some spawners and glibc's _Fork make them) must
+/* A child made without the atfork handlers (the raw clone system call
+ * with SIGCHLD, a fork: as container runtimes, some spawners and glibc's
+ * _Fork make them) must
  * never write into its parent's regions (agent/src/fork_guard.rs), and is
  * recorded in its own. The parent churns young blocks at site_churn and
  * keeps KEPT blocks of 40 bytes at site_parent; the child, made by the
- * raw fork system call, frees every one of the parent's blocks (it
+ * raw clone system call, frees every one of the parent's blocks (it
  * inherited them; never recorded in the child), keeps CHILD blocks of 24
  * bytes at site_child, churns too, prints "child PID" and waits for a
  * line on stdin, then exits. Expected: the child's snapshot holds its
@@ -12,6 +13,7 @@
  * site_child. The parent then waits for a line, frees its blocks and
  * prints "done". */
 #define _GNU_SOURCE
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <sys/syscall.h>
@@ -38,7 +40,7 @@ int main(void) {
     /* The parent's young ring and caches hold entries when it forks. */
     for (int i = 0; i < CHURN; i++) free(site_churn(i));
     for (int i = 0; i < KEPT; i++) kept[i] = site_parent();
-    pid_t pid = (pid_t)syscall(SYS_fork);
+    pid_t pid = (pid_t)syscall(SYS_clone, SIGCHLD, 0, 0, 0, 0);
     if (pid < 0) return 1;
     if (pid == 0) {
         for (int i = 0; i < KEPT; i++) free(kept[i]);
