@@ -1147,7 +1147,7 @@ pub fn sampled_out(size: usize) -> bool {
 /// Must be called with this thread's `busy` flag set.
 /// `token` is [`on_alloc_direct`]'s for a direct block, else 0 (found by
 /// address).
-#[inline]
+#[inline(always)]
 fn remove_block(t: &ThreadState, w: &Writers, addr: usize, token: u64) -> Option<u64> {
     if ablation::off(w.config.ablate, ablation::ALL | ablation::TABLE) {
         return None;

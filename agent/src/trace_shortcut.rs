@@ -253,9 +253,12 @@ impl Shortcuts {
             self.missed();
             return None;
         }
-        self.misses = 0;
-        self.debt = self.debt.saturating_sub(1);
-        self.doubt = self.doubt.saturating_sub(ANSWER_CREDIT);
+        // A thread whose walks repeat has nothing to pay back: one test.
+        if (self.misses | self.debt | self.doubt) != 0 {
+            self.misses = 0;
+            self.debt = self.debt.saturating_sub(1);
+            self.doubt = self.doubt.saturating_sub(ANSWER_CREDIT);
+        }
         let answer = (e.frames as usize, e.hash);
         // Not due any more (a fill marks the other place due; a hit only
         // keeps its own: one byte written, as before the skew).
