@@ -271,23 +271,28 @@ impl AllocationsWriter<'_> {
 
     /// Folds a live-bytes change into the header's running total: at once
     /// without a cache, in batches of [`LIVE_BATCH`] with one.
-    #[inline]
+    #[inline(always)]
     pub(super) fn live_changed(&self, cache: Option<&mut NodeCache>, delta: i64) {
         match cache {
-            None => {
-                if delta >= 0 {
-                    self.fold_live(delta as u64, 0)
-                } else {
-                    self.fold_live(0, delta.unsigned_abs())
-                }
-            }
+            None => self.fold_live_delta(delta),
             Some(c) => {
                 c.pending_live = c.pending_live.wrapping_add(delta);
                 if c.pending_live >= LIVE_BATCH || c.pending_live <= -LIVE_BATCH {
                     let p = std::mem::take(&mut c.pending_live);
-                    self.live_changed(None, p);
+                    self.fold_live_delta(p);
                 }
             }
+        }
+    }
+
+    /// [`Self::fold_live`] of a signed change (out of line: the batched
+    /// path above reaches it once per [`LIVE_BATCH`] bytes).
+    #[inline(never)]
+    fn fold_live_delta(&self, delta: i64) {
+        if delta >= 0 {
+            self.fold_live(delta as u64, 0)
+        } else {
+            self.fold_live(0, delta.unsigned_abs())
         }
     }
 }
