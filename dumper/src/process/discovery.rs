@@ -17,7 +17,12 @@
 //! it the process is still listed, and the error says what is needed.
 //!
 //! After `fork`, a child briefly maps its parent's regions: only regions
-//! whose header names the inspected pid as writer are trusted.
+//! whose header names the inspected pid as writer are trusted. The agent
+//! writes the pid its process has in its own pid namespace (`getpid`): a
+//! process in a container is `N` on the host and, say, `1` inside, so the
+//! writer may be either (`NSpid` of `/proc/PID/status`, which the kernel
+//! writes). Where both an inherited pair and the process's own match (an
+//! inner pid equal to a parent's outer one), the later-made region wins.
 
 use std::collections::HashMap;
 use std::fs;
@@ -91,6 +96,26 @@ impl Target {
         // Still the same process after reading: the names are its own.
         (start_time(self.pid) == Some(started)).then_some(names)
     }
+}
+
+/// The pid process `pid` has in its own pid namespace, the last of the
+/// `NSpid` line of `/proc/PID/status` (written by the kernel; a name with
+/// a newline is escaped there); `None` where the line is missing (before
+/// Linux 4.1) or unreadable.
+pub fn namespace_pid(pid: u32) -> Option<u32> {
+    let status = fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    parse_namespace_pid(&status)
+}
+
+/// The last pid of the `NSpid:` line of a `/proc/PID/status` text.
+fn parse_namespace_pid(status: &str) -> Option<u32> {
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("NSpid:"))?
+        .split_whitespace()
+        .last()?
+        .parse()
+        .ok()
 }
 
 /// Start time of `pid` (field 22 of `/proc/PID/stat`), if it runs.
@@ -406,10 +431,23 @@ pub fn open_target(pid: u32) -> Result<Target, DiscoveryError> {
     if sources.is_empty() {
         return Err(DiscoveryError::NotInstrumented { pid, name });
     }
-    let mut resources = None;
-    let mut allocations = None;
+    let mut resources: Option<RegionReader> = None;
+    let mut allocations: Option<RegionReader> = None;
     let mut first_err = None;
     let mut inherited = None;
+    // The pid the agent wrote: the host's, or the container's (see the
+    // module doc).
+    let inner = namespace_pid(pid).unwrap_or(pid);
+    let own = |r: &RegionReader| r.header().writer_pid == pid || r.header().writer_pid == inner;
+    // Of two own candidates, the one made later (the other was inherited).
+    let later = |slot: &mut Option<RegionReader>, r: RegionReader| {
+        if slot
+            .as_ref()
+            .is_none_or(|old| old.header().clock_monotonic_ns <= r.header().clock_monotonic_ns)
+        {
+            *slot = Some(r);
+        }
+    };
     for source in &sources {
         // The target can swap another file (a FIFO, a device) onto the
         // descriptor number between readlink and open: only a regular file
@@ -421,9 +459,9 @@ pub fn open_target(pid: u32) -> Result<Target, DiscoveryError> {
             })
             .and_then(|f| RegionReader::from_file(f, source.kind));
         match opened {
-            Ok(r) if r.header().writer_pid == pid => match source.kind {
-                RegionKind::Resources => resources = Some(r),
-                RegionKind::Allocations => allocations = Some(r),
+            Ok(r) if own(&r) => match source.kind {
+                RegionKind::Resources => later(&mut resources, r),
+                RegionKind::Allocations => later(&mut allocations, r),
             },
             Ok(r) => inherited = Some(r.header().writer_pid),
             Err(e) => {
@@ -568,6 +606,15 @@ fn pick_by_name(spec: &str, candidates: &[(u32, Vec<String>)]) -> Result<u32, St
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn the_namespace_pid_is_the_last_of_the_nspid_line() {
+        let status = "Name:\tpython3\nPid:\t2894\nNSpid:\t2894\t3\nNSpgid:\t2890\n";
+        assert_eq!(parse_namespace_pid(status), Some(3));
+        assert_eq!(parse_namespace_pid("Name:\tx\nNSpid:\t77\n"), Some(77));
+        assert_eq!(parse_namespace_pid("Name:\tx\nPid:\t77\n"), None);
+        assert_eq!(parse_namespace_pid("NSpid:\t\n"), None);
+    }
+
     use super::*;
 
     #[test]

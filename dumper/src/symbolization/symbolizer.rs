@@ -527,14 +527,7 @@ impl Symbolizer {
     /// compiled; forgets any earlier one. A missing map names nothing.
     pub fn use_perf_map(&mut self, pid: u32) {
         self.jit.clear();
-        let own_pid = std::fs::read_to_string(format!("/proc/{pid}/status"))
-            .ok()
-            .and_then(|s| {
-                s.lines()
-                    .find_map(|l| l.strip_prefix("NSpid:"))
-                    .and_then(|v| v.split_whitespace().last()?.parse::<u32>().ok())
-            })
-            .unwrap_or(pid);
+        let own_pid = crate::process::discovery::namespace_pid(pid).unwrap_or(pid);
         let Ok(root) = TargetRoot::of_process(pid) else {
             return;
         };
