@@ -36,8 +36,8 @@
 //! [`on_free_deferred`] -> `remove_block`. Budget (DESIGN §6, issue 30):
 //! at most 350 instructions added per malloc+free pair at 4 frames, 700 on
 //! the churn, 3 L1 data misses; `bench/instructions --parts` counts them
-//! per part (session 22, 2026-11-27: +946 and +1402 instructions, +4.0
-//! and +6.5 misses, +707 on a young block's pair: far over; see
+//! per part (session 25, 2026-11-27: +802 and +1461 instructions, +4.1
+//! and +8.0 misses, +697 on a young block's pair: far over; see
 //! docs/benchmarks.md), and CI fails when they grow past
 //! `bench/instructions-budget.json`.
 
