@@ -155,16 +155,27 @@ pub unsafe extern "C" fn malloc(size: usize) -> *mut c_void {
             // SAFETY: the next allocator's malloc, same contract.
             return unsafe { f(size) };
         }
+        // Counted down already: the slow path need not ask again.
+        return not_tail_called(malloc_slow::<true>(size));
     }
-    not_tail_called(malloc_slow(size))
+    not_tail_called(malloc_slow::<false>(size))
 }
 
-/// The complete [`malloc`] hook (see [`not_tail_called`]).
+/// The complete [`malloc`] hook (see [`not_tail_called`]); `COUNTED`: the
+/// caller has asked [`sampled_out`] for this allocation (and it said no).
 #[inline(never)]
-fn malloc_slow(size: usize) -> *mut c_void {
+fn malloc_slow<const COUNTED: bool>(size: usize) -> *mut c_void {
     let fp = caller_parent_frame();
     match next::malloc() {
         // SAFETY: the next allocator's malloc, same contract.
+        Some(f) if COUNTED => {
+            let p = unsafe { f(size) };
+            if !p.is_null() {
+                record(p, size, fp);
+            }
+            p
+        }
+        // SAFETY: as above.
         Some(f) => recorded(unsafe { f(size) }, size, fp),
         None => from_arena(size, 16),
     }
