@@ -167,15 +167,15 @@ pub unsafe extern "C" fn malloc(size: usize) -> *mut c_void {
 fn malloc_slow<const COUNTED: bool>(size: usize) -> *mut c_void {
     let fp = caller_parent_frame();
     match next::malloc() {
-        // SAFETY: the next allocator's malloc, same contract.
         Some(f) if COUNTED => {
+            // SAFETY: the next allocator's malloc, same contract.
             let p = unsafe { f(size) };
             if !p.is_null() {
                 record(p, size, fp);
             }
             p
         }
-        // SAFETY: as above.
+        // SAFETY: the next allocator's malloc, same contract.
         Some(f) => recorded(unsafe { f(size) }, size, fp),
         None => from_arena(size, 16),
     }
