@@ -44,6 +44,7 @@ use crate::stack_memo::Step;
 /// Words an entry can hold (walks that depend on more are not kept: on
 /// deep stacks a replay from the memo costs about what the check would).
 pub const SHORTCUT_WORDS: usize = 48;
+const _: () = assert!(SHORTCUT_WORDS.is_multiple_of(4));
 /// Sets of the table (two ways each, each way indexed by its own hash).
 pub const SHORTCUT_SETS: usize = 32;
 
@@ -242,12 +243,16 @@ impl Shortcuts {
         };
         let e = &self.entries[sets[way]][way];
         let mut diff = 0;
-        for w in &e.words[..(e.len as usize).min(SHORTCUT_WORDS)] {
-            // SAFETY: `w.at` is 8-aligned and lies in `[sp, self.top]` (see
-            // `ShortcutFill::word`), which is `[sp, top]` here: readable by
-            // the caller's guarantee. Volatile: nothing may be assumed of
-            // the word.
-            diff |= unsafe { std::ptr::read_volatile(w.at as *const u64) } ^ w.val;
+        // Whole groups of four: `finish` pads an entry's words to a
+        // multiple of four (the loop then has no remainder to run).
+        let n = (e.len as usize).min(SHORTCUT_WORDS);
+        for g in e.words[..n].chunks_exact(4) {
+            // SAFETY: each `at` is 8-aligned and lies in `[sp, self.top]`
+            // (see `ShortcutFill::word`), which is `[sp, top]` here:
+            // readable by the caller's guarantee. Volatile: nothing may be
+            // assumed of the words.
+            let read = |w: &Word| unsafe { std::ptr::read_volatile(w.at as *const u64) } ^ w.val;
+            diff |= read(&g[0]) | read(&g[1]) | read(&g[2]) | read(&g[3]);
         }
         if diff != 0 {
             self.missed();
@@ -436,6 +441,16 @@ impl ShortcutFill<'_> {
         if !self.ok || frames > u32::MAX as usize {
             return;
         }
+        // Padded to a multiple of four with the last word again (read
+        // twice, it decides the same): [`Shortcuts::find`] checks whole
+        // groups of four. `SHORTCUT_WORDS` is a multiple of four, so the
+        // padding fits.
+        let mut n = self.e.len as usize;
+        while n % 4 != 0 {
+            self.e.words[n] = self.e.words[n - 1];
+            n += 1;
+        }
+        self.e.len = n as u32;
         self.e.frames = frames as u32;
         self.e.hash = hash;
         self.key.rbp = rbp;
@@ -488,6 +503,33 @@ mod tests {
         // A word the entry does not hold changes nothing.
         s[30] = 1;
         assert_eq!(unsafe { t.find(0x5000, sp, 7, top, 1) }, Some((5, 0xabc)));
+    }
+
+    #[test]
+    fn an_entry_is_padded_to_groups_of_four_and_every_word_still_decides() {
+        let mut s = stack();
+        let (sp, top) = (at(&s, 8), at(&s, 63));
+        let mut t = Box::new(Shortcuts::new());
+        let mut f = t.fill(0x5000, sp, top, 1).unwrap();
+        for i in [10, 11, 12, 13, 14] {
+            f.word(at(&s, i));
+        }
+        f.finish(0, false, 5, 0xabc);
+        let e = &t
+            .entries
+            .iter()
+            .flatten()
+            .find(|e| e.hash == 0xabc)
+            .unwrap();
+        assert_eq!(e.len, 8, "five words padded to eight");
+        // SAFETY (all `find`s): `[sp, top + 8)` lies inside `s`.
+        assert_eq!(unsafe { t.find(0x5000, sp, 0, top, 1) }, Some((5, 0xabc)));
+        for i in [10, 14] {
+            s[i] = 1;
+            assert_eq!(unsafe { t.find(0x5000, sp, 0, top, 1) }, None, "word {i}");
+            s[i] = 0x1000 + i as u64;
+        }
+        assert_eq!(unsafe { t.find(0x5000, sp, 0, top, 1) }, Some((5, 0xabc)));
     }
 
     #[test]
