@@ -446,7 +446,7 @@ impl ShortcutFill<'_> {
         // groups of four. `SHORTCUT_WORDS` is a multiple of four, so the
         // padding fits.
         let mut n = self.e.len as usize;
-        while n % 4 != 0 {
+        while !n.is_multiple_of(4) {
             self.e.words[n] = self.e.words[n - 1];
             n += 1;
         }
