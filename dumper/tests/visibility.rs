@@ -116,12 +116,7 @@ fn processes_in_a_pid_namespace_are_listed_and_dumped_by_their_host_pid() {
         .arg(&exe)
         .env("LD_PRELOAD", preload_lib());
     let mut target = Target::spawn_until(cmd, "child");
-    let inner: u32 = target
-        .last_line()
-        .split_whitespace()
-        .nth(1)
-        .and_then(|p| p.parse().ok())
-        .expect("child pid");
+    let inner = target.line_pid().expect("child pid");
     let program = child_of(target.pid()).expect("the program under unshare");
     let child = child_of(program).expect("the program's raw-forked child");
     assert_ne!(child, inner, "not in a pid namespace");

@@ -198,6 +198,12 @@ impl Target {
         &self.last
     }
 
+    /// The pid the last line names as its second word (`ready PID`,
+    /// `child PID`), if it does.
+    pub fn line_pid(&self) -> Option<u32> {
+        self.last.split_whitespace().nth(1)?.parse().ok()
+    }
+
     /// Waits for a stdout line starting with `prefix` and returns it.
     pub fn wait_line(&mut self, prefix: &str) -> String {
         loop {

@@ -40,12 +40,7 @@ fn check_c_live_set(name: &str, freed: &str, kept: &[(&str, u64, u64)], min_allo
     cmd.env("LD_PRELOAD", preload_lib());
     let mut target = Target::spawn(cmd);
     // The process that printed `ready PID` (a forked child, for some).
-    let pid = target
-        .last_line()
-        .split_whitespace()
-        .nth(1)
-        .and_then(|p| p.parse().ok())
-        .unwrap_or(target.pid());
+    let pid = target.line_pid().unwrap_or(target.pid());
     check_live_set_of(&exe, pid, freed, kept, min_allocs);
     target.send("go");
     target.wait_line("done");
@@ -92,12 +87,7 @@ fn a_child_forked_without_the_atfork_handlers_never_writes_into_its_parents_regi
     let mut cmd = Command::new(&exe);
     cmd.env("LD_PRELOAD", preload_lib());
     let mut target = Target::spawn_until(cmd, "child");
-    let child: u32 = target
-        .last_line()
-        .split_whitespace()
-        .nth(1)
-        .and_then(|p| p.parse().ok())
-        .expect("child pid");
+    let child = target.line_pid().expect("child pid");
     check_live_set_of(
         &exe,
         child,
