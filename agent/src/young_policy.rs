@@ -349,20 +349,16 @@ mod tests {
 
     /// Runs one whole bypass (from a window that asks for it) into the
     /// table or the index, as the recorder does; `evicts(i)` says whether
-    /// the i-th insert into the table evicted, `full_at` when the table
-    /// refuses. Returns whether the bypass went into the table.
-    fn bypass(t: &mut Thread, evicts: impl Fn(u64) -> bool, full_at: Option<u64>) -> bool {
+    /// the i-th insert into the table evicted. Returns whether the bypass
+    /// went into the table.
+    fn bypass(t: &mut Thread, evicts: impl Fn(u64) -> bool) -> bool {
         t.run(WINDOW + 1, |_| true);
         assert!(t.bypassing);
         let into_table = t.p.into_owner_table();
         let mut i = 0;
         while t.bypassing {
-            if t.p.into_owner_table() {
-                if Some(i) == full_at {
-                    t.p.table_full();
-                } else if evicts(i) {
-                    t.p.evicted_one();
-                }
+            if t.p.into_owner_table() && evicts(i) {
+                t.p.evicted_one();
             }
             i += 1;
             t.at += 1;
@@ -376,7 +372,7 @@ mod tests {
         let mut t = Thread::default();
         for _ in 0..40 {
             // One insert in 20 evicts: well under a quarter.
-            assert!(bypass(&mut t, |i| i % 20 == 0, None));
+            assert!(bypass(&mut t, |i| i % 20 == 0));
             assert!(!t.p.take_drain());
         }
     }
@@ -385,13 +381,13 @@ mod tests {
     fn a_failing_table_is_drained_and_skipped_for_longer_and_longer() {
         let mut t = Thread::default();
         // Every insert into the table evicts: each try fails.
-        assert!(bypass(&mut t, |_| true, None));
+        assert!(bypass(&mut t, |_| true));
         let mut runs = vec![];
         for _ in 0..7 {
             assert!(t.p.take_drain(), "a failed bypass drains the table");
             assert!(!t.p.take_drain(), "once");
             let mut skipped = 0;
-            while !bypass(&mut t, |_| true, None) {
+            while !bypass(&mut t, |_| true) {
                 skipped += 1;
             }
             runs.push(skipped);
@@ -399,17 +395,17 @@ mod tests {
         assert_eq!(runs, [16, 32, 64, 128, 128, 128, 128]);
         // A bypass into the table that succeeds resets the backoff.
         let mut t = Thread::default();
-        assert!(bypass(&mut t, |_| true, None));
+        assert!(bypass(&mut t, |_| true));
         assert!(t.p.take_drain());
         let mut skipped = 0;
-        while !bypass(&mut t, |_| false, None) {
+        while !bypass(&mut t, |_| false) {
             skipped += 1;
         }
         assert_eq!(skipped, FIRST_TABLE_BACKOFF);
         assert!(!t.p.take_drain());
-        assert!(bypass(&mut t, |i| i % 2 == 0, None));
+        assert!(bypass(&mut t, |i| i % 2 == 0));
         let mut skipped = 0;
-        while !bypass(&mut t, |_| false, None) {
+        while !bypass(&mut t, |_| false) {
             skipped += 1;
         }
         assert_eq!(skipped, FIRST_TABLE_BACKOFF, "back to the first backoff");
@@ -437,7 +433,7 @@ mod tests {
         assert_eq!(into_table, 101);
         assert!(!t.p.take_drain());
         let mut skipped = 0;
-        while !bypass(&mut t, |_| false, None) {
+        while !bypass(&mut t, |_| false) {
             skipped += 1;
         }
         assert_eq!(skipped, FIRST_TABLE_BACKOFF);
