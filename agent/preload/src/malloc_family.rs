@@ -46,7 +46,7 @@
 use std::ffi::{c_int, c_void};
 
 use heapdump_agent::recorder::{
-    not_sampled, on_alloc, on_free, on_free_deferred, sampled_out, Role,
+    not_sampled, on_alloc, on_alloc_inlined, on_free, on_free_deferred, sampled_out, Role,
 };
 use heapdump_agent::stack_capture::{caller_frame, caller_parent_frame};
 
@@ -170,9 +170,7 @@ fn malloc_slow<const COUNTED: bool>(size: usize) -> *mut c_void {
         Some(f) if COUNTED => {
             // SAFETY: the next allocator's malloc, same contract.
             let p = unsafe { f(size) };
-            if !p.is_null() {
-                record(p, size, fp);
-            }
+            on_alloc_inlined(p as usize, size, fp, Role::Preload);
             p
         }
         // SAFETY: the next allocator's malloc, same contract.
