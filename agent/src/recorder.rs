@@ -910,11 +910,13 @@ pub fn decide(size: usize) -> Decision {
 }
 
 /// [`on_alloc`] for a block whose sampling decision [`decide`] took
-/// before the allocation.
-#[inline]
+/// before the allocation. The recording path is inlined into the caller,
+/// as by [`on_alloc_inlined`]: its one caller is the preload's C++
+/// `operator new`, as hot in C++ programs as `malloc`.
+#[inline(always)]
 pub fn on_alloc_decided(addr: usize, size: usize, fp: usize, role: Role, decision: Decision) {
     if addr != 0 && decision.records() {
-        record_weighted::<false>(addr, size, fp, role, decision.0);
+        record_weighted_here::<false>(addr, size, fp, role, decision.0);
     }
 }
 
