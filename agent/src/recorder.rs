@@ -1204,11 +1204,21 @@ fn remove_block(t: &ThreadState, w: &Writers, addr: usize, token: u64) -> Option
         heapdump_table::allocations_table::prefetch_line((addr as *const u8).wrapping_sub(16));
     }
     let freed = if crate::sampling::rate() == 0 {
-        // Exact mode: in this thread's young ring, the index, or another
-        // thread's ring (a thread bypassing its ring names none: its ring
-        // is searched after the index, with the others).
+        // Exact mode: in this thread's young ring (most frees: settled on
+        // a path of its own), the index, or another thread's ring (a
+        // thread bypassing its ring names none: its ring is searched after
+        // the index, with the others).
+        let own = own_ring(t);
+        if let Some(k) = own {
+            if let Some(f) = w
+                .allocations
+                .remove_own_young(addr as u64, &YOUNG, k, nodes)
+            {
+                return Some(after_removal(t, w, addr, f, true));
+            }
+        }
         w.allocations
-            .remove_any_owned(addr as u64, &YOUNG, own_ring(t), own_table(t), nodes)?
+            .remove_any_but_own_young(addr as u64, &YOUNG, own, own_table(t), nodes)?
     } else {
         w.allocations.remove_cached_freed(addr as u64, nodes)?
     };

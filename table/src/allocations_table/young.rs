@@ -682,24 +682,56 @@ impl AllocationsWriter<'_> {
         table: Option<(u32, u32)>,
         cache: &mut NodeCache,
     ) -> Option<Freed> {
-        let own = own.filter(|k| self.has_line(*k));
         if let Some(k) = own {
-            let r = &reg.rings[k as usize % YOUNG_RINGS];
-            if let Some(i) = r.find_own(addr) {
-                let node = r.nodes[i].load(Ordering::Relaxed);
-                // A CAS, not a store: a double free racing on another
-                // thread must not free the node twice.
-                if r.addrs[i]
-                    .compare_exchange(addr, 0, Ordering::AcqRel, Ordering::Relaxed)
-                    .is_ok()
-                {
-                    r.unset_tag(i, addr);
-                    let f = self.free_young_node(node, k + 1, cache);
-                    self.live_changed(Some(cache), -(f.size as i64));
-                    return Some(f);
-                }
+            if let Some(f) = self.remove_own_young(addr, reg, k, cache) {
+                return Some(f);
             }
         }
+        self.remove_any_but_own_young(addr, reg, own, table, cache)
+    }
+
+    /// The first step of [`Self::remove_any_owned`]: the block at `addr`
+    /// if it is in the calling thread's own ring `own`. A caller that
+    /// handles this common case apart (the agent's free) then calls
+    /// [`Self::remove_any_but_own_young`] with the same arguments.
+    #[inline(always)]
+    pub fn remove_own_young(
+        &self,
+        addr: u64,
+        reg: &YoungRegistry,
+        own: u32,
+        cache: &mut NodeCache,
+    ) -> Option<Freed> {
+        if !self.has_line(own) {
+            return None;
+        }
+        let r = &reg.rings[own as usize % YOUNG_RINGS];
+        let i = r.find_own(addr)?;
+        let node = r.nodes[i].load(Ordering::Relaxed);
+        // A CAS, not a store: a double free racing on another thread must
+        // not free the node twice.
+        r.addrs[i]
+            .compare_exchange(addr, 0, Ordering::AcqRel, Ordering::Relaxed)
+            .ok()?;
+        r.unset_tag(i, addr);
+        let f = self.free_young_node(node, own + 1, cache);
+        self.live_changed(Some(cache), -(f.size as i64));
+        Some(f)
+    }
+
+    /// The rest of [`Self::remove_any_owned`] once
+    /// [`Self::remove_own_young`] did not find the block in ring `own`:
+    /// the caller's table, the index, the other rings and tables.
+    #[inline(always)]
+    pub fn remove_any_but_own_young(
+        &self,
+        addr: u64,
+        reg: &YoungRegistry,
+        own: Option<u32>,
+        table: Option<(u32, u32)>,
+        cache: &mut NodeCache,
+    ) -> Option<Freed> {
+        let own = own.filter(|k| self.has_line(*k));
         let table = table.filter(|(_, k)| self.has_line(*k));
         if let Some((t, k)) = table {
             if let Some(f) = self.remove_owned(addr, reg, t, k + 1, cache) {
