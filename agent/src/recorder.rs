@@ -524,6 +524,7 @@ extern "C" fn thread_exit(_value: *mut libc::c_void) {
         // Frees after this point (other TLS destructors) are released at
         // once; the ones held back are released now.
         t.no_defer.set(true);
+        t.defers.set(false);
         release_deferred(t);
         if let Some(w) = writers() {
             if t.generation.get() == GENERATION.load(Ordering::Relaxed) {
@@ -724,6 +725,7 @@ fn look_at_thread(w: &Writers, t: &ThreadState, n: u64, epoch: u64) {
     if t.thread_key.get() == 0 || (look && name_changed(t)) {
         register_thread(w, t);
     }
+    t.defers.set(may_hold_back(t));
     t.name_epoch.set(epoch);
     t.next_look.set(next_look_after(n));
 }
@@ -1492,13 +1494,20 @@ fn count_peak_freed(
 /// Whether this thread may hold a freed block back (see
 /// [`on_free_deferred`]): it is not exiting, its exit hook is registered
 /// (so held-back blocks are released when it ends), and a release function
-/// is set.
-#[inline]
-fn can_hold_back(t: &ThreadState) -> bool {
+/// is set. Kept in [`ThreadState::defers`] by [`look_at_thread`] (so a
+/// thread defers from its first look after all of this holds) and cleared
+/// when the thread starts exiting.
+fn may_hold_back(t: &ThreadState) -> bool {
     !t.no_defer.get()
         && t.thread_key.get() != 0
         && EXIT_KEY.load(Ordering::Relaxed) != u64::MAX
         && RELEASE.load(Ordering::Relaxed) != 0
+}
+
+/// [`may_hold_back`] as last looked at: one flag.
+#[inline(always)]
+fn can_hold_back(t: &ThreadState) -> bool {
+    t.defers.get()
 }
 
 /// [`on_free`] for a `free(3)` whose caller then releases the returned

@@ -79,6 +79,10 @@ pub struct ThreadState {
     pub deferred: Cell<[usize; DEFER_DEPTH]>,
     /// The thread is exiting: frees are released at once from now on.
     pub no_defer: Cell<bool>,
+    /// Whether this thread may hold freed blocks back now (see
+    /// `recorder::can_hold_back`): set when the recorder looks at the
+    /// thread, so a free tests one flag.
+    pub defers: Cell<bool>,
     /// Sampled mode's countdown and random source (see `sampling`).
     pub sampler: crate::sampling::SamplerState,
     /// This thread's young ring (`recorder::YOUNG`) + 1: 0 = none claimed
@@ -125,6 +129,7 @@ thread_local! {
             nodes: UnsafeCell::new(NodeCache::new()),
             deferred: Cell::new([0; DEFER_DEPTH]),
             no_defer: Cell::new(false),
+            defers: Cell::new(false),
             sampler: crate::sampling::SamplerState::new(),
             young: Cell::new(0),
             young_policy: crate::young_policy::YoungPolicy::new(),
@@ -198,6 +203,7 @@ impl ThreadState {
             t.clear_next_way();
         }
         self.thread_key.set(0);
+        self.defers.set(false);
         self.allocs.set(0);
         self.next_look.set(0);
         self.stack_cache.set(None);
