@@ -73,7 +73,10 @@ static ONCE_HOOKS: AtomicBool = AtomicBool::new(false);
 /// The [`Role`] of the hook that first started the agent (as `u8`), so a
 /// fork child starts its own regions in the same role.
 static ROLE: AtomicU8 = AtomicU8::new(Role::Preload as u8);
-/// Bumped after a thread is renamed ([`thread_renamed`]).
+/// Bumped when every thread is to look at itself again at its next event
+/// (`look_at_thread`): after a thread is renamed ([`thread_renamed`]), and
+/// once a release function is set ([`set_release`]: threads may then hold
+/// freed blocks back).
 static NAME_EPOCH: AtomicU64 = AtomicU64::new(0);
 /// pthread key whose destructor settles a thread's node cache at exit.
 static EXIT_KEY: AtomicU64 = AtomicU64::new(u64::MAX);
@@ -690,6 +693,10 @@ pub fn use_release(free: unsafe extern "C" fn(*mut libc::c_void)) {
 /// by the preload library at start.
 pub fn set_release(free: unsafe extern "C" fn(*mut libc::c_void)) {
     RELEASE.store(free as usize, Ordering::Relaxed);
+    // Every thread looks again (and sets `ThreadState::defers`). Release:
+    // a thread that sees the new epoch (and fences, see `look_at_thread`)
+    // sees the function set.
+    NAME_EPOCH.fetch_add(1, Ordering::Release);
 }
 
 #[inline(always)]
@@ -716,6 +723,9 @@ fn prepare_thread(w: &Writers, t: &ThreadState) {
 #[cold]
 #[inline(never)]
 fn look_at_thread(w: &Writers, t: &ThreadState, n: u64, epoch: u64) {
+    // Pairs with the Release of whatever bumped the epoch (`set_release`):
+    // what it stored before is seen below.
+    std::sync::atomic::fence(Ordering::Acquire);
     if !t.stack_known.get() {
         t.stack_known.set(true);
         t.stack_hi
