@@ -1,5 +1,6 @@
 // C++ allocations through operator new / new[] / aligned new, with
 // deletes: the trace must start at the function that called `new`.
+#include <cstddef>
 #include <cstdio>
 #include <new>
 #include <string>
@@ -24,6 +25,26 @@ __attribute__((noinline)) void site_deleted() {
         delete s;
     }
 }
+// A new-handler, then std::bad_alloc, on an allocation malloc refuses:
+// the agent's `new` must still run libstdc++'s (the handler is called
+// once, then the exception unwinds through the hook), and recording goes
+// on afterwards (site_nothrow below is checked).
+static int handler_calls;
+static void handler() {
+    handler_calls++;
+    std::set_new_handler(nullptr);
+}
+__attribute__((noinline)) int site_new_handler() {
+    std::set_new_handler(handler);
+    volatile std::size_t huge = static_cast<std::size_t>(-1) / 2;
+    int caught = 0;
+    try {
+        keep->push_back(::operator new(huge));
+    } catch (const std::bad_alloc &) {
+        caught++;
+    }
+    return caught;
+}
 __attribute__((noinline)) void site_nothrow() {
     for (int i = 0; i < 5; i++) keep->push_back(new (std::nothrow) char[70]);
 }
@@ -35,8 +56,9 @@ int main() {
     site_new_object();
     site_new_aligned();
     site_deleted();
+    int caught = site_new_handler();
     site_nothrow();
-    std::printf("ready %d\n", (int)getpid());
+    std::printf("ready %d handler=%d caught=%d\n", (int)getpid(), handler_calls, caught);
     std::fflush(stdout);
     char line[8];
     if (read(0, line, sizeof line) < 0) {}

@@ -265,6 +265,13 @@ fn cxx_new_traces_start_at_the_caller_of_new() {
     let exe = compile_c("cxx_pattern");
     let target = Target::spawn(preloaded(&exe));
     let pid = target.pid();
+    // libstdc++'s new-handler ran once and std::bad_alloc reached the
+    // program, through the agent's `operator new`.
+    assert!(
+        target.last_line().ends_with("handler=1 caught=1"),
+        "{}",
+        target.last_line()
+    );
     let d = dump(pid);
     let syms = Symbols::of_process(&exe, pid);
     // The leaf frame itself must be the site (not libstdc++ or its caller).

@@ -19,16 +19,19 @@
 //!   bound, or in a process with no C++ runtime), `new` uses the next
 //!   `malloc` / `memalign` and aborts on failure, as a C++ runtime without
 //!   exceptions would; `delete` uses the next `free`.
-//! - Sampled mode, when the next plain and sized operators are
-//!   libstdc++'s ([`LIBSTDCXX`]): a `new` that is not sampled is the next
-//!   `malloc` of at least one byte, counted down once, and a `delete` of a
-//!   block that was not sampled is the next `free`. That is what
+//! - When the next plain and sized operators are libstdc++'s
+//!   ([`LIBSTDCXX`]), a plain `new` or `new[]` is the next `malloc` of at
+//!   least one byte, and a plain or sized `delete` is the next `free`
+//!   (through the `free` hook's own path, `free_recorded`): that is what
 //!   libstdc++'s operators do (its `new` calls the new-handler and throws
-//!   only when `malloc` fails, which goes to the slow path, its full `new`;
-//!   its `new[]` and sized `delete`s end in the same calls), without the
-//!   per-thread state that [`forwarding`] needs: a block is decided once,
-//!   not at the operator and again at the `malloc` inside it. Every other
-//!   case (exact mode, a sampled block, another C++ runtime such as
+//!   only when `malloc` fails, which then goes to its full `new`; its
+//!   `new[]` and sized `delete`s end in the same calls), without a `malloc`
+//!   or `free` hook run inside the operator, nor the per-thread state that
+//!   [`forwarding`] needs (a C++ pair cost ~350 instructions more than a C
+//!   one before: the nested hooks and the forwarding state). In sampled
+//!   mode a `new` that is not sampled is counted down once and served so
+//!   at once, and a `delete` of a block that was not sampled goes straight
+//!   to the next `free`. Every other case (another C++ runtime such as
 //!   tcmalloc's, the aligned and nothrow operators) takes the full path.
 
 use std::ffi::c_void;
@@ -41,7 +44,7 @@ use heapdump_agent::stack_capture::{caller_frame, caller_parent_frame};
 
 use crate::bootstrap_arena as arena;
 use crate::malloc_family::{
-    not_tail_called, raw_free, raw_malloc, raw_memalign, recorded_or_arena,
+    free_recorded, not_tail_called, raw_free, raw_malloc, raw_memalign, recorded_or_arena,
 };
 use crate::next_allocator as next;
 
@@ -85,6 +88,23 @@ fn unsampled_new(size: usize) -> Option<*mut c_void> {
     let p = unsafe { f(size) };
     // Out of memory: the full path runs libstdc++'s `new`, with its
     // new-handler and `std::bad_alloc`.
+    (!p.is_null()).then_some(p)
+}
+
+/// libstdc++'s operators, a block to record: what its `new` would return,
+/// served by the next `malloc` (see the module doc), so that no `malloc`
+/// hook runs inside the operator (nor [`forwarding`] around it); `None`
+/// when the full path must serve it (another C++ runtime, or `malloc`
+/// failed: libstdc++'s `new` then runs its new-handler or throws).
+#[inline(always)]
+fn libstdcxx_new(size: usize) -> Option<*mut c_void> {
+    if !LIBSTDCXX.load(Ordering::Relaxed) {
+        return None;
+    }
+    let f = next::loaded::malloc()?;
+    // SAFETY: the next allocator's malloc, same contract; libstdc++'s
+    // `new` asks it for at least one byte.
+    let p = unsafe { f(size.max(1)) };
     (!p.is_null()).then_some(p)
 }
 
@@ -165,10 +185,13 @@ fn new_slow(size: usize, next: fn() -> Option<NextNew>) -> *mut c_void {
     // Decided before the call: the fast path has already looked at the
     // countdown (see `recorder::Decision`).
     let decision = decide(size);
-    let p = match next() {
-        // SAFETY: the next operator, same contract (may throw).
-        Some(f) => forwarding(|| unsafe { f(size) }),
-        None => new_without_runtime(size, 0),
+    let p = match libstdcxx_new(size) {
+        Some(p) => p,
+        None => match next() {
+            // SAFETY: the next operator, same contract (may throw).
+            Some(f) => forwarding(|| unsafe { f(size) }),
+            None => new_without_runtime(size, 0),
+        },
     };
     if !arena::contains(p as usize) {
         on_alloc_decided(p as usize, size, fp, Role::Preload, decision);
@@ -276,6 +299,13 @@ macro_rules! deletes {
             $(
                 let _ = stringify!($fast);
                 if unsampled_delete(p) {
+                    return;
+                }
+                // libstdc++'s plain, array and sized deletes are its
+                // `free`: the block goes as a `free` would, with no hook
+                // run inside the operator (nor `forwarding` around it).
+                if LIBSTDCXX.load(Ordering::Relaxed) {
+                    free_recorded(p);
                     return;
                 }
             )?

@@ -196,9 +196,10 @@ pub unsafe extern "C" fn free(p: *mut c_void) {
     free_recorded(p);
 }
 
-/// The complete [`free`] hook.
+/// The complete [`free`] hook (also libstdc++'s `operator delete`, see
+/// `cxx`).
 #[inline(never)]
-fn free_recorded(p: *mut c_void) {
+pub(crate) fn free_recorded(p: *mut c_void) {
     if p.is_null() || arena::contains(p as usize) {
         return;
     }
