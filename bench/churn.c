@@ -18,6 +18,9 @@
  * so a benchmark can refuse a run that it attributes to the agent but
  * that ran bare (a preload the loader did not find is only a warning).
  *
+ * Built with -DCHURN_CXX -lstdc++, the blocks are C++ new[] / delete[]
+ * (see BLOCK_ALLOC below) instead of malloc / free.
+ *
  * CHURN_MAX_SIZE=N in the environment (17..1048576) makes the sizes 16..N
  * instead of 16..4096 (16..528: glibc's thread cache serves every block).
  *
@@ -33,8 +36,21 @@
 #include <stdlib.h>
 #include <time.h>
 
+#ifdef CHURN_CXX
+/* Built with -DCHURN_CXX (and -lstdc++), the ring's blocks come from C++'s
+ * operator new[] and go back through delete[] (their Itanium ABI names, so
+ * that one C file serves both): what a C++ program's allocations cost. */
+void *_Znam(size_t);
+void _ZdaPv(void *);
+#define BLOCK_ALLOC(s) _Znam(s)
+#define BLOCK_FREE(p) _ZdaPv(p)
+#else
+#define BLOCK_ALLOC(s) malloc(s)
+#define BLOCK_FREE(p) free(p)
+#endif
+
 typedef void *(*leaf_fn)(size_t);
-#define LEAF(n) __attribute__((noinline)) void *leaf##n(size_t s) { void *p = malloc(s); __asm__ volatile("" ::"r"(p) : "memory"); return p; }
+#define LEAF(n) __attribute__((noinline)) void *leaf##n(size_t s) { void *p = BLOCK_ALLOC(s); __asm__ volatile("" ::"r"(p) : "memory"); return p; }
 LEAF(0) LEAF(1) LEAF(2) LEAF(3) LEAF(4) LEAF(5) LEAF(6) LEAF(7)
 LEAF(8) LEAF(9) LEAF(10) LEAF(11) LEAF(12) LEAF(13) LEAF(14) LEAF(15)
 static leaf_fn leaves[16] = {leaf0, leaf1, leaf2, leaf3, leaf4, leaf5, leaf6, leaf7,
@@ -80,12 +96,12 @@ static void *run(void *arg) {
     for (long i = 0; i < j->events; i++) {
         x = x * 1103515245u + 12345u;
         long slot = i % j->ring;
-        free(ring[slot]);
+        BLOCK_FREE(ring[slot]);
         ring[slot] = descend(depth_of(x), x >> 16, 16 + (x >> 4) % size_span);
     }
     pthread_barrier_wait(&start);
     if (pause_after) pthread_barrier_wait(&start); /* released after `ready` */
-    for (long i = 0; i < j->ring; i++) free(ring[i]);
+    for (long i = 0; i < j->ring; i++) BLOCK_FREE(ring[i]);
     free(ring);
     return NULL;
 }
