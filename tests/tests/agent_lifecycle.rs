@@ -77,6 +77,35 @@ fn assert_all_held(mut cmd: Command) {
     );
 }
 
+/// The preload library under another name (a distribution's package, a
+/// host-wide `/etc/ld.so.preload` entry), beside the tests' programs.
+fn renamed_preload_lib() -> std::path::PathBuf {
+    let p = profile_dir().join("heapdump-agent-renamed.so");
+    static COPIED: std::sync::Once = std::sync::Once::new();
+    COPIED.call_once(|| {
+        let tmp = p.with_extension(format!("{}.tmp", std::process::id()));
+        std::fs::copy(preload_lib(), &tmp).unwrap();
+        std::fs::rename(&tmp, &p).unwrap();
+    });
+    p
+}
+
+#[test]
+fn a_preload_under_another_name_starts_at_load_and_holds_frees_back() {
+    // Started at load: listed before its first allocation.
+    let exe = compile_c("quiet_start");
+    let mut cmd = Command::new(&exe);
+    cmd.env("LD_PRELOAD", renamed_preload_lib());
+    let target = Target::spawn(cmd);
+    let d = dump(target.pid());
+    assert_eq!(d.writer_pid, target.pid());
+    assert!(target.finish().success());
+    // Held-back frees are chosen at load, for glibc, as under the usual name.
+    let mut cmd = Command::new(compile_c("deferred"));
+    cmd.env("LD_PRELOAD", renamed_preload_lib());
+    assert_all_held(cmd);
+}
+
 #[test]
 fn held_back_frees_reach_glibc_at_thread_exit_and_in_a_forked_child() {
     assert_all_held(preloaded(&compile_c("deferred")));

@@ -90,7 +90,7 @@ pub unsafe extern "C" fn heapdump_attach(settings: *const c_char) -> c_int {
         // SAFETY: the caller passes a NUL-terminated string.
         unsafe { CStr::from_ptr(settings) }.to_bytes()
     };
-    if crate::named_in_ld_preload() {
+    if crate::preloaded::preloaded() {
         return codes::PRELOADED;
     }
     let mut state = lock();

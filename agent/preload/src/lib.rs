@@ -31,6 +31,7 @@ pub mod internal_api;
 pub mod jemalloc_attached;
 pub mod malloc_family;
 pub mod next_allocator;
+pub mod preloaded;
 pub mod sandbox;
 pub mod slot_redirection;
 pub mod thread_names;
@@ -49,7 +50,7 @@ fn stderr(msg: &[u8]) {
 /// ours (so nothing would be recorded).
 extern "C" fn preload_init() {
     use heapdump_agent::recorder::forwarding;
-    let preloaded = named_in_ld_preload();
+    let preloaded = preloaded::preloaded();
     // `forwarding`: what the loader allocates for these look-ups is the
     // agent's own doing, not the program's, and is not recorded.
     forwarding(|| {
@@ -89,22 +90,6 @@ pub(crate) fn choose_forwarding() {
             heapdump_agent::recorder::set_release(f);
         }
     }
-}
-
-/// True when `LD_PRELOAD` names this library (it was preloaded, not
-/// `dlopen`ed into a running process by `heapdump attach`). Never
-/// allocates (`getenv`).
-pub(crate) fn named_in_ld_preload() -> bool {
-    // SAFETY: getenv with a NUL-terminated name; the result, if non-null,
-    // is a NUL-terminated string of the environment block.
-    let v = unsafe { libc::getenv(c"LD_PRELOAD".as_ptr()) };
-    if v.is_null() {
-        return false;
-    }
-    // SAFETY: as above.
-    let v = unsafe { CStr::from_ptr(v) }.to_bytes();
-    v.windows(b"libheapdump_preload".len())
-        .any(|w| w == b"libheapdump_preload")
 }
 
 /// Says on stderr when `malloc` resolves, for the program, to a definition
