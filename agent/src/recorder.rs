@@ -23,8 +23,9 @@
 //!   never writes into its parent's regions.
 //!
 //! The exact-mode allocation path, top to bottom (the preload's
-//! `malloc_family::malloc_slow`, or the Rust `Agent`): [`on_alloc`] ->
-//! `record_weighted`: the thread's state (`thread_state::with`, busy flag),
+//! `malloc_family::malloc_slow` and `cxx::new_slow`, with the path inlined:
+//! [`on_alloc_inlined`], [`on_alloc_decided`]; every other hook and the
+//! Rust `Agent`: [`on_alloc`] -> `record_weighted`): the thread's state (`thread_state::with`, busy flag),
 //! `prepare_thread`, `stack_key` (the thread's `trace_shortcut`, which
 //! answers a walk it has seen from the same start with every stack word
 //! unchanged; else the walk, `cfi_unwind::walk_trace` with the thread's
@@ -36,9 +37,9 @@
 //! [`on_free_deferred`] -> `remove_block`. Budget (DESIGN §6, issue 30):
 //! at most 350 instructions added per malloc+free pair at 4 frames, 700 on
 //! the churn, 3 L1 data misses; `bench/instructions --parts` counts them
-//! per part (session 25, 2026-11-27: +802 and +1461 instructions, +4.1
-//! and +8.0 misses, +697 on a young block's pair: far over; see
-//! docs/benchmarks.md), and CI fails when they grow past
+//! per part (session 26, 2026-11-28: +772 and +1429 instructions, +4.4
+//! and +8.0 misses, +646 on a young block's pair, +658 on a C++ one: far
+//! over; see docs/benchmarks.md), and CI fails when they grow past
 //! `bench/instructions-budget.json`.
 
 use std::cell::UnsafeCell;
