@@ -23,10 +23,10 @@
 //!   never writes into its parent's regions.
 //!
 //! The exact-mode allocation path, top to bottom (the preload's
-//! `malloc_family::malloc_slow` and `cxx::new_slow`, with the path inlined:
-//! [`on_alloc_inlined`], [`on_alloc_decided`]; every other hook and the
-//! Rust `Agent`: [`on_alloc`] -> `record_weighted`): the thread's state (`thread_state::with`, busy flag),
-//! `prepare_thread`, `stack_key` (the thread's `trace_shortcut`, which
+//! `malloc_family::malloc_slow` and `cxx::new_slow`, with the path
+//! inlined: [`on_alloc_inlined`], [`on_alloc_decided`]; every other hook
+//! and the Rust `Agent`: [`on_alloc`] -> `record_weighted`): the thread's
+//! state (`thread_state::with`, busy flag), `prepare_thread`, `stack_key` (the thread's `trace_shortcut`, which
 //! answers a walk it has seen from the same start with every stack word
 //! unchanged; else the walk, `cfi_unwind::walk_trace` with the thread's
 //! `stack_memo`; then the thread's stack cache, a block of the
