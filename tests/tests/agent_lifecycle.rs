@@ -107,6 +107,51 @@ fn a_preload_under_another_name_starts_at_load_and_holds_frees_back() {
 }
 
 #[test]
+fn a_library_listed_in_etc_ld_so_preload_starts_at_load() {
+    // A host-wide install, tried in a mount namespace of the program's own
+    // (an overlay over /etc holding an ld.so.preload that names the
+    // renamed library), so nothing else on the machine sees it; no
+    // LD_PRELOAD at all.
+    let dir = std::env::temp_dir().join(format!("heapdump-ldsopreload-{}", std::process::id()));
+    let (upper, work) = (dir.join("upper"), dir.join("work"));
+    std::fs::create_dir_all(&upper).unwrap();
+    std::fs::create_dir_all(&work).unwrap();
+    let lib = renamed_preload_lib();
+    std::fs::write(upper.join("ld.so.preload"), format!("{}\n", lib.display())).unwrap();
+    let mount = format!(
+        "mount -t overlay overlay -o lowerdir=/etc,upperdir={},workdir={} /etc",
+        upper.display(),
+        work.display()
+    );
+    let allowed = Command::new("unshare")
+        .args([
+            "-m",
+            "sh",
+            "-c",
+            &format!("{mount} && grep -q heapdump /etc/ld.so.preload"),
+        ])
+        .env_remove("LD_PRELOAD")
+        .status()
+        .is_ok_and(|s| s.success());
+    if !real_dependency(
+        "an overlay over /etc in a mount namespace (unshare -m, as root)",
+        allowed,
+    ) {
+        return;
+    }
+    let mut cmd = Command::new("unshare");
+    cmd.args(["-m", "sh", "-c", &format!("{mount} && exec \"$0\"")])
+        .arg(compile_c("quiet_start"))
+        .env_remove("LD_PRELOAD");
+    let target = Target::spawn(cmd);
+    // Listed before its first allocation: the agent started at load.
+    let d = dump(target.pid());
+    assert_eq!(d.writer_pid, target.pid());
+    assert!(target.finish().success());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
 fn held_back_frees_reach_glibc_at_thread_exit_and_in_a_forked_child() {
     assert_all_held(preloaded(&compile_c("deferred")));
 }
