@@ -27,6 +27,7 @@ pub mod recorder;
 pub mod sampling;
 pub mod seccomp_guard;
 mod signal;
+pub mod small_file;
 pub mod stack_capture;
 pub mod stack_memo;
 pub mod thread_state;

@@ -39,27 +39,7 @@ const UNKNOWN: u64 = u64::MAX;
 #[inline(never)]
 pub fn filters_now() -> Option<u64> {
     let mut buf = [0u8; 4096];
-    // SAFETY: open/read/close with a NUL-terminated path and a buffer of
-    // `buf.len()` bytes we own; the descriptor is closed before return.
-    let n = unsafe {
-        let fd = libc::open(
-            c"/proc/thread-self/status".as_ptr(),
-            libc::O_RDONLY | libc::O_CLOEXEC,
-        );
-        if fd < 0 {
-            return None;
-        }
-        let mut len = 0usize;
-        while len < buf.len() {
-            let r = libc::read(fd, buf[len..].as_mut_ptr().cast(), buf.len() - len);
-            if r <= 0 {
-                break;
-            }
-            len += r as usize;
-        }
-        libc::close(fd);
-        len
-    };
+    let n = crate::small_file::read_into(c"/proc/thread-self/status", &mut buf)?;
     parse_status(&buf[..n])
 }
 

@@ -16,7 +16,8 @@
 //! Invariants: never allocates (it runs in the library's initialiser,
 //! before the next allocator is known, and in `heapdump_attach`); reads at
 //! most [`PRELOAD_FILE_MAX`] bytes of `/etc/ld.so.preload`, a root-owned
-//! file, through a descriptor it opens and closes itself.
+//! file (`heapdump_agent::small_file`: a descriptor opened and closed
+//! within the call).
 
 use std::ffi::{c_void, CStr};
 
@@ -40,7 +41,7 @@ pub fn preloaded() -> bool {
         return true;
     }
     let mut buf = [0u8; PRELOAD_FILE_MAX];
-    let n = read_preload_file(&mut buf);
+    let n = heapdump_agent::small_file::read_into(c"/etc/ld.so.preload", &mut buf).unwrap_or(0);
     lists_library(&buf[..n], me)
 }
 
@@ -70,32 +71,6 @@ fn own_path() -> Option<&'static [u8]> {
             return None;
         }
         Some(CStr::from_ptr(info.dli_fname).to_bytes())
-    }
-}
-
-/// Reads `/etc/ld.so.preload` into `buf` (at most its length); the bytes
-/// read, 0 when there is no such file.
-fn read_preload_file(buf: &mut [u8]) -> usize {
-    // SAFETY: open with a NUL-terminated path; read into `buf` within its
-    // length; the descriptor is ours from open to close.
-    unsafe {
-        let fd = libc::open(
-            c"/etc/ld.so.preload".as_ptr(),
-            libc::O_RDONLY | libc::O_CLOEXEC | libc::O_NOCTTY | libc::O_NONBLOCK,
-        );
-        if fd < 0 {
-            return 0;
-        }
-        let mut n = 0;
-        while n < buf.len() {
-            let r = libc::read(fd, buf[n..].as_mut_ptr().cast(), buf.len() - n);
-            if r <= 0 {
-                break;
-            }
-            n += r as usize;
-        }
-        libc::close(fd);
-        n
     }
 }
 
