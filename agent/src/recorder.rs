@@ -992,7 +992,8 @@ fn record_weighted<const DIRECT: bool>(
 /// [`on_alloc`] with the recording path inlined into the caller: for the
 /// one hook that runs most (the preload's `malloc`), so that its frame is
 /// the recorder's (one call, one frame and its register saves fewer per
-/// allocation). Every other hook calls [`on_alloc`].
+/// allocation). C++ `operator new` has the same through
+/// [`on_alloc_decided`]; every other hook calls [`on_alloc`].
 #[inline(always)]
 pub fn on_alloc_inlined(addr: usize, size: usize, fp: usize, role: Role) {
     if addr == 0 {
