@@ -52,7 +52,7 @@ use gimli::{
 
 use crate::stack_capture::{is_return_address, TraceHash};
 use crate::stack_memo::{End, StackMemo, StackMemos, Step, Visited, MEMO_ENTRIES};
-use crate::trace_shortcut::{Shortcuts, SHORTCUT_WORDS};
+use crate::trace_shortcut::{Answer, Shortcuts, SHORTCUT_WORDS};
 use heapdump_table::stack_compression::MAX_FRAMES;
 
 /// The DWARF registers the walk follows, per architecture: the stack
@@ -594,12 +594,7 @@ impl Trace {
 /// two words at `fp`; on aarch64 it takes the hook's CFI (left to the
 /// walk, which then keeps nothing there either).
 #[inline(always)]
-pub fn shortcut(
-    fp: usize,
-    sp: usize,
-    hi: usize,
-    shortcuts: &mut Shortcuts,
-) -> Option<(usize, u64)> {
+pub fn shortcut(fp: usize, sp: usize, hi: usize, shortcuts: &mut Shortcuts) -> Option<Answer> {
     if !SHORTCUT {
         return None;
     }
@@ -621,7 +616,7 @@ pub fn shortcut(
     };
     // SAFETY: the caller's stack pointer `fp + 16` is in `[sp, hi]`, so
     // `[fp + 16, hi)` (`top = hi - 8`) is readable (as above).
-    unsafe { shortcuts.find(ret as u64, fp + 16, caller_rbp, hi - 8, generation) }
+    unsafe { shortcuts.answer(ret as u64, fp + 16, caller_rbp, hi - 8, generation) }
 }
 
 /// Whether walks keep and use the trace shortcut (see [`shortcut`]).
@@ -1252,7 +1247,7 @@ mod tests {
             let sp = crate::stack_capture::stack_pointer();
             let hi = crate::stack_capture::thread_stack_top(sp).unwrap();
             let fp = crate::stack_capture::caller_frame();
-            let answer = shortcut(fp, sp, hi, shortcuts);
+            let answer = shortcut(fp, sp, hi, shortcuts).map(|a| (a.frames, a.hash));
             let keep = answer.is_none().then_some(shortcuts);
             let mut out = [0u64; MAX_FRAMES];
             let t = walk_trace(fp, sp, hi, &mut out, cache, memo, keep, true);

@@ -776,7 +776,7 @@ fn ask_shortcut(
     fp: usize,
     sp: usize,
     hi: usize,
-) -> (bool, Option<(usize, u64)>) {
+) -> (bool, Option<crate::trace_shortcut::Answer>) {
     let asks = cached
         && !fixed
         && matches!(w.config.unwind, UnwindMode::Auto | UnwindMode::Cfi)
@@ -820,8 +820,11 @@ fn stack_key(
     let (asks, answer) = ask_shortcut(w, shortcuts, cache.is_some(), fixed, fp, sp, hi);
     // (Debug builds, the tests', walk anyway and check the answer below.)
     #[cfg(not(debug_assertions))]
-    if let (Some(cache), Some((_, h))) = (cache, answer) {
-        if let Some((slot, key)) = w.resources.cache_find(cache, h) {
+    if let (Some(cache), Some(a)) = (cache, answer) {
+        if let Some((slot, key, i)) = w.resources.cache_find_hinted(cache, a.hash, a.hint) {
+            if i != a.hint {
+                shortcuts.hint(&a, i);
+            }
             return Some((key, Some(slot)));
         }
     }
@@ -850,7 +853,10 @@ fn stack_key(
         }
     };
     let (n, h) = (trace.frames, trace.hash);
-    debug_assert!(answer.is_none_or(|a| a == (n, h)), "trace shortcut");
+    debug_assert!(
+        answer.is_none_or(|a| (a.frames, a.hash) == (n, h)),
+        "trace shortcut"
+    );
     // The thread's stack cache: 4-way sets in the resources region, whose
     // slots also count the allocations (one line for both). A hit writes
     // nothing but the counts; a miss replaces the set's ways in turn

@@ -114,7 +114,10 @@ struct Word {
 struct Entry {
     hash: u64,
     frames: u32,
-    len: u32,
+    len: u16,
+    /// The caller's hint for this walk ([`Answer::hint`]), [`NO_HINT`]
+    /// until it gives one.
+    hint: u16,
     words: [Word; SHORTCUT_WORDS],
 }
 
@@ -123,8 +126,52 @@ impl Entry {
         hash: 0,
         frames: 0,
         len: 0,
+        hint: NO_HINT,
         words: [Word { at: 0, val: 0 }; SHORTCUT_WORDS],
     };
+}
+
+impl Entry {
+    /// Whether every word the entry holds has its value still.
+    ///
+    /// # Safety
+    /// Every word's address must be readable: they lie in `[sp, top]` of
+    /// the walk the entry was filled from (see [`ShortcutFill::word`]),
+    /// readable when the caller's start state has the same `sp` and `top`.
+    #[inline(always)]
+    unsafe fn unchanged(&self) -> bool {
+        let mut diff = 0;
+        // Whole groups of four: `finish` pads an entry's words to a
+        // multiple of four (the loop then has no remainder to run).
+        let n = (self.len as usize).min(SHORTCUT_WORDS);
+        for g in self.words[..n].chunks_exact(4) {
+            // SAFETY: each `at` is 8-aligned and lies in `[sp, top]`
+            // (see `ShortcutFill::word`): readable by the caller's
+            // guarantee. Volatile: nothing may be assumed of the words.
+            let read = |w: &Word| unsafe { std::ptr::read_volatile(w.at as *const u64) } ^ w.val;
+            diff |= read(&g[0]) | read(&g[1]) | read(&g[2]) | read(&g[3]);
+        }
+        diff == 0
+    }
+}
+
+/// [`Answer::hint`] of an entry whose caller gave none yet.
+pub const NO_HINT: u16 = u16::MAX;
+
+/// The table's answer for a walk: its frame count and hash, and the hint
+/// the caller left with the entry (the recorder keeps where in the
+/// thread's stack cache it found the trace last, so that a set's later
+/// way costs one probe, not four; `Shortcuts::hint`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Answer {
+    /// Frames of the walk.
+    pub frames: usize,
+    /// The walk's trace hash.
+    pub hash: u64,
+    /// What the caller left with the entry, [`NO_HINT`] if nothing.
+    pub hint: u16,
+    /// The entry that answered (`set * 2 + way`).
+    entry: u16,
 }
 
 /// A thread's shortcut table (see the module doc): two ways, each indexed
@@ -213,11 +260,11 @@ impl Shortcuts {
 
     /// The frame count and hash of the walk from state (`pc`, `sp`,
     /// `rbp`) with `top` and rules of `generation`, if an entry holds that
-    /// walk and every word it depends on is unchanged.
+    /// walk and every word it depends on is unchanged ([`Self::answer`]
+    /// without the hint).
     ///
     /// # Safety
-    /// `[sp, top + 8)` must be readable (the live part of the calling
-    /// thread's stack, as for a walk from `sp`).
+    /// As for [`Self::answer`].
     #[inline(always)]
     pub unsafe fn find(
         &mut self,
@@ -227,6 +274,40 @@ impl Shortcuts {
         top: usize,
         generation: u64,
     ) -> Option<(usize, u64)> {
+        // SAFETY: the caller's guarantee, passed on.
+        unsafe { self.answer(pc, sp, rbp, top, generation) }.map(|a| (a.frames, a.hash))
+    }
+
+    /// Leaves `hint` with the entry that gave `answer` (its next answers
+    /// carry it), unless the entry was refilled since.
+    #[inline(always)]
+    pub fn hint(&mut self, answer: &Answer, hint: u16) {
+        let (set, way) = (
+            answer.entry as usize / 2 % SHORTCUT_SETS,
+            answer.entry as usize % 2,
+        );
+        let e = &mut self.entries[set][way];
+        if e.hash == answer.hash {
+            e.hint = hint;
+        }
+    }
+
+    /// The answer for the walk from state (`pc`, `sp`, `rbp`) with `top`
+    /// and rules of `generation`, if an entry holds that walk and every
+    /// word it depends on is unchanged.
+    ///
+    /// # Safety
+    /// `[sp, top + 8)` must be readable (the live part of the calling
+    /// thread's stack, as for a walk from `sp`).
+    #[inline(always)]
+    pub unsafe fn answer(
+        &mut self,
+        pc: u64,
+        sp: usize,
+        rbp: usize,
+        top: usize,
+        generation: u64,
+    ) -> Option<Answer> {
         let sets = sets_of(pc, sp);
         let way = if ((self.top ^ top) as u64 | (self.generation ^ generation)) != 0 {
             usize::MAX
@@ -242,29 +323,23 @@ impl Shortcuts {
             return None;
         };
         let e = &self.entries[sets[way]][way];
-        let mut diff = 0;
-        // Whole groups of four: `finish` pads an entry's words to a
-        // multiple of four (the loop then has no remainder to run).
-        let n = (e.len as usize).min(SHORTCUT_WORDS);
-        for g in e.words[..n].chunks_exact(4) {
-            // SAFETY: each `at` is 8-aligned and lies in `[sp, self.top]`
-            // (see `ShortcutFill::word`), which is `[sp, top]` here:
-            // readable by the caller's guarantee. Volatile: nothing may be
-            // assumed of the words.
-            let read = |w: &Word| unsafe { std::ptr::read_volatile(w.at as *const u64) } ^ w.val;
-            diff |= read(&g[0]) | read(&g[1]) | read(&g[2]) | read(&g[3]);
-        }
-        if diff != 0 {
+        // SAFETY: the caller's guarantee, with `top` the table's.
+        if !unsafe { e.unchanged() } {
             self.missed();
             return None;
         }
+        let answer = Answer {
+            frames: e.frames as usize,
+            hash: e.hash,
+            hint: e.hint,
+            entry: (sets[way] * 2 + way) as u16,
+        };
         // A thread whose walks repeat has nothing to pay back: one test.
         if (self.misses | self.debt | self.doubt) != 0 {
             self.misses = 0;
             self.debt = self.debt.saturating_sub(1);
             self.doubt = self.doubt.saturating_sub(ANSWER_CREDIT);
         }
-        let answer = (e.frames as usize, e.hash);
         // Not due any more (a fill marks the other place due; a hit only
         // keeps its own: one byte written, as before the skew).
         self.victim[sets[way]] &= !(1 << way);
@@ -341,6 +416,7 @@ impl Shortcuts {
         };
         let e = &mut self.entries[s][way];
         e.len = 0;
+        e.hint = NO_HINT;
         Some(ShortcutFill {
             key,
             e,
@@ -378,7 +454,7 @@ impl ShortcutFill<'_> {
         // this very word moments ago; `fill`'s caller's guarantee).
         let val = unsafe { std::ptr::read_volatile(at as *const u64) };
         self.e.words[n] = Word { at, val };
-        self.e.len = n as u32 + 1;
+        self.e.len = n as u16 + 1;
     }
 
     /// Adds the words of the steps out of the frames `visited` (innermost
@@ -450,7 +526,7 @@ impl ShortcutFill<'_> {
             self.e.words[n] = self.e.words[n - 1];
             n += 1;
         }
-        self.e.len = n as u32;
+        self.e.len = n as u16;
         self.e.frames = frames as u32;
         self.e.hash = hash;
         self.key.rbp = rbp;
@@ -503,6 +579,34 @@ mod tests {
         // A word the entry does not hold changes nothing.
         s[30] = 1;
         assert_eq!(unsafe { t.find(0x5000, sp, 7, top, 1) }, Some((5, 0xabc)));
+    }
+
+    #[test]
+    fn an_entry_carries_the_hint_its_caller_left_until_it_is_refilled() {
+        let s = stack();
+        let (sp, top) = (at(&s, 8), at(&s, 63));
+        let mut t = Box::new(Shortcuts::new());
+        t.fill(0x5000, sp, top, 1)
+            .unwrap()
+            .finish(0, false, 5, 0xabc);
+        // SAFETY (all `answer`s): `[sp, top + 8)` lies inside `s`.
+        let a = unsafe { t.answer(0x5000, sp, 0, top, 1) }.unwrap();
+        assert_eq!((a.frames, a.hash, a.hint), (5, 0xabc, NO_HINT));
+        t.hint(&a, 37);
+        let b = unsafe { t.answer(0x5000, sp, 0, top, 1) }.unwrap();
+        assert_eq!(b.hint, 37);
+        // Two more fills from the same start: the first takes the other
+        // place, the second this one (due again): no hint, and the old
+        // answer's hint is not left with the new walk.
+        t.fill(0x5000, sp, top, 1)
+            .unwrap()
+            .finish(0, false, 6, 0xdef);
+        t.fill(0x5000, sp, top, 1)
+            .unwrap()
+            .finish(0, false, 7, 0x123);
+        t.hint(&a, 99);
+        let c = unsafe { t.answer(0x5000, sp, 0, top, 1) }.unwrap();
+        assert_eq!((c.frames, c.hash, c.hint), (7, 0x123, NO_HINT));
     }
 
     #[test]

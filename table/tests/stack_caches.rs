@@ -308,3 +308,39 @@ fn a_reader_never_credits_a_stack_with_counts_of_the_stack_that_took_its_slot() 
         assert_eq!((st.alloc_count, st.alloc_bytes), (BURST, BURST));
     }
 }
+
+#[test]
+fn a_hinted_lookup_finds_what_the_scan_finds_whatever_the_hint() {
+    let region = ResourcesWriter::create_region(16 << 20, 64).unwrap();
+    let w = ResourcesWriter::new(&region).unwrap();
+    let cache = w.claim_stack_cache(9).unwrap();
+    // Five traces of one set (four ways): the first is replaced by the
+    // fifth, so a hint it gave once goes stale.
+    let set = 17u64;
+    let hash = |i: u64| (i + 1) << 40 | set << 20 | 1;
+    let mut next = 0u8;
+    let mut hints = Vec::new();
+    for i in 0..5u64 {
+        let key = key_of(&w, i);
+        let slot = w.cache_insert(cache, hash(i), key, next);
+        next = next.wrapping_add(1);
+        let (s, k, hint) = w.cache_find_hinted(cache, hash(i), u16::MAX).unwrap();
+        assert_eq!((s, k), (slot, key));
+        hints.push(hint);
+    }
+    assert_eq!(hints[4], hints[0], "the fifth trace took the first's way");
+    assert_eq!(w.cache_find_hinted(cache, hash(0), hints[0]), None);
+    for i in 1..5u64 {
+        let want = w.cache_find(cache, hash(i)).unwrap();
+        let tries = (0..COUNTER_SLOTS as u16 + 8).chain([u16::MAX]);
+        for hint in tries {
+            let (s, k, h) = w.cache_find_hinted(cache, hash(i), hint).unwrap();
+            assert_eq!(
+                (s, k, h),
+                (want.0, want.1, hints[i as usize]),
+                "hint {hint}"
+            );
+        }
+    }
+    assert_eq!(w.cache_find_hinted(cache, hash(9), hints[1]), None);
+}
