@@ -3,12 +3,22 @@
 //!
 //! Invariants:
 //! - A node's words change only under its shard's lock (or by the thread
-//!   holding a young block's ring entry, `young.rs`), always inside a
-//!   seqlock write: `seq` made odd, a Release fence, the words, then `seq`
-//!   made even with a Release store. (The reader's side is in
-//!   `reader.rs`: it accepts a node only between two equal even readings.)
+//!   holding a young block's ring entry, `young.rs`), inside a seqlock
+//!   write: `seq` made odd, a Release fence, the words, then `seq` made
+//!   even with a Release store. (The reader's side is in `reader.rs`: it
+//!   accepts a node only between two equal even readings, and takes one
+//!   whose address is 0 as free whatever its other words hold.)
+//! - One change is a single store outside the seqlock: a block's free
+//!   that keeps the node for its thread's cache stores 0 into the address
+//!   word alone ([`AllocationsWriter::empty_node`]). A reader's reading of
+//!   the node then holds either the old address with the block's other
+//!   words, unchanged (the block, live at that instant), or address 0
+//!   (free); nothing in between exists to tear. The node's next use is a
+//!   seqlock write, which a reader that started before it sees as a
+//!   change of `seq`.
 //! - A live block keeps the same node from insert to remove; a free node
-//!   has address 0 and holds the next free node + 1 in `w3`.
+//!   in a shard's free list has address 0 and holds the next free node + 1
+//!   in `w3`; one in a thread's cache has address 0 and stale words.
 
 use super::*;
 
@@ -64,6 +74,17 @@ impl AllocationsWriter<'_> {
             u64::from(thread32) << 32 | u64::from(next),
             Ordering::Release,
         );
+    }
+
+    /// Empties the node of a block being freed whose node stays with the
+    /// freeing thread (its cache): the address word alone, one store (see
+    /// the module doc). Relaxed: a reader that still sees the address
+    /// reports a block that was live during its reading; the thread's own
+    /// later write of the node is ordered after this store by program
+    /// order.
+    #[inline(always)]
+    pub(super) fn empty_node(&self, node: u32) {
+        self.node_word(node, 1).store(0, Ordering::Relaxed);
     }
 
     #[inline(always)]

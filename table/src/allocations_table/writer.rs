@@ -451,7 +451,7 @@ impl<'a> AllocationsWriter<'a> {
             timestamp_us: (w2 >> 48) << 32 | w3 >> 32,
         };
         let kept = if keep_node {
-            self.write_node(node, 0, 0, 0, 0);
+            self.empty_node(node);
             Some(node)
         } else {
             let free = self.shard_field(shard, S_FREE);

@@ -642,9 +642,10 @@ impl AllocationsWriter<'_> {
         let w2 = self.node_word(node, 2).load(Ordering::Relaxed);
         let w3 = self.node_word(node, 3).load(Ordering::Relaxed);
         let size = w2 & SIZE_MASK;
-        self.write_node(node, 0, 0, 0, 0);
         if !cache.push(node) {
             self.give_back_node(node);
+        } else {
+            self.empty_node(node);
         }
         self.line_add(line, L_FREES, 1);
         self.line_add(line, L_FREED_BYTES, size);
