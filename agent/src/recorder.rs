@@ -290,6 +290,10 @@ fn init(role: Role) -> Option<&'static Writers> {
             config.unwind.code()
         });
         alloc.set_sample_rate(config.sample_rate);
+        alloc.set_agent_kind(match role {
+            Role::Preload => heapdump_table::header::AgentKind::Preload,
+            Role::GlobalAlloc => heapdump_table::header::AgentKind::RustAgent,
+        });
         crate::sampling::configure(config.sample_rate, config.sample_seed);
         (*WRITERS.0.get()).write(Writers {
             resources,

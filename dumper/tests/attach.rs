@@ -292,17 +292,26 @@ fn attaching_twice_is_refused_and_changes_nothing() {
 
 #[test]
 fn a_process_started_under_the_agent_is_not_attached_again() {
-    let mut cmd = Command::new(compile_c("attach_target"));
-    cmd.env("LD_PRELOAD", preload_lib());
-    let t = Target::spawn(cmd);
-    let out = attach(t.pid(), &[]);
-    assert!(!out.status.success());
-    assert!(
-        stderr(&out).contains("started under the agent"),
-        "{}",
-        stderr(&out)
-    );
-    quit_without_eintr(t);
+    // Under the library's usual name, and under another (a distribution's
+    // package): the agent says which it is, so the second is not taken
+    // for the Rust agent.
+    let dir = TempDir::new("attach-renamed");
+    let renamed = dir.path("agent-renamed.so");
+    std::fs::copy(preload_lib(), &renamed).unwrap();
+    for lib in [preload_lib(), renamed] {
+        let mut cmd = Command::new(compile_c("attach_target"));
+        cmd.env("LD_PRELOAD", &lib);
+        let t = Target::spawn(cmd);
+        let out = attach(t.pid(), &[]);
+        assert!(!out.status.success());
+        assert!(
+            stderr(&out).contains("started under the agent"),
+            "{}: {}",
+            lib.display(),
+            stderr(&out)
+        );
+        quit_without_eintr(t);
+    }
 }
 
 #[test]

@@ -36,7 +36,8 @@ pub const FORMAT_MAJOR: u16 = 1;
 /// place of its counter blocks (a 1.5 reader marks their sums partial and
 /// leaves them out of the cumulative counts), and later the
 /// `offsets::BATCHING_THREADS` word (0 from an older agent: readers then
-/// count every thread).
+/// count every thread) and the `offsets::AGENT_KIND` word (0 from an
+/// older agent: readers then tell by the process's mappings).
 pub const FORMAT_MINOR: u16 = 6;
 /// Bytes reserved for the header at the start of every region.
 pub const HEADER_SIZE: u64 = 4096;
@@ -161,6 +162,10 @@ pub mod offsets {
     /// thread (see [`read_batching_threads`]). 0: not recorded (an agent
     /// before this word). Format 1.6, added later.
     pub const BATCHING_THREADS: u64 = 584;
+    /// Which agent writes the regions ([`super::AgentKind`] as a number;
+    /// 0: not recorded, an agent before this word). Written once at start.
+    /// Format 1.6, added later.
+    pub const AGENT_KIND: u64 = 592;
     /// First kind-specific dynamic word.
     pub const KIND_WORDS: u64 = 1024;
 }
@@ -313,6 +318,34 @@ pub fn read_attach(view: &SharedView) -> AttachWords {
         allocator_heap: HeapSource::from_code(w(offsets::ALLOCATOR_HEAP_SOURCE))
             .map(|s| (s, w(offsets::ALLOCATOR_HEAP))),
         allocator_heap_at: w(offsets::ALLOCATOR_HEAP_AT),
+    }
+}
+
+/// Which agent writes a process's regions (`offsets::AGENT_KIND`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AgentKind {
+    /// The preload library (`LD_PRELOAD` under any name, an
+    /// `/etc/ld.so.preload` entry, or loaded by `heapdump attach`).
+    Preload = 1,
+    /// The Rust `heapdump_agent::Agent` global allocator.
+    RustAgent = 2,
+}
+
+impl AgentKind {
+    /// The word's value.
+    pub fn code(self) -> u64 {
+        self as u64
+    }
+}
+
+/// [`offsets::AGENT_KIND`]: the agent that said which it is (`None`: an
+/// agent before the word, or a value this reader does not know; any value
+/// is safe to read).
+pub fn read_agent_kind(view: &SharedView) -> Option<AgentKind> {
+    match view.load_u64(offsets::AGENT_KIND)? {
+        1 => Some(AgentKind::Preload),
+        2 => Some(AgentKind::RustAgent),
+        _ => None,
     }
 }
 

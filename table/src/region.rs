@@ -215,6 +215,13 @@ impl RegionWriter {
         }
     }
 
+    /// Records which agent writes the region (`offsets::AGENT_KIND`).
+    pub fn set_agent_kind(&self, kind: crate::header::AgentKind) {
+        if let Some(w) = self.view.atomic_u64(crate::header::offsets::AGENT_KIND) {
+            w.store(kind.code(), std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
     /// Records the sample rate (`offsets::SAMPLE_RATE`; 0: exact mode).
     pub fn set_sample_rate(&self, rate: u64) {
         if let Some(w) = self.view.atomic_u64(crate::header::offsets::SAMPLE_RATE) {

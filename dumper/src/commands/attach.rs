@@ -77,12 +77,21 @@ enum AgentState {
 }
 
 fn agent_state(pid: u32) -> AgentState {
-    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap_or_default();
-    let has_lib = maps.contains("libheapdump_preload");
     match crate::process::discovery::open_target(pid) {
         Ok(t) => {
-            let w = heapdump_table::header::read_attach(&t.allocations.view());
-            match (has_lib, w.attached_at != 0, w.detached_at != 0) {
+            let view = t.allocations.view();
+            let w = heapdump_table::header::read_attach(&view);
+            // The agent says which it is; one from before that word is
+            // told by the library's usual name in the process's mappings
+            // (a renamed preload library then reads as the Rust agent:
+            // refused either way).
+            let preload = match heapdump_table::header::read_agent_kind(&view) {
+                Some(kind) => kind == heapdump_table::header::AgentKind::Preload,
+                None => std::fs::read_to_string(format!("/proc/{pid}/maps"))
+                    .unwrap_or_default()
+                    .contains("libheapdump_preload"),
+            };
+            match (preload, w.attached_at != 0, w.detached_at != 0) {
                 (false, _, _) => AgentState::RustAgent,
                 (true, false, _) => AgentState::Preloaded,
                 (true, true, false) => AgentState::Attached,
