@@ -143,8 +143,7 @@ impl Entry {
         let mut diff = 0;
         // Whole groups of four: `finish` pads an entry's words to a
         // multiple of four (the loop then has no remainder to run).
-        let n = (self.len as usize).min(SHORTCUT_WORDS);
-        for g in self.words[..n].chunks_exact(4) {
+        for g in self.words.chunks_exact(4).take(usize::from(self.len) / 4) {
             // SAFETY: each `at` is 8-aligned and lies in `[sp, top]`
             // (see `ShortcutFill::word`): readable by the caller's
             // guarantee. Volatile: nothing may be assumed of the words.
