@@ -257,15 +257,12 @@ impl Shortcuts {
         }
     }
 
-    /// The frame count and hash of the walk from state (`pc`, `sp`,
-    /// `rbp`) with `top` and rules of `generation`, if an entry holds that
-    /// walk and every word it depends on is unchanged ([`Self::answer`]
-    /// without the hint).
+    /// [`Self::answer`]'s frame count and hash (the tests' form).
     ///
     /// # Safety
     /// As for [`Self::answer`].
-    #[inline(always)]
-    pub unsafe fn find(
+    #[cfg(test)]
+    unsafe fn find(
         &mut self,
         pc: u64,
         sp: usize,

@@ -92,6 +92,9 @@ const COUNTERS_HEADER: u64 = 32;
 const COUNTER_SLOT: u64 = 24;
 /// Slots in a counter, peak or stack-cache block (a power of two).
 pub const COUNTER_SLOTS: u64 = 1024;
+// Slot numbers travel as u16 hints, `u16::MAX` meaning none
+// (`ResourcesWriter::cache_find_hinted`).
+const _: () = assert!(COUNTER_SLOTS < u16::MAX as u64);
 /// Longest probe for a stack's slot in a peak block.
 const COUNTER_PROBE: u64 = 8;
 
@@ -592,6 +595,13 @@ impl<'a> ResourcesWriter<'a> {
     /// calling thread's), if it holds them. `hash` is not 0.
     #[inline(always)]
     pub fn cache_find(&self, cache: StackCache, hash: u64) -> Option<(CacheSlot, ResourceKey)> {
+        let (i, key) = self.cache_scan(cache, hash)?;
+        Some((Self::slot_at(cache, i), ResourceKey(key)))
+    }
+
+    /// The slot number and key of trace `hash` in its set of `cache`.
+    #[inline(always)]
+    fn cache_scan(&self, cache: StackCache, hash: u64) -> Option<(u64, u64)> {
         let set = Self::cache_set(hash);
         for way in 0..CACHE_WAYS {
             let i = set + way;
@@ -600,7 +610,7 @@ impl<'a> ResourcesWriter<'a> {
             if self.cache_word(cache, i, C_HASH).load(Ordering::Relaxed) == hash {
                 let key = self.cache_word(cache, i, C_KEY).load(Ordering::Relaxed);
                 if key != 0 {
-                    return Some((Self::slot_at(cache, i), ResourceKey(key)));
+                    return Some((i, key));
                 }
             }
         }
@@ -621,24 +631,15 @@ impl<'a> ResourcesWriter<'a> {
         hint: u16,
     ) -> Option<(CacheSlot, ResourceKey, u16)> {
         let i = u64::from(hint);
+        // Relaxed: as in `cache_scan`.
         if i < COUNTER_SLOTS && self.cache_word(cache, i, C_HASH).load(Ordering::Relaxed) == hash {
-            // Relaxed: as in `cache_find`.
             let key = self.cache_word(cache, i, C_KEY).load(Ordering::Relaxed);
             if key != 0 {
                 return Some((Self::slot_at(cache, i), ResourceKey(key), hint));
             }
         }
-        let set = Self::cache_set(hash);
-        for way in 0..CACHE_WAYS {
-            let i = set + way;
-            if self.cache_word(cache, i, C_HASH).load(Ordering::Relaxed) == hash {
-                let key = self.cache_word(cache, i, C_KEY).load(Ordering::Relaxed);
-                if key != 0 {
-                    return Some((Self::slot_at(cache, i), ResourceKey(key), i as u16));
-                }
-            }
-        }
-        None
+        let (i, key) = self.cache_scan(cache, hash)?;
+        Some((Self::slot_at(cache, i), ResourceKey(key), i as u16))
     }
 
     /// Slot `i` of `cache` (masked to the block's slots).
