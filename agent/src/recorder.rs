@@ -37,8 +37,8 @@
 //! [`on_free_deferred`] -> `remove_block`. Budget (DESIGN §6, issue 30):
 //! at most 350 instructions added per malloc+free pair at 4 frames, 700 on
 //! the churn, 3 L1 data misses; `bench/instructions --parts` counts them
-//! per part (session 27, 2026-11-28: +743 and +1393 instructions, +4.4
-//! and +7.9 misses, +618 on a young block's pair, +635 on a C++ one: far
+//! per part (session 27, 2026-11-28: +751 and +1401 instructions, +4.4
+//! and +8.0 misses, +623 on a young block's pair, +634 on a C++ one: far
 //! over; see docs/benchmarks.md), and CI fails when they grow past
 //! `bench/instructions-budget.json`.
 
