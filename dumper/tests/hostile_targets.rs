@@ -838,7 +838,8 @@ fn links_in_a_containers_root_resolve_inside_it_never_on_the_host() {
 }
 
 #[test]
-fn frames_without_lines_print_their_offset_and_jit_code_is_named_from_the_perf_map() {
+fn frames_without_lines_print_their_offset_and_jit_code_is_named_only_from_the_targets_own_perf_map(
+) {
     if !root_here("sites") {
         return;
     }
@@ -889,7 +890,40 @@ fn frames_without_lines_print_their_offset_and_jit_code_is_named_from_the_perf_m
         10,
         "{text}"
     );
-    let _ = std::fs::remove_file(format!("/tmp/perf-{pid}.map"));
+    // The target swaps its map for a link to a file of root's that names
+    // its code: root must not read it (the map is only the target's own
+    // file, reached by no link).
+    let secret = t.path("root-only.map");
+    target.send(&format!("jitlink {}", secret.display()));
+    let linked = target.wait_line("linked ");
+    let mut place = linked.split_whitespace().skip(1);
+    let (addr, size) = (place.next().unwrap(), place.next().unwrap());
+    std::fs::write(&secret, format!("{addr} {size} RootOnly:secret\n")).unwrap();
+    std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let map = PathBuf::from(format!("/tmp/perf-{pid}.map"));
+    let names_it = |name: &str| {
+        ok(&bounded(&["snapshot", &pid.to_string(), "-o", &json]));
+        live_blocks_through(&read_json(Path::new(&json)), name)
+    };
+    assert_eq!(
+        names_it("RootOnly:secret"),
+        0,
+        "root read the file a target's link led to"
+    );
+    // Another user's file in its place (put there before the target wrote
+    // its own): not read either.
+    std::fs::remove_file(&map).unwrap();
+    std::fs::write(&map, format!("{addr} {size} OtherUser:planted\n")).unwrap();
+    std::os::unix::fs::chown(&map, Some(NOBODY + 1), None).unwrap();
+    assert_eq!(
+        names_it("OtherUser:planted"),
+        0,
+        "root read a map another user put in /tmp"
+    );
+    // The same file as the target's own: read (the addresses were right).
+    std::os::unix::fs::chown(&map, Some(NOBODY), None).unwrap();
+    assert_eq!(names_it("OtherUser:planted"), 10);
+    let _ = std::fs::remove_file(&map);
     target.send("quit");
 }
 

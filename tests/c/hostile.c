@@ -16,6 +16,10 @@
  *                         mapping) calls malloc(4242) 10 times, named in
  *                         /tmp/perf-PID.map as a JIT runtime names it;
  *                         "jitted"
+ *   "jitlink PATH"     -> more such code calls malloc(4343) 10 times; its
+ *                         /tmp/perf-PID.map is replaced by a symbolic link
+ *                         to PATH; "linked ADDR SIZE" (the code's place,
+ *                         hex)
  *   "wrapped"          -> site_wrapped_a and site_wrapped_b each allocate 7
  *                         blocks through the program's own wrapper
  *                         xmalloc_checked (as redis's zmalloc); "wrapped"
@@ -35,6 +39,21 @@
 
 void *kept[1000];
 int used;
+
+/* Code written at run time into an anonymous executable mapping: push rbp;
+ * mov rbp, rsp; movabs rax, malloc; call rax; pop rbp; ret: a frame like a
+ * JIT's, with a frame pointer. */
+static unsigned char *jit_code(size_t *len) {
+    unsigned char t[] = {0x55, 0x48, 0x89, 0xe5, 0x48, 0xb8, 0, 0, 0, 0, 0, 0, 0, 0,
+                         0xff, 0xd0, 0x5d, 0xc3};
+    void *(*m)(size_t) = malloc;
+    memcpy(t + 6, &m, 8);
+    unsigned char *code = mmap(NULL, 4096, PROT_READ | PROT_WRITE | PROT_EXEC,
+                               MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    memcpy(code, t, sizeof t);
+    *len = sizeof t;
+    return code;
+}
 
 __attribute__((noinline)) void site_hostile(void) {
     for (int i = 0; i < 100 && used < 1000; i++) kept[used++] = malloc(300);
@@ -127,26 +146,31 @@ int main(void) {
             prctl(PR_SET_NAME, thread_name, 0, 0, 0);
             printf("named\n");
         } else if (!strcmp(line, "jit")) {
-            /* push rbp; mov rbp, rsp; movabs rax, malloc; call rax;
-             * pop rbp; ret: a frame like a JIT's, with a frame pointer. */
-            unsigned char t[] = {0x55, 0x48, 0x89, 0xe5, 0x48, 0xb8, 0, 0, 0, 0, 0, 0, 0, 0,
-                                 0xff, 0xd0, 0x5d, 0xc3};
-            void *(*m)(size_t) = malloc;
-            memcpy(t + 6, &m, 8);
-            unsigned char *code = mmap(NULL, 4096, PROT_READ | PROT_WRITE | PROT_EXEC,
-                                       MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-            memcpy(code, t, sizeof t);
+            size_t len;
+            unsigned char *code = jit_code(&len);
             char path[64];
             snprintf(path, sizeof path, "/tmp/perf-%d.map", (int)getpid());
             FILE *f = fopen(path, "w");
             if (f) {
                 fprintf(f, "%lx %zx LazyCompile:*jsAllocate app.js:12\n", (unsigned long)code,
-                        sizeof t);
+                        len);
                 fclose(f);
             }
             void *(*jitted)(size_t) = (void *(*)(size_t))code;
             for (int i = 0; i < 10 && used < 1000; i++) kept[used++] = jitted(4242);
             printf("jitted\n");
+        } else if (!strncmp(line, "jitlink ", 8)) {
+            size_t len;
+            unsigned char *code = jit_code(&len);
+            void *(*jitted)(size_t) = (void *(*)(size_t))code;
+            for (int i = 0; i < 10 && used < 1000; i++) kept[used++] = jitted(4343);
+            char path[64];
+            snprintf(path, sizeof path, "/tmp/perf-%d.map", (int)getpid());
+            unlink(path);
+            if (symlink(line + 8, path) == 0)
+                printf("linked %lx %zx\n", (unsigned long)code, len);
+            else
+                printf("symlink failed\n");
         } else if (!strcmp(line, "wrapped")) {
             site_wrapped_a();
             site_wrapped_b();

@@ -118,6 +118,28 @@ fn parse_namespace_pid(status: &str) -> Option<u32> {
         .ok()
 }
 
+/// The user ids of `pid` (real, effective, saved and file-system: the
+/// `Uid:` line of `/proc/PID/status`), the owners a file the process
+/// wrote can have; `None` where unreadable.
+pub fn process_uids(pid: u32) -> Option<[u32; 4]> {
+    let status = fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    parse_uids(&status)
+}
+
+/// The four ids of the `Uid:` line of a `/proc/PID/status` text.
+fn parse_uids(status: &str) -> Option<[u32; 4]> {
+    let mut ids = status
+        .lines()
+        .find_map(|l| l.strip_prefix("Uid:"))?
+        .split_whitespace()
+        .map(|v| v.parse::<u32>().ok());
+    let mut out = [0u32; 4];
+    for slot in &mut out {
+        *slot = ids.next()??;
+    }
+    Some(out)
+}
+
 /// Start time of `pid` (field 22 of `/proc/PID/stat`), if it runs.
 pub fn start_time(pid: u32) -> Option<u64> {
     stat_start_time(&fs::read_to_string(format!("/proc/{pid}/stat")).ok()?)
@@ -613,6 +635,15 @@ mod tests {
         assert_eq!(parse_namespace_pid("Name:\tx\nNSpid:\t77\n"), Some(77));
         assert_eq!(parse_namespace_pid("Name:\tx\nPid:\t77\n"), None);
         assert_eq!(parse_namespace_pid("NSpid:\t\n"), None);
+    }
+
+    #[test]
+    fn the_uids_are_the_four_of_the_uid_line() {
+        let status = "Name:\tjava\nUmask:\t0022\nUid:\t1000\t1001\t1002\t1003\nGid:\t5\t5\t5\t5\n";
+        assert_eq!(parse_uids(status), Some([1000, 1001, 1002, 1003]));
+        assert_eq!(parse_uids("Uid:\t0\t0\t0\n"), None);
+        assert_eq!(parse_uids("Uid:\t0\tx\t0\t0\n"), None);
+        assert_eq!(parse_uids("Name:\tx\n"), None);
     }
 
     use super::*;

@@ -252,6 +252,26 @@ impl TargetRoot {
         reopen_regular(self.resolve(path, false)?, path)
     }
 
+    /// Opens `path`, resolved inside this root with no symbolic link
+    /// anywhere in it, for reading if it is a regular file owned by one of
+    /// `owners`: for a file the target writes in a directory others can
+    /// write too (`/tmp/perf-PID.map`), where a link or another user's file
+    /// put in its place must not be what root reads.
+    pub fn open_owned(&self, path: &Path, owners: &[u32]) -> io::Result<File> {
+        let opath = self.resolve(path, true)?;
+        let owner = fstat(&opath)?.st_uid;
+        if !owners.contains(&owner) {
+            return Err(io::Error::new(
+                io::ErrorKind::PermissionDenied,
+                format!(
+                    "{} belongs to uid {owner}, not to the process: not opened",
+                    path.display()
+                ),
+            ));
+        }
+        reopen_regular(opath, path)
+    }
+
     /// Whether `path` inside this root is a regular file (resolved as
     /// [`open`](Self::open) would, without opening it).
     pub fn is_file(&self, path: &Path) -> bool {
@@ -497,6 +517,38 @@ mod tests {
         assert!(root.walk_without_links(Path::new("/app/link")).is_err());
         assert!(root.walk_without_links(Path::new("/etc/hostname")).is_ok());
         assert!(root.walk_without_links(Path::new("/app/../etc")).is_err());
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn owned_opens_take_only_the_owners_file_with_no_link_on_the_way() {
+        let d = scratch("owned");
+        std::fs::create_dir_all(d.join("tmp")).unwrap();
+        std::fs::write(d.join("tmp/perf-7.map"), b"1000 10 name\n").unwrap();
+        std::fs::write(d.join("secret"), b"2000 10 secret\n").unwrap();
+        symlink("/secret", d.join("tmp/perf-8.map")).unwrap();
+        let root = TargetRoot::open_dir(&d).unwrap();
+        // SAFETY: geteuid has no preconditions.
+        let me = unsafe { libc::geteuid() };
+        let other = me.wrapping_add(1);
+        let f = root
+            .open_owned(Path::new("/tmp/perf-7.map"), &[other, me])
+            .unwrap();
+        assert_eq!(
+            read_capped(&f, 1 << 20, Path::new("x")).unwrap(),
+            b"1000 10 name\n"
+        );
+        // Another user's file in its place: refused.
+        let e = root
+            .open_owned(Path::new("/tmp/perf-7.map"), &[other])
+            .unwrap_err();
+        assert!(e.to_string().contains("belongs to uid"), "{e}");
+        // A link to a file that is the owner's own: refused all the same
+        // (`open` follows it).
+        assert!(root.open(Path::new("/tmp/perf-8.map")).is_ok());
+        assert!(root
+            .open_owned(Path::new("/tmp/perf-8.map"), &[me])
+            .is_err());
         std::fs::remove_dir_all(&d).unwrap();
     }
 

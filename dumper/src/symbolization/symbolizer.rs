@@ -525,15 +525,24 @@ impl Symbolizer {
     /// Reads the perf map of process `pid` (`/tmp/perf-PID.map` inside its
     /// root, PID as the process sees itself), naming the code its runtime
     /// compiled; forgets any earlier one. A missing map names nothing.
+    ///
+    /// `/tmp` is everyone's: the map is read only when no symbolic link
+    /// leads to it and it belongs to one of the process's own user ids
+    /// (as perf takes only its user's maps), so neither the target (a link
+    /// to a file of root's) nor another user (a file of theirs put there
+    /// first) decides what root reads.
     pub fn use_perf_map(&mut self, pid: u32) {
         self.jit.clear();
         let own_pid = crate::process::discovery::namespace_pid(pid).unwrap_or(pid);
+        let Some(owners) = crate::process::discovery::process_uids(pid) else {
+            return;
+        };
         let Ok(root) = TargetRoot::of_process(pid) else {
             return;
         };
         let path = PathBuf::from(format!("/tmp/perf-{own_pid}.map"));
         let Some(bytes) = root
-            .open(&path)
+            .open_owned(&path, &owners)
             .ok()
             .and_then(|f| target_files::read_capped(&f, MAX_PERF_MAP, &path).ok())
         else {
