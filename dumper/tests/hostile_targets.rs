@@ -927,6 +927,104 @@ fn frames_without_lines_print_their_offset_and_jit_code_is_named_only_from_the_t
     target.send("quit");
 }
 
+/// A FUSE mount served by `tests/c/fuse_stall.c`; the server killed and
+/// the mount lazily unmounted when dropped (a failed test included), which
+/// also ends any request of root's it was leaving unanswered.
+struct StallingMount {
+    server: std::process::Child,
+    point: PathBuf,
+}
+
+impl Drop for StallingMount {
+    fn drop(&mut self) {
+        let _ = self.server.kill();
+        let _ = self.server.wait();
+        let _ = Command::new("umount").arg("-l").arg(&self.point).status();
+    }
+}
+
+#[test]
+fn a_library_on_a_fuse_mount_whose_server_stalls_root_is_not_read() {
+    if !root_here("fuse") || !real_dependency("FUSE (/dev/fuse)", Path::new("/dev/fuse").exists()) {
+        return;
+    }
+    // A user allowed to mount FUSE with allow_other serves their own
+    // process's library and leaves every request of root's unanswered:
+    // once taken, such a request keeps root's process in uninterruptible
+    // sleep (not even SIGKILL ends it) until the server dies.
+    let t = TempDir::new("hostile-fuse");
+    let d = nobody_dir(&t, "src");
+    let src = t.path("two.c");
+    std::fs::write(
+        &src,
+        "#include <stdlib.h>\nvoid *keep[20];\n\
+         void plugin_alloc(int n) { (void)n;\n\
+         for (int i = 0; i < 5; i++) keep[i] = malloc(1111);\n\
+         for (int i = 0; i < 5; i++) keep[5 + i] = malloc(2222); }\n",
+    )
+    .unwrap();
+    let lib = d.join("libtwo.so");
+    cc(Command::new("cc")
+        .args(["-O0", "-fno-omit-frame-pointer", "-shared", "-fPIC", "-o"])
+        .arg(&lib)
+        .arg(&src));
+    let point = nobody_dir(&t, "mnt");
+    let mut server = Command::new(compile_c("fuse_stall"))
+        .arg(&point)
+        .arg(&lib)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("start the FUSE server");
+    let stdout = server.stdout.take().unwrap();
+    let mount = StallingMount {
+        server,
+        point: point.clone(),
+    };
+    let mut first = String::new();
+    std::io::BufRead::read_line(&mut std::io::BufReader::new(stdout), &mut first).unwrap();
+    if !real_dependency("a FUSE mount (mount(2) of fuse)", first.trim() == "mounted") {
+        return;
+    }
+    let served = point.join("libtwo.so");
+    let mut target = Target::spawn(as_nobody_recorded(&compile_c("hostile")));
+    target.send(&format!("plugin {}", served.display()));
+    assert_eq!(target.wait_line(""), "loaded");
+    let pid = target.pid().to_string();
+    // Before: heapdump stat-ed and opened the library through
+    // /proc/PID/map_files and hung there, unkillable.
+    let json = t.str("s.json");
+    ok(&bounded(&["snapshot", &pid, "-o", &json]));
+    let j = read_json(Path::new(&json));
+    let through_the_library: u64 = j["sites"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|s| {
+            s["frames"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|f| f["module"].as_str() == served.to_str() && f["function"].is_null())
+        })
+        .map(|s| s["live_blocks"].as_u64().unwrap())
+        .sum();
+    assert_eq!(
+        through_the_library, 10,
+        "the plugin's 10 blocks, at its unread library's addresses: {j}"
+    );
+    let notes = j["notes"].to_string();
+    assert!(
+        notes.contains("fuse.fuse_stall") && notes.contains("libtwo.so"),
+        "the snapshot says why the library was not read: {notes}"
+    );
+    // The text report and attach's checks go through the same files.
+    let text = ok(&bounded(&["snapshot", &pid]));
+    assert!(text.contains("fuse.fuse_stall"), "{text}");
+    target.send("quit");
+    drop(mount);
+}
+
 #[test]
 fn sites_are_named_past_the_programs_own_allocation_wrapper() {
     if !root_here("wrappers") {

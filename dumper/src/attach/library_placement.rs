@@ -227,7 +227,11 @@ fn write_file(dir: &OwnedFd, name: &str, bytes: &[u8]) -> Result<()> {
 /// the module's rules).
 pub fn place(pid: u32, lib: &Path) -> Result<Placement> {
     let lib = lib.canonicalize().unwrap_or_else(|_| lib.to_path_buf());
-    let own = target_files::open_regular(&lib).with_context(|| format!("{}", lib.display()))?;
+    let own = target_files::open_regular(
+        &lib,
+        &crate::process::user_space_mounts::UserSpaceMounts::none(),
+    )
+    .with_context(|| format!("{}", lib.display()))?;
     let ours = target_files::fstat(&own)?;
     let root = match TargetRoot::of_process(pid) {
         Ok(r) => r,

@@ -460,6 +460,7 @@ pub fn open_target(pid: u32) -> Result<Target, DiscoveryError> {
     // The pid the agent wrote: the host's, or the container's (see the
     // module doc).
     let inner = namespace_pid(pid).unwrap_or(pid);
+    let mounts = super::user_space_mounts::UserSpaceMounts::of_process(pid);
     let own = |r: &RegionReader| r.header().writer_pid == pid || r.header().writer_pid == inner;
     // Of two own candidates, the one made later (the other was inherited).
     let later = |slot: &mut Option<RegionReader>, r: RegionReader| {
@@ -474,7 +475,7 @@ pub fn open_target(pid: u32) -> Result<Target, DiscoveryError> {
         // The target can swap another file (a FIFO, a device) onto the
         // descriptor number between readlink and open: only a regular file
         // is opened, and never waited on.
-        let opened = super::target_files::open_regular(&source.path)
+        let opened = super::target_files::open_regular(&source.path, &mounts)
             .map_err(|source| TableError::Io {
                 what: "open region",
                 source,

@@ -6,4 +6,5 @@ pub mod age;
 pub mod discovery;
 pub mod snapshot;
 pub mod target_files;
+pub mod user_space_mounts;
 pub mod visibility;

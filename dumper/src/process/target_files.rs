@@ -39,6 +39,8 @@ use std::path::{Component, Path};
 
 use object::read::{ReadCache, ReadCacheOps, ReadRef};
 
+use super::user_space_mounts::UserSpaceMounts;
+
 /// Most bytes read from one file of a target (its sections, symbol
 /// tables, debug information), unless `HEAPDUMP_MAX_FILE_READ` (bytes)
 /// says otherwise. Distributions' largest debug files (a browser's) are
@@ -136,28 +138,43 @@ fn reopen_regular(opath: OwnedFd, shown: &Path) -> io::Result<File> {
 /// Opens `path` (a path of heapdump's own, such as a magic link under
 /// `/proc/PID/`) for reading only if it is a regular file, with no side
 /// effect on anything else: a FIFO swapped in by the target is refused,
-/// not waited on.
-pub fn open_regular(path: &Path) -> io::Result<File> {
-    reopen_regular(open_path(path)?, path)
+/// not waited on, and so is a file on one of the user-space file systems
+/// `mounts` (checked before any request could reach its server).
+pub fn open_regular(path: &Path, mounts: &UserSpaceMounts) -> io::Result<File> {
+    let opath = open_path(path)?;
+    mounts.check_fd(&opath, path)?;
+    reopen_regular(opath, path)
 }
 
-/// The root directory a target's names are resolved in.
+/// The root directory a target's names are resolved in, with the
+/// user-space file systems mounted there (never entered, see
+/// [`UserSpaceMounts`]).
 #[derive(Debug)]
 pub struct TargetRoot {
     fd: OwnedFd,
+    mounts: UserSpaceMounts,
 }
 
 impl TargetRoot {
     /// The root of process `pid` (`/proc/PID/root`), held open: it stays
     /// usable after the process exits.
     pub fn of_process(pid: u32) -> io::Result<TargetRoot> {
-        Self::open_dir(Path::new(&format!("/proc/{pid}/root")))
+        let mut root = Self::open_dir(Path::new(&format!("/proc/{pid}/root")))?;
+        root.mounts = UserSpaceMounts::of_process(pid);
+        Ok(root)
     }
 
     /// heapdump's own root (files named by the user, or a snapshot
     /// symbolized later, elsewhere): the same rules on what is opened.
     pub fn own() -> io::Result<TargetRoot> {
-        Self::open_dir(Path::new("/"))
+        let mut root = Self::open_dir(Path::new("/"))?;
+        root.mounts = UserSpaceMounts::own();
+        Ok(root)
+    }
+
+    /// The user-space file systems mounted in this root.
+    pub fn mounts(&self) -> &UserSpaceMounts {
+        &self.mounts
     }
 
     fn open_dir(path: &Path) -> io::Result<TargetRoot> {
@@ -169,12 +186,24 @@ impl TargetRoot {
                 libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC,
             )
         })?;
-        Ok(TargetRoot { fd })
+        Ok(TargetRoot {
+            fd,
+            mounts: UserSpaceMounts::none(),
+        })
     }
 
     /// An `O_PATH` descriptor of `path` resolved inside this root
-    /// (symbolic links followed inside it, unless `no_symlinks`).
+    /// (symbolic links followed inside it, unless `no_symlinks` or a
+    /// user-space file system is mounted in it), never on nor through a
+    /// user-space file system.
     pub fn resolve(&self, path: &Path, no_symlinks: bool) -> io::Result<OwnedFd> {
+        self.mounts.check_path(path)?;
+        let fd = self.resolve_unchecked(path, no_symlinks || self.mounts.strict())?;
+        self.mounts.check_fd(&fd, path)?;
+        Ok(fd)
+    }
+
+    fn resolve_unchecked(&self, path: &Path, no_symlinks: bool) -> io::Result<OwnedFd> {
         let mut resolve = libc::RESOLVE_IN_ROOT | libc::RESOLVE_NO_MAGICLINKS;
         if no_symlinks {
             resolve |= libc::RESOLVE_NO_SYMLINKS;
@@ -487,7 +516,7 @@ mod tests {
         assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
         // Opening a FIFO for reading with no writer would block for ever;
         // here it is refused at once.
-        let e = open_regular(&fifo).unwrap_err();
+        let e = open_regular(&fifo, &UserSpaceMounts::none()).unwrap_err();
         assert!(e.to_string().contains("a FIFO"), "{e}");
         let root = TargetRoot::own().unwrap();
         assert!(root.open(&fifo).is_err());
@@ -560,7 +589,8 @@ mod tests {
         // 64 GiB of holes: reading it would cost 64 GiB.
         f.set_len(64 << 30).unwrap();
         drop(f);
-        let bf = BoundedFile::new(open_regular(&p).unwrap(), 1 << 20).unwrap();
+        let bf =
+            BoundedFile::new(open_regular(&p, &UserSpaceMounts::none()).unwrap(), 1 << 20).unwrap();
         assert_eq!(bf.len(), 64 << 30);
         assert!((&bf).read_bytes_at(0, 32 << 30).is_err());
         assert_eq!((&bf).read_bytes_at(0, 4096).unwrap().len(), 4096);
@@ -570,7 +600,7 @@ mod tests {
         }
         assert!((&bf).read_bytes_at(4096, 1 << 20).is_err());
         assert!((&bf).read_bytes_at(u64::MAX - 1, 2).is_err());
-        let f = open_regular(&p).unwrap();
+        let f = open_regular(&p, &UserSpaceMounts::none()).unwrap();
         assert!(read_capped(&f, 1 << 20, &p).is_err());
         std::fs::remove_dir_all(&d).unwrap();
     }
@@ -580,7 +610,8 @@ mod tests {
         let d = scratch("trunc");
         let p = d.join("lib.so");
         std::fs::write(&p, vec![7u8; 1 << 16]).unwrap();
-        let bf = BoundedFile::new(open_regular(&p).unwrap(), 1 << 30).unwrap();
+        let bf =
+            BoundedFile::new(open_regular(&p, &UserSpaceMounts::none()).unwrap(), 1 << 30).unwrap();
         File::options()
             .write(true)
             .open(&p)

@@ -23,6 +23,7 @@ use std::path::{Path, PathBuf};
 use object::read::elf::{Dyn, ElfFile64, FileHeader, ProgramHeader};
 
 use super::target_files::{self, BoundedFile};
+use super::user_space_mounts::UserSpaceMounts;
 use object::{Object, ObjectSymbol};
 
 /// One reason the agent may miss a program's allocations.
@@ -94,16 +95,16 @@ const ALLOCATOR_SYMBOLS: &[(&str, &str)] = &[
 /// Inspects the executable at `path` (and, for jemalloc, the libraries it
 /// needs, found as the dynamic linker would in the usual places).
 pub fn inspect_program(path: &Path) -> ProgramInfo {
-    inspect_elf(path, true)
+    inspect_elf(path, true, &UserSpaceMounts::none())
 }
 
 /// Inspects the executable at `path`; follows its `DT_NEEDED` libraries
 /// (in heapdump's own root) only when `follow_needed` (a program about to
 /// be started, not a running target, whose mapped libraries say more and
 /// whose search paths are its own to choose).
-fn inspect_elf(path: &Path, follow_needed: bool) -> ProgramInfo {
+fn inspect_elf(path: &Path, follow_needed: bool, mounts: &UserSpaceMounts) -> ProgramInfo {
     let mut info = ProgramInfo::default();
-    let Some(data) = map_file(path) else {
+    let Some(data) = map_file(path, mounts) else {
         return info;
     };
     let Ok(elf) = ElfFile64::<object::Endianness, _>::parse(&data) else {
@@ -151,7 +152,7 @@ fn inspect_elf(path: &Path, follow_needed: bool) -> ProgramInfo {
 /// mapped, and its `LD_PRELOAD`.
 pub fn inspect_process(pid: u32) -> ProgramInfo {
     let exe = PathBuf::from(format!("/proc/{pid}/exe"));
-    let mut info = inspect_elf(&exe, false);
+    let mut info = inspect_elf(&exe, false, &UserSpaceMounts::of_process(pid));
     if let Ok(maps) = std::fs::read_to_string(format!("/proc/{pid}/maps")) {
         info.links_jemalloc = maps.lines().any(|l| l.contains("/libjemalloc.so"));
     }
@@ -219,7 +220,7 @@ fn needs_library(path: &Path, data: &BoundedFile, prefix: &str) -> bool {
                 continue;
             }
             if let Some(found) = find_library(&name, &search) {
-                if let Some(m) = map_file(&found) {
+                if let Some(m) = map_file(&found, &UserSpaceMounts::none()) {
                     queue.push((found, Some(m), depth + 1));
                 }
             }
@@ -290,8 +291,8 @@ fn find_library(name: &str, search: &[PathBuf]) -> Option<PathBuf> {
 /// demand into private memory within the read budget of a target's file:
 /// a target may truncate its executable while it is read, which a mapping
 /// would turn into SIGBUS.
-fn map_file(path: &Path) -> Option<BoundedFile> {
-    let f = target_files::open_regular(path).ok()?;
+fn map_file(path: &Path, mounts: &UserSpaceMounts) -> Option<BoundedFile> {
+    let f = target_files::open_regular(path, mounts).ok()?;
     BoundedFile::new(f, target_files::max_file_read()).ok()
 }
 

@@ -12,6 +12,7 @@ use object::Object;
 use serde::{Deserialize, Serialize};
 
 use crate::process::target_files::{self, BoundedFile, TargetRoot};
+use crate::process::user_space_mounts;
 
 /// One executable, file-backed mapping.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -69,8 +70,16 @@ impl LocalFile {
     /// Opens the file for reading (a regular file only).
     pub fn open(&self) -> io::Result<File> {
         if let Some(m) = &self.map_file {
-            if let Ok(f) = target_files::open_regular(m) {
-                return Ok(f);
+            match target_files::open_regular(m, self.root.mounts()) {
+                Ok(f) => return Ok(f),
+                // Its name leads to the same file system.
+                Err(e) if user_space_mounts::is_refusal(&e) => {
+                    return Err(match &self.path {
+                        Some(p) => user_space_mounts::naming(e, p),
+                        None => e,
+                    })
+                }
+                Err(_) => {}
             }
         }
         match &self.path {
@@ -252,12 +261,15 @@ fn local_file(
     root: Option<&Arc<TargetRoot>>,
     root_seen_at: Option<&Path>,
 ) -> Option<LocalFile> {
-    let map_file = PathBuf::from(format!("/proc/{pid}/map_files/{:x}-{:x}", m.start, m.end));
-    let map_file = target_files::open_regular(&map_file)
-        .is_ok()
-        .then_some(map_file);
-    let deleted = m.path.ends_with(" (deleted)");
     let root = root?.clone();
+    let map_file = PathBuf::from(format!("/proc/{pid}/map_files/{:x}-{:x}", m.start, m.end));
+    // Kept when refused for its file system: opening it again says why.
+    let map_file = match target_files::open_regular(&map_file, root.mounts()) {
+        Ok(_) => Some(map_file),
+        Err(e) if user_space_mounts::is_refusal(&e) => Some(map_file),
+        Err(_) => None,
+    };
+    let deleted = m.path.ends_with(" (deleted)");
     if deleted && map_file.is_none() {
         return None;
     }

@@ -45,6 +45,7 @@ use gimli::RunTimeEndian;
 use object::{Object, ObjectSection, ObjectSegment, ObjectSymbol};
 
 use crate::process::target_files::{self, BoundedFile, TargetRoot};
+use crate::process::user_space_mounts;
 use crate::symbolization::maps::{self, LocalFile, Mapping};
 
 /// The reader symbolization uses: sections copied out of the file.
@@ -346,6 +347,9 @@ pub struct Symbolizer {
     /// Code a runtime compiled (JIT), named by its perf map: (start,
     /// size, name), sorted by start.
     jit: Vec<(u64, u64, String)>,
+    /// Files not read for their file system (by [`LocalFile::key`]), with
+    /// the note that says so in each symbolization that needs them.
+    refused: HashMap<String, String>,
 }
 
 /// Largest perf map read (node's with `--perf-basic-prof` grows by a line
@@ -586,13 +590,34 @@ impl Symbolizer {
     /// The module of a mapping's file, opened and parsed on first use.
     fn module(&mut self, local: &LocalFile) -> Option<&Module> {
         let key = local.key();
-        let identity = match self.opened.get(&key) {
+        let identity = self.identity(local, key);
+        if let Some(note) = self.refused.get(&local.key()) {
+            if !self.notes.contains(note) {
+                self.notes.push(note.clone());
+            }
+        }
+        self.modules.get(&identity?)?.as_ref()
+    }
+
+    /// The identity of a mapping's file, opening and parsing it on first
+    /// use.
+    fn identity(&mut self, local: &LocalFile, key: String) -> Option<FileIdentity> {
+        Some(match self.opened.get(&key) {
             Some(id) => (*id)?,
             None => {
                 if self.past_deadline() {
                     return None;
                 }
-                let opened = local.open().ok();
+                let opened = match local.open() {
+                    Ok(f) => Some(f),
+                    Err(e) => {
+                        if user_space_mounts::is_refusal(&e) {
+                            self.refused
+                                .insert(key.clone(), format!("{e}: its frames are addresses"));
+                        }
+                        None
+                    }
+                };
                 let id = opened.as_ref().and_then(|f| {
                     let st = target_files::fstat(f).ok()?;
                     Some((st.st_dev, st.st_ino, st.st_size, st.st_ctime))
@@ -606,8 +631,7 @@ impl Symbolizer {
                 }
                 id
             }
-        };
-        self.modules.get(&identity)?.as_ref()
+        })
     }
 
     /// Opens (and caches) the file of every mapping now, so that addresses
