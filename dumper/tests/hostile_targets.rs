@@ -945,7 +945,7 @@ impl Drop for StallingMount {
 
 #[test]
 fn a_library_on_a_fuse_mount_whose_server_stalls_root_is_not_read() {
-    if !root_here("fuse") || !real_dependency("FUSE (/dev/fuse)", Path::new("/dev/fuse").exists()) {
+    if !root_here("fuse") {
         return;
     }
     // A user allowed to mount FUSE with allow_other serves their own
@@ -969,25 +969,13 @@ fn a_library_on_a_fuse_mount_whose_server_stalls_root_is_not_read() {
         .arg(&lib)
         .arg(&src));
     let point = nobody_dir(&t, "mnt");
-    let mut server = Command::new(compile_c("fuse_stall"))
-        .arg(&point)
-        .arg(&lib)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("start the FUSE server");
-    let stdout = server.stdout.take().unwrap();
-    let mount = StallingMount {
-        server,
-        point: point.clone(),
-    };
-    let mut first = String::new();
-    std::io::BufRead::read_line(&mut std::io::BufReader::new(stdout), &mut first).unwrap();
-    if !real_dependency("a FUSE mount (mount(2) of fuse)", first.trim() == "mounted") {
+    let Some(mount) = stalling_mount(&point, &lib) else {
         return;
-    }
+    };
     let served = point.join("libtwo.so");
     let mut target = Target::spawn(as_nobody_recorded(&compile_c("hostile")));
+    // Dropped before the target (declared after it).
+    let mount = mount;
     target.send(&format!("plugin {}", served.display()));
     assert_eq!(target.wait_line(""), "loaded");
     let pid = target.pid().to_string();
@@ -1021,6 +1009,73 @@ fn a_library_on_a_fuse_mount_whose_server_stalls_root_is_not_read() {
     // The text report and attach's checks go through the same files.
     let text = ok(&bounded(&["snapshot", &pid]));
     assert!(text.contains("fuse.fuse_stall"), "{text}");
+    target.send("quit");
+    drop(mount);
+}
+
+/// A FUSE mount of `tests/c/fuse_stall.c` serving `file` at `point`, or
+/// `None` where this machine cannot mount one (a failure where CI
+/// requires it).
+fn stalling_mount(point: &Path, file: &Path) -> Option<StallingMount> {
+    if !real_dependency("FUSE (/dev/fuse)", Path::new("/dev/fuse").exists()) {
+        return None;
+    }
+    let mut server = Command::new(compile_c("fuse_stall"))
+        .arg(point)
+        .arg(file)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("start the FUSE server");
+    let stdout = server.stdout.take().unwrap();
+    let mount = StallingMount {
+        server,
+        point: point.to_path_buf(),
+    };
+    let mut first = String::new();
+    std::io::BufRead::read_line(&mut std::io::BufReader::new(stdout), &mut first).unwrap();
+    real_dependency("a FUSE mount (mount(2) of fuse)", first.trim() == "mounted").then_some(mount)
+}
+
+#[test]
+fn attach_never_touches_a_stack_mapped_from_a_fuse_file() {
+    if !root_here("fuse stack") {
+        return;
+    }
+    // A thread whose stack is a private mapping of a file on the user's
+    // FUSE mount, waiting in a system call from code without CFI: attach's
+    // check of that stack would read its pages above the stack pointer,
+    // which only the server has, and the server never answers root. The
+    // pages of a mapping come from its file whoever touches them, so this
+    // needs no allow_other (the server here has it for the other test).
+    let t = TempDir::new("hostile-fuse-stack");
+    let d = nobody_dir(&t, "src");
+    let file = d.join("stack.bin");
+    std::fs::write(&file, vec![0u8; 1 << 20]).unwrap();
+    let point = nobody_dir(&t, "mnt");
+    let Some(mount) = stalling_mount(&point, &file) else {
+        return;
+    };
+    let mut target = Target::spawn(as_nobody(&compile_c("hostile")));
+    // Dropped before the target (declared after it): a hung heapdump holds
+    // the target traced, and only the server's end frees both.
+    let mount = mount;
+    let pid = target.pid().to_string();
+    target.send(&format!("fusestack {}", point.join("stack.bin").display()));
+    assert_eq!(target.wait_line(""), "stacked");
+    // Before: heapdump read the stack through /proc/PID/mem and hung,
+    // unkillable, with the target's thread held stopped.
+    let lib = preload_lib();
+    let out = bounded(&["attach", &pid, "--library", lib.to_str().unwrap()]);
+    assert!(!out.status.success(), "attached: {}", stderr(&out));
+    assert!(
+        stderr(&out).contains("part of its stack cannot be read"),
+        "{}",
+        stderr(&out)
+    );
+    // The target was left as it was: its read goes on.
+    target.send("x");
+    assert_eq!(target.wait_line("unstacked"), "unstacked 1");
     target.send("quit");
     drop(mount);
 }

@@ -20,6 +20,13 @@
  *                         /tmp/perf-PID.map is replaced by a symbolic link
  *                         to PATH; "linked ADDR SIZE" (the code's place,
  *                         hex)
+ *   "fusestack PATH"   -> maps PATH (its whole pages, private), switches
+ *                         the stack to the middle of that mapping and, from
+ *                         code written at run time (no CFI), reads one byte
+ *                         of stdin there: the pages above the stack pointer,
+ *                         which a walk of the stack would read, were never
+ *                         touched; prints "stacked" first, "unstacked" once
+ *                         the byte came (or "fusestack failed")
  *   "wrapped"          -> site_wrapped_a and site_wrapped_b each allocate 7
  *                         blocks through the program's own wrapper
  *                         xmalloc_checked (as redis's zmalloc); "wrapped"
@@ -27,6 +34,7 @@
  *   "quit"             -> exit 0 */
 #define _GNU_SOURCE
 #include <dlfcn.h>
+#include <fcntl.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
@@ -34,6 +42,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -171,6 +180,37 @@ int main(void) {
                 printf("linked %lx %zx\n", (unsigned long)code, len);
             else
                 printf("symlink failed\n");
+        } else if (!strncmp(line, "fusestack ", 10)) {
+            int fd = open(line + 10, O_RDONLY);
+            struct stat st;
+            size_t len = fd >= 0 && fstat(fd, &st) == 0 ? (size_t)st.st_size & ~4095UL : 0;
+            char *m = len >= (512 << 10) ? mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE,
+                                                fd, 0)
+                                         : MAP_FAILED;
+            /* syscall; ret */
+            static const unsigned char t[] = {0x0f, 0x05, 0xc3};
+            unsigned char *code = mmap(NULL, 4096, PROT_READ | PROT_WRITE | PROT_EXEC,
+                                       MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+            if (m == MAP_FAILED || code == MAP_FAILED) {
+                printf("fusestack failed\n");
+            } else {
+                memcpy(code, t, sizeof t);
+                printf("stacked\n");
+                fflush(stdout);
+                char byte;
+                char *sp = m + len / 2;
+                long r;
+                __asm__ volatile("mov %%rsp, %%r12\n\t"
+                                 "mov %[sp], %%rsp\n\t"
+                                 "call *%[code]\n\t"
+                                 "mov %%r12, %%rsp"
+                                 : "=a"(r)
+                                 : [sp] "r"(sp), [code] "r"(code), "a"(0L), "D"(0L),
+                                   "S"(&byte), "d"(1L)
+                                 : "rcx", "r11", "r12", "memory");
+                printf("unstacked %ld\n", r);
+            }
+            if (fd >= 0) close(fd);
         } else if (!strcmp(line, "wrapped")) {
             site_wrapped_a();
             site_wrapped_b();

@@ -515,13 +515,14 @@ pub fn inject(pid: u32, library: &str, action: &Action) -> Result<Injected, Inje
     // Everything read from the target's files is read before the first
     // thread stops (CFI and symbols of every module).
     modules.read_all();
-    let mem =
+    let mut mem =
         Memory::open(pid).map_err(|e| InjectError::Permission(format!("/proc/{pid}/mem: {e}")))?;
     let mut passed_over: Vec<(u32, String)> = Vec::new();
     let mut others_stopped = Duration::ZERO;
     for round in 0..ROUNDS {
         let maps =
             std::fs::read_to_string(format!("/proc/{pid}/maps")).map_err(|_| InjectError::Gone)?;
+        mem.refresh(&maps);
         let tids = threads(pid);
         if tids.is_empty() {
             return Err(InjectError::Gone);

@@ -32,6 +32,7 @@ use gimli::{
 };
 use object::{Object, ObjectSection, ObjectSegment, ObjectSymbol, SymbolKind};
 
+use crate::process::user_space_mounts::UserSpaceMounts;
 use crate::symbolization::maps::Mapping;
 
 /// Most frames followed in one walk.
@@ -40,8 +41,46 @@ pub const MAX_FRAMES: usize = 512;
 pub const MAX_SIGNAL_FRAMES: usize = 8;
 
 /// The target's memory, through `/proc/PID/mem` (readable by its tracer).
+///
+/// Never touches a page of a file on a user-space file system (FUSE): a
+/// page the target never touched is read from the file's server when we
+/// touch it, and a server that does not answer would hold heapdump in
+/// uninterruptible sleep (see `process::user_space_mounts`). Such
+/// mappings, as the target's maps showed them last ([`Memory::refresh`]),
+/// are neither read nor written: to this code they are unreadable.
 pub struct Memory {
     file: File,
+    mounts: UserSpaceMounts,
+    /// Address ranges mapped from files on user-space file systems.
+    served: Vec<(u64, u64)>,
+}
+
+/// The ranges of a `/proc/PID/maps` text mapped from files on the
+/// user-space file systems `mounts` (the device field is hex there).
+fn served_ranges(maps: &str, mounts: &UserSpaceMounts) -> Vec<(u64, u64)> {
+    if mounts.is_empty() {
+        return Vec::new();
+    }
+    maps.lines()
+        .filter_map(|l| {
+            let mut f = l.split_ascii_whitespace();
+            let (range, _perms, _offset, dev, inode) =
+                (f.next()?, f.next()?, f.next()?, f.next()?, f.next()?);
+            let (major, minor) = dev.split_once(':')?;
+            let dev = (
+                u32::from_str_radix(major, 16).ok()?,
+                u32::from_str_radix(minor, 16).ok()?,
+            );
+            if inode == "0" || !mounts.has_device(dev) {
+                return None;
+            }
+            let (s, e) = range.split_once('-')?;
+            Some((
+                u64::from_str_radix(s, 16).ok()?,
+                u64::from_str_radix(e, 16).ok()?,
+            ))
+        })
+        .collect()
 }
 
 impl Memory {
@@ -52,12 +91,33 @@ impl Memory {
             .read(true)
             .write(true)
             .open(format!("/proc/{pid}/mem"))?;
-        Ok(Memory { file })
+        let mut mem = Memory {
+            file,
+            mounts: UserSpaceMounts::of_process(pid),
+            served: Vec::new(),
+        };
+        if let Ok(maps) = std::fs::read_to_string(format!("/proc/{pid}/maps")) {
+            mem.refresh(&maps);
+        }
+        Ok(mem)
+    }
+
+    /// Takes the target's mappings anew from its maps text `maps`.
+    pub fn refresh(&mut self, maps: &str) {
+        self.served = served_ranges(maps, &self.mounts);
+    }
+
+    /// Whether `[addr, addr + len)` touches no mapping of a file on a
+    /// user-space file system.
+    fn touchable(&self, addr: u64, len: usize) -> bool {
+        let end = addr.saturating_add(len as u64);
+        !self.served.iter().any(|&(s, e)| addr < e && end > s)
     }
 
     /// Reads `buf.len()` bytes at `addr`; false if any could not be read.
     pub fn read(&self, addr: u64, buf: &mut [u8]) -> bool {
-        matches!(self.file.read_at(buf, addr), Ok(n) if n == buf.len())
+        self.touchable(addr, buf.len())
+            && matches!(self.file.read_at(buf, addr), Ok(n) if n == buf.len())
     }
 
     /// The 8-byte word at `addr`.
@@ -68,6 +128,11 @@ impl Memory {
 
     /// Writes `bytes` at `addr` (the target must be stopped by us).
     pub fn write(&self, addr: u64, bytes: &[u8]) -> std::io::Result<()> {
+        if !self.touchable(addr, bytes.len()) {
+            return Err(std::io::Error::other(
+                "the place is mapped from a file on a user-space file system: not written",
+            ));
+        }
         let n = self.file.write_at(bytes, addr)?;
         if n != bytes.len() {
             return Err(std::io::Error::other("short write to the target's memory"));
@@ -438,4 +503,40 @@ pub fn walk(mem: &Memory, modules: &mut Modules, regs: Regs) -> Walk {
     }
     stop(&mut w, sp, "too many frames");
     w
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mappings_of_files_on_user_space_file_systems_are_not_touched() {
+        let mounts = UserSpaceMounts::from_mountinfo(
+            "40 22 0:45 / /home/eve/mnt rw - fuse.sshfs eve@h: rw,allow_other\n",
+        );
+        // The device is hex in maps, decimal in mountinfo.
+        let maps = "\
+7f0000000000-7f0000100000 rw-p 00000000 00:2d 77 /home/eve/mnt/stack.bin
+7f0000100000-7f0000200000 rw-p 00000000 00:00 0 [stack]
+7f0000200000-7f0000300000 r-xp 00000000 08:01 12 /usr/lib/libc.so.6
+7f0000300000-7f0000400000 rw-p 00000000 00:2d 0
+";
+        assert_eq!(
+            served_ranges(maps, &mounts),
+            [(0x7f00_0000_0000, 0x7f00_0010_0000)]
+        );
+        assert!(served_ranges(maps, &UserSpaceMounts::none()).is_empty());
+        let mem = Memory {
+            file: File::open("/dev/null").unwrap(),
+            served: served_ranges(maps, &mounts),
+            mounts,
+        };
+        let mut b = [0u8; 16];
+        assert!(!mem.touchable(0x7f00_000f_fff8, 16));
+        assert!(!mem.touchable(0x7eff_ffff_fff8, 16));
+        assert!(mem.touchable(0x7f00_0010_0000, 16));
+        assert!(mem.touchable(0x7eff_ffff_fff0, 16));
+        assert!(!mem.read(0x7f00_0000_1000, &mut b));
+        assert!(mem.write(0x7f00_0000_1000, &b).is_err());
+    }
 }

@@ -185,6 +185,24 @@ impl UserSpaceMounts {
         }
     }
 
+    /// The user-space mounts of a mountinfo text (tests).
+    #[cfg(test)]
+    pub fn from_mountinfo(text: &str) -> Self {
+        UserSpaceMounts {
+            mounts: parse(text),
+        }
+    }
+
+    /// Whether no user-space file system is known.
+    pub fn is_empty(&self) -> bool {
+        self.mounts.is_empty()
+    }
+
+    /// Whether device (major, minor) is a user-space file system's.
+    pub fn has_device(&self, dev: (u32, u32)) -> bool {
+        self.mounts.iter().any(|m| m.dev == dev)
+    }
+
     /// Whether names must be resolved without symbolic links and `..`
     /// (some user-space mount exists where they resolve).
     pub fn strict(&self) -> bool {
