@@ -22,7 +22,8 @@
 //!   lookup inside the mount would be a request. While the target's
 //!   namespace has any such mount, names are resolved without following
 //!   symbolic links and without `..` ([`UserSpaceMounts::strict`]), so the
-//!   textual check sees every directory the walk enters.
+//!   textual check sees every directory the walk enters (in heapdump's
+//!   own root, whose links are root's, they are followed).
 //! - An opened `O_PATH` descriptor (which costs no request: magic links of
 //!   `/proc/PID/map_files` and `/proc/PID/fd` jump to the file without a
 //!   lookup) is checked by its device before anything else, through
@@ -52,6 +53,9 @@ struct Mount {
 #[derive(Clone, Debug, Default)]
 pub struct UserSpaceMounts {
     mounts: Vec<Mount>,
+    /// Names resolve in a target's root (whose links are the target's to
+    /// plant), not heapdump's own.
+    target: bool,
 }
 
 /// Why a file was not opened: it lies on a user-space file system.
@@ -172,7 +176,10 @@ impl UserSpaceMounts {
                 mounts.push(m);
             }
         }
-        UserSpaceMounts { mounts }
+        UserSpaceMounts {
+            mounts,
+            target: true,
+        }
     }
 
     /// The user-space mounts of heapdump's own namespace.
@@ -182,6 +189,7 @@ impl UserSpaceMounts {
         }
         UserSpaceMounts {
             mounts: read_mountinfo("self"),
+            target: false,
         }
     }
 
@@ -190,6 +198,7 @@ impl UserSpaceMounts {
     pub fn from_mountinfo(text: &str) -> Self {
         UserSpaceMounts {
             mounts: parse(text),
+            target: true,
         }
     }
 
@@ -203,10 +212,12 @@ impl UserSpaceMounts {
         self.mounts.iter().any(|m| m.dev == dev)
     }
 
-    /// Whether names must be resolved without symbolic links and `..`
-    /// (some user-space mount exists where they resolve).
+    /// Whether names must be resolved without symbolic links and `..`:
+    /// in a target's root where some user-space mount exists (heapdump's
+    /// own root holds only root's links: debug directories, files the
+    /// user named).
     pub fn strict(&self) -> bool {
-        self.mounts.iter().any(|m| m.point.is_some())
+        self.target && self.mounts.iter().any(|m| m.point.is_some())
     }
 
     /// Refuses `path` (absolute, inside the root) if a user-space mount
@@ -312,9 +323,7 @@ mod tests {
 
     #[test]
     fn paths_under_a_user_space_mount_point_are_refused_before_any_lookup() {
-        let m = UserSpaceMounts {
-            mounts: parse(MOUNTINFO),
-        };
+        let m = UserSpaceMounts::from_mountinfo(MOUNTINFO);
         assert!(m.strict());
         let e = m
             .check_path(Path::new("/home/eve/mnt/lib/libx.so"))
@@ -346,6 +355,7 @@ mod tests {
                 point: None,
                 fstype: "fuse.test".into(),
             }],
+            target: true,
         };
         let e = m.check_fd(&f, Path::new("/x")).unwrap_err();
         assert!(is_refusal(&e), "{e}");
