@@ -15,6 +15,9 @@
 //!   container points into the container, never at the host. On a kernel
 //!   without `openat2` (before 5.6) the name is walked one component at a
 //!   time with `O_NOFOLLOW`, and a symbolic link or `..` is refused.
+//!   Nothing on a user-space file system (FUSE) is entered or opened: its
+//!   server answers every request and could stall heapdump for ever
+//!   ([`UserSpaceMounts`]).
 //! - **What.** Every open is first an `O_PATH` open, which has no side
 //!   effect (a FIFO does not block, a device is not opened, a terminal
 //!   does not become ours); it is `fstat`-ed and only a regular file is
