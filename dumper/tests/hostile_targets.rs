@@ -837,6 +837,27 @@ fn links_in_a_containers_root_resolve_inside_it_never_on_the_host() {
     pointing_out.send("quit");
 }
 
+/// `DIR/libtwo.so`, built without debug information: its one function,
+/// `plugin_alloc`, allocates 5 x 1111 bytes at one place and 5 x 2222 at
+/// another.
+fn two_place_library(t: &TempDir, dir: &Path) -> PathBuf {
+    let src = t.path("two.c");
+    std::fs::write(
+        &src,
+        "#include <stdlib.h>\nvoid *keep[20];\n\
+         void plugin_alloc(int n) { (void)n;\n\
+         for (int i = 0; i < 5; i++) keep[i] = malloc(1111);\n\
+         for (int i = 0; i < 5; i++) keep[5 + i] = malloc(2222); }\n",
+    )
+    .unwrap();
+    let lib = dir.join("libtwo.so");
+    cc(Command::new("cc")
+        .args(["-O0", "-fno-omit-frame-pointer", "-shared", "-fPIC", "-o"])
+        .arg(&lib)
+        .arg(&src));
+    lib
+}
+
 #[test]
 fn frames_without_lines_print_their_offset_and_jit_code_is_named_only_from_the_targets_own_perf_map(
 ) {
@@ -848,20 +869,7 @@ fn frames_without_lines_print_their_offset_and_jit_code_is_named_only_from_the_t
     // function (`two_places+0x..`), as perf and gdb name such frames.
     let t = TempDir::new("hostile-sites");
     let d = nobody_dir(&t, "app");
-    let src = t.path("two.c");
-    std::fs::write(
-        &src,
-        "#include <stdlib.h>\nvoid *keep[20];\n\
-         void plugin_alloc(int n) { (void)n;\n\
-         for (int i = 0; i < 5; i++) keep[i] = malloc(1111);\n\
-         for (int i = 0; i < 5; i++) keep[5 + i] = malloc(2222); }\n",
-    )
-    .unwrap();
-    let lib = d.join("libtwo.so");
-    cc(Command::new("cc")
-        .args(["-O0", "-fno-omit-frame-pointer", "-shared", "-fPIC", "-o"])
-        .arg(&lib)
-        .arg(&src));
+    let lib = two_place_library(&t, &d);
     let mut target = Target::spawn(as_nobody_recorded(&compile_c("hostile")));
     target.send(&format!("plugin {}", lib.display()));
     assert_eq!(target.wait_line(""), "loaded");
@@ -954,20 +962,7 @@ fn a_library_on_a_fuse_mount_whose_server_stalls_root_is_not_read() {
     // sleep (not even SIGKILL ends it) until the server dies.
     let t = TempDir::new("hostile-fuse");
     let d = nobody_dir(&t, "src");
-    let src = t.path("two.c");
-    std::fs::write(
-        &src,
-        "#include <stdlib.h>\nvoid *keep[20];\n\
-         void plugin_alloc(int n) { (void)n;\n\
-         for (int i = 0; i < 5; i++) keep[i] = malloc(1111);\n\
-         for (int i = 0; i < 5; i++) keep[5 + i] = malloc(2222); }\n",
-    )
-    .unwrap();
-    let lib = d.join("libtwo.so");
-    cc(Command::new("cc")
-        .args(["-O0", "-fno-omit-frame-pointer", "-shared", "-fPIC", "-o"])
-        .arg(&lib)
-        .arg(&src));
+    let lib = two_place_library(&t, &d);
     let point = nobody_dir(&t, "mnt");
     let Some(mount) = stalling_mount(&point, &lib) else {
         return;
@@ -984,19 +979,9 @@ fn a_library_on_a_fuse_mount_whose_server_stalls_root_is_not_read() {
     let json = t.str("s.json");
     ok(&bounded(&["snapshot", &pid, "-o", &json]));
     let j = read_json(Path::new(&json));
-    let through_the_library: u64 = j["sites"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|s| {
-            s["frames"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .any(|f| f["module"].as_str() == served.to_str() && f["function"].is_null())
-        })
-        .map(|s| s["live_blocks"].as_u64().unwrap())
-        .sum();
+    let through_the_library = live_blocks_with_frame(&j, |f| {
+        f["module"].as_str() == served.to_str() && f["function"].is_null()
+    });
     assert_eq!(
         through_the_library, 10,
         "the plugin's 10 blocks, at its unread library's addresses: {j}"

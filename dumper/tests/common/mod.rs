@@ -210,15 +210,20 @@ pub fn live_by_leaf(j: &serde_json::Value) -> std::collections::BTreeMap<String,
 /// Live blocks of a JSON snapshot's sites that have `function` among
 /// their frames.
 pub fn live_blocks_through(j: &serde_json::Value, function: &str) -> u64 {
+    live_blocks_with_frame(j, |f| f["function"].as_str() == Some(function))
+}
+
+/// Live blocks of the sites of JSON snapshot `j` with a frame for which
+/// `frame` holds.
+pub fn live_blocks_with_frame(
+    j: &serde_json::Value,
+    frame: impl Fn(&serde_json::Value) -> bool,
+) -> u64 {
     j["sites"]
         .as_array()
         .expect("sites")
         .iter()
-        .filter(|s| {
-            s["frames"]
-                .as_array()
-                .is_some_and(|f| f.iter().any(|f| f["function"].as_str() == Some(function)))
-        })
+        .filter(|s| s["frames"].as_array().is_some_and(|f| f.iter().any(&frame)))
         .map(|s| s["live_blocks"].as_u64().unwrap_or(0))
         .sum()
 }
