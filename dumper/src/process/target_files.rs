@@ -170,9 +170,7 @@ impl TargetRoot {
     /// heapdump's own root (files named by the user, or a snapshot
     /// symbolized later, elsewhere): the same rules on what is opened.
     pub fn own() -> io::Result<TargetRoot> {
-        let mut root = Self::open_dir(Path::new("/"))?;
-        root.mounts = UserSpaceMounts::own();
-        Ok(root)
+        Self::open_dir(Path::new("/"))
     }
 
     /// The user-space file systems mounted in this root.

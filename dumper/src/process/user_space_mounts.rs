@@ -22,8 +22,11 @@
 //!   lookup inside the mount would be a request. While the target's
 //!   namespace has any such mount, names are resolved without following
 //!   symbolic links and without `..` ([`UserSpaceMounts::strict`]), so the
-//!   textual check sees every directory the walk enters (in heapdump's
-//!   own root, whose links are root's, they are followed).
+//!   textual check sees every directory the walk enters.
+//! - Only a target's files are checked: heapdump's own root (its debug
+//!   directories, files the user named with `--binaries`) holds what root
+//!   chose, on whatever file system root chose
+//!   ([`UserSpaceMounts::none`]).
 //! - An opened `O_PATH` descriptor (which costs no request: magic links of
 //!   `/proc/PID/map_files` and `/proc/PID/fd` jump to the file without a
 //!   lookup) is checked by its device before anything else, through
@@ -53,9 +56,6 @@ struct Mount {
 #[derive(Clone, Debug, Default)]
 pub struct UserSpaceMounts {
     mounts: Vec<Mount>,
-    /// Names resolve in a target's root (whose links are the target's to
-    /// plant), not heapdump's own.
-    target: bool,
 }
 
 /// Why a file was not opened: it lies on a user-space file system.
@@ -157,7 +157,8 @@ fn disabled() -> bool {
 }
 
 impl UserSpaceMounts {
-    /// Nothing refused (heapdump's own files named by the user).
+    /// Nothing refused: heapdump's own root (its debug directories, files
+    /// the user named), or `HEAPDUMP_READ_FUSE=1`.
     pub fn none() -> Self {
         Self::default()
     }
@@ -176,21 +177,7 @@ impl UserSpaceMounts {
                 mounts.push(m);
             }
         }
-        UserSpaceMounts {
-            mounts,
-            target: true,
-        }
-    }
-
-    /// The user-space mounts of heapdump's own namespace.
-    pub fn own() -> Self {
-        if disabled() {
-            return Self::none();
-        }
-        UserSpaceMounts {
-            mounts: read_mountinfo("self"),
-            target: false,
-        }
+        UserSpaceMounts { mounts }
     }
 
     /// The user-space mounts of a mountinfo text (tests).
@@ -198,7 +185,6 @@ impl UserSpaceMounts {
     pub fn from_mountinfo(text: &str) -> Self {
         UserSpaceMounts {
             mounts: parse(text),
-            target: true,
         }
     }
 
@@ -212,12 +198,10 @@ impl UserSpaceMounts {
         self.mounts.iter().any(|m| m.dev == dev)
     }
 
-    /// Whether names must be resolved without symbolic links and `..`:
-    /// in a target's root where some user-space mount exists (heapdump's
-    /// own root holds only root's links: debug directories, files the
-    /// user named).
+    /// Whether names must be resolved without symbolic links and `..`
+    /// (some user-space mount exists where they resolve).
     pub fn strict(&self) -> bool {
-        self.target && self.mounts.iter().any(|m| m.point.is_some())
+        self.mounts.iter().any(|m| m.point.is_some())
     }
 
     /// Refuses `path` (absolute, inside the root) if a user-space mount
@@ -355,7 +339,6 @@ mod tests {
                 point: None,
                 fstype: "fuse.test".into(),
             }],
-            target: true,
         };
         let e = m.check_fd(&f, Path::new("/x")).unwrap_err();
         assert!(is_refusal(&e), "{e}");
