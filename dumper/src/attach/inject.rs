@@ -240,14 +240,8 @@ pub fn permission_hint(pid: u32, e: nix::errno::Errno) -> String {
     // SAFETY: geteuid has no preconditions.
     let euid = unsafe { libc::geteuid() };
     let mut why = format!("ptrace: {e}");
-    let target_uid = std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("Uid:"))
-                .and_then(|v| v.split_whitespace().nth(1).map(str::to_string))
-        })
-        .and_then(|v| v.parse::<u32>().ok());
+    // The effective uid, the second of the `Uid:` line.
+    let target_uid = crate::process::discovery::process_uids(pid).map(|ids| ids[1]);
     if euid != 0 && target_uid.is_some_and(|u| u != euid) {
         why += &format!(
             "; the process belongs to uid {}, you are uid {euid}: run heapdump as that user or \

@@ -80,7 +80,7 @@ pub fn is_refusal(e: &io::Error) -> bool {
 /// link is better shown by its own name); any other error unchanged.
 pub fn naming(e: io::Error, path: &Path) -> io::Error {
     match e.get_ref().and_then(|r| r.downcast_ref::<OnUserSpaceFs>()) {
-        Some(r) => refusal(path, &r.fstype.clone()),
+        Some(r) => refusal(path, &r.fstype),
         None => e,
     }
 }

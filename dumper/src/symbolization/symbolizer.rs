@@ -590,19 +590,21 @@ impl Symbolizer {
     /// The module of a mapping's file, opened and parsed on first use.
     fn module(&mut self, local: &LocalFile) -> Option<&Module> {
         let key = local.key();
-        let identity = self.identity(local, key);
-        if let Some(note) = self.refused.get(&local.key()) {
-            if !self.notes.contains(note) {
-                self.notes.push(note.clone());
+        let Some(identity) = self.identity(local, &key) else {
+            if let Some(note) = self.refused.get(&key) {
+                if !self.notes.contains(note) {
+                    self.notes.push(note.clone());
+                }
             }
-        }
-        self.modules.get(&identity?)?.as_ref()
+            return None;
+        };
+        self.modules.get(&identity)?.as_ref()
     }
 
     /// The identity of a mapping's file, opening and parsing it on first
     /// use.
-    fn identity(&mut self, local: &LocalFile, key: String) -> Option<FileIdentity> {
-        Some(match self.opened.get(&key) {
+    fn identity(&mut self, local: &LocalFile, key: &str) -> Option<FileIdentity> {
+        Some(match self.opened.get(key) {
             Some(id) => (*id)?,
             None => {
                 if self.past_deadline() {
@@ -613,7 +615,7 @@ impl Symbolizer {
                     Err(e) => {
                         if user_space_mounts::is_refusal(&e) {
                             self.refused
-                                .insert(key.clone(), format!("{e}: its frames are addresses"));
+                                .insert(key.to_string(), format!("{e}: its frames are addresses"));
                         }
                         None
                     }
@@ -622,7 +624,7 @@ impl Symbolizer {
                     let st = target_files::fstat(f).ok()?;
                     Some((st.st_dev, st.st_ino, st.st_size, st.st_ctime))
                 });
-                self.opened.insert(key, id);
+                self.opened.insert(key.to_string(), id);
                 let id = id?;
                 if !self.modules.contains_key(&id) {
                     let module = opened
