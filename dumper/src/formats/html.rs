@@ -522,10 +522,10 @@ pub fn render(r: &Report<'_>) -> String {
     if let Some(p) = r.peak {
         let when = p.peak.map(|x| {
             format!(
-                "{}: {} live (the true high-water mark may be up to {} higher)",
+                "{}: {} live{}",
                 rfc3339(x.time),
                 human_bytes(x.live_bytes),
-                human_bytes(x.tolerance)
+                crate::formats::text::higher_by(x.tolerance)
             )
         });
         let _ = write!(

@@ -31,6 +31,20 @@ pub fn human_delta(n: i64) -> String {
     format!("{sign}{}", human_bytes(n.unsigned_abs()))
 }
 
+/// The clause that bounds the true high-water mark above a peak shown
+/// (`" (the true high-water mark may be up to 64.0 KiB higher)"`), empty
+/// when the peak shown is exact.
+pub fn higher_by(tolerance: u64) -> String {
+    if tolerance == 0 {
+        String::new()
+    } else {
+        format!(
+            " (the true high-water mark may be up to {} higher)",
+            human_bytes(tolerance)
+        )
+    }
+}
+
 /// How much to show.
 #[derive(Clone, Copy, Debug)]
 pub struct TextOptions {
@@ -78,11 +92,10 @@ pub fn render(s: &Snapshot, opts: TextOptions) -> String {
     if let Some(p) = &s.peak {
         let _ = writeln!(
             o,
-            "THE HEAP AT ITS PEAK, {}: {} live (the true high-water mark may be up to {} \
-             higher); sites and threads below are the heap then",
+            "THE HEAP AT ITS PEAK, {}: {} live{}; sites and threads below are the heap then",
             crate::formats::json::rfc3339(p.time),
             human_bytes(p.live_bytes),
-            human_bytes(p.tolerance)
+            higher_by(p.tolerance)
         );
     }
     let _ = writeln!(
@@ -101,11 +114,8 @@ pub fn render(s: &Snapshot, opts: TextOptions) -> String {
         human_bytes(t.alloc_bytes),
         t.alloc_blocks,
         human_bytes(t.peak_bytes),
-        if s.peak.is_none() && t.peak_tolerance > 0 {
-            format!(
-                " (the true high-water mark may be up to {} higher)",
-                human_bytes(t.peak_tolerance)
-            )
+        if s.peak.is_none() {
+            higher_by(t.peak_tolerance)
         } else {
             String::new()
         }

@@ -1159,7 +1159,18 @@ pub fn take(
         .max_by_key(|c| c.0)
         .expect("the heap now is a candidate");
     snap.totals.peak_bytes = peak_bytes;
-    snap.totals.peak_tolerance = tolerance_of(peak_bytes);
+    // In exact mode the heap never held more than was allocated since
+    // recording began (every allocation is counted), so the true
+    // high-water mark is also at most that: a heap that never shrank has
+    // its peak exactly, whatever the batches.
+    let ceiling = |shown: u64| match rate {
+        0 => snap.totals.alloc_bytes.saturating_sub(shown),
+        _ => u64::MAX,
+    };
+    // A `--peak` snapshot shows the heap rebuilt at the peak (at most the
+    // peak figure): one tolerance above both.
+    let shown = snap.peak.as_ref().map_or(peak_bytes, |p| p.live_bytes);
+    snap.totals.peak_tolerance = tolerance_of(peak_bytes).min(ceiling(shown));
     if let Some(p) = &mut snap.peak {
         p.tolerance = snap.totals.peak_tolerance;
     }
