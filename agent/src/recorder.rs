@@ -634,7 +634,15 @@ fn register_thread(w: &Writers, t: &ThreadState) {
     if t.stack_cache.get().is_none() {
         t.stack_cache.set(w.resources.claim_stack_cache(tid));
     }
-    match w.resources.insert_thread_info(tid, &name[..len]) {
+    // A thread with a record already was renamed: its new record keeps
+    // the thread's serial, so readers show it once, under the new name.
+    let inserted = match t.thread_key.get() {
+        0 => w.resources.insert_thread_info(tid, &name[..len]),
+        k => w
+            .resources
+            .insert_renamed_thread_info(ResourceKey(k), tid, &name[..len]),
+    };
+    match inserted {
         Ok(k) => t.thread_key.set(k.0),
         Err(_) => w.counters.on_dropped(DroppedReason::ResourcesFull),
     }

@@ -202,6 +202,49 @@ fn a_live_thread_shows_under_its_current_name() {
     assert!(target.finish().success());
 }
 
+#[test]
+fn a_thread_renamed_while_it_allocates_shows_once_under_its_last_name() {
+    // The agent writes a record for each name a thread allocates under
+    // (the JVM renames its threads after they start: each showed twice,
+    // as "java" and as "G1 Main Marker"). The records of one thread are
+    // one thread: its blocks together, under the name it had last.
+    let mut cmd = Command::new(compile_c("renamed_while_allocating"));
+    cmd.env("LD_PRELOAD", preload_lib());
+    let mut target = Target::spawn(cmd);
+    let pid = target.pid();
+    let dir = TempDir::new("renamed-while-allocating");
+    let j = snapshot_json(pid, &dir.str("s.json"));
+    let threads = j["threads"].as_array().expect("threads");
+    let worker: Vec<&Value> = threads
+        .iter()
+        .filter(|t| u(&t["tid"]) != u64::from(pid))
+        .collect();
+    assert_eq!(worker.len(), 1, "{threads:#?}");
+    assert_eq!(worker[0]["name"], "third-name", "{threads:#?}");
+    assert_eq!(
+        (u(&worker[0]["live_blocks"]), u(&worker[0]["live_bytes"])),
+        (35, 10 * 1000 + 20 * 2000 + 5 * 3000),
+        "{threads:#?}"
+    );
+    // The agent did write a record per name (what the dumper joined).
+    let truth = dump(pid);
+    let names = truth_threads(&truth);
+    for (name, blocks, bytes) in [
+        ("first-name", 10, 10 * 1000),
+        ("second-name", 20, 20 * 2000),
+        ("third-name", 5, 5 * 3000),
+    ] {
+        assert_eq!(names.get(name), Some(&(blocks, bytes)), "{names:?}");
+    }
+    let text = stdout(&heapdump(&["snapshot", &pid.to_string()]));
+    assert_eq!(text.matches("third-name").count(), 1, "{text}");
+    assert!(
+        !text.contains("first-name") && !text.contains("second-name"),
+        "{text}"
+    );
+    assert!(target.finish().success());
+}
+
 /// `heapdump snapshot PID --format json -o PATH ARGS...` (must succeed).
 fn snapshot_json_with(pid: u32, path: &str, args: &[&str]) -> Value {
     let pid = pid.to_string();

@@ -14,7 +14,9 @@
 //! (bucket chain or thread list, 0 = end). A stack record then has
 //! `crc | frames << 32`, `alloc_count`, `alloc_bytes` and `len` payload bytes
 //! (the compressed trace); a thread record has `tid`, `serial`, and `len`
-//! name bytes.
+//! name bytes. A thread renamed after its first record gets a record with
+//! its new name and the same `serial` (since format 1.6: one thread, one
+//! serial; the thread count word counts threads, not records).
 //!
 //! **Stack caches** (format 1.6; counter blocks before) take the
 //! per-stack cumulative counters off the allocation path's shared cache
@@ -445,10 +447,43 @@ impl<'a> ResourcesWriter<'a> {
     /// Stores a thread record (tid and name, truncated to
     /// [`MAX_THREAD_NAME`] bytes) and returns its key. Never allocates.
     pub fn insert_thread_info(&self, tid: u64, name: &[u8]) -> Result<ResourceKey, TableError> {
+        self.insert_thread_record(tid, name, None)
+    }
+
+    /// Stores the record of a thread that took a new name since its
+    /// record `earlier` (a key [`Self::insert_thread_info`] or this call
+    /// returned for the same thread): `tid`, the new name, and the serial
+    /// of `earlier`, so that readers show the thread once, under its
+    /// latest name (a tid alone cannot tell a rename from a later thread
+    /// given the same tid). A fresh serial if `earlier` is not a thread
+    /// record of `tid`. Never allocates.
+    pub fn insert_renamed_thread_info(
+        &self,
+        earlier: ResourceKey,
+        tid: u64,
+        name: &[u8],
+    ) -> Result<ResourceKey, TableError> {
+        let k = earlier.0;
+        let serial = (k % 8 == 0
+            && k >= self.layout.data_off
+            && k.saturating_add(THREAD_HEADER) <= self.layout.data_end
+            && self.word(k).load(Ordering::Relaxed) as u32 == TAG_THREAD
+            && self.word(k + 16).load(Ordering::Relaxed) == tid)
+            .then(|| self.word(k + 24).load(Ordering::Relaxed));
+        self.insert_thread_record(tid, name, serial)
+    }
+
+    fn insert_thread_record(
+        &self,
+        tid: u64,
+        name: &[u8],
+        serial: Option<u64>,
+    ) -> Result<ResourceKey, TableError> {
         let name = &name[..name.len().min(MAX_THREAD_NAME)];
         let size = THREAD_HEADER + round8(name.len() as u64);
         let off = self.reserve(size)?;
-        let serial = self.word(W_THREAD_COUNT).fetch_add(1, Ordering::Relaxed);
+        let serial =
+            serial.unwrap_or_else(|| self.word(W_THREAD_COUNT).fetch_add(1, Ordering::Relaxed));
         self.word(off).store(
             u64::from(TAG_THREAD) | (name.len() as u64) << 32,
             Ordering::Relaxed,
@@ -1395,6 +1430,37 @@ mod tests {
         let cat = reader.stacks();
         assert_eq!(cat.partial, None);
         assert_eq!(cat.stacks.len(), stored.len());
+    }
+
+    #[test]
+    fn a_renamed_threads_records_share_its_serial_and_only_its_own() {
+        let r = region(1 << 16, 64);
+        let w = ResourcesWriter::new(&r).unwrap();
+        let first = w.insert_thread_info(10, b"java").unwrap();
+        let other = w.insert_thread_info(11, b"other").unwrap();
+        let renamed = w.insert_renamed_thread_info(first, 10, b"G1 Main").unwrap();
+        let again = w
+            .insert_renamed_thread_info(renamed, 10, b"G1 Again")
+            .unwrap();
+        // Not a record of that tid, not a record at all, out of range:
+        // a fresh serial, never another thread's.
+        let wrong_tid = w.insert_renamed_thread_info(other, 12, b"t12").unwrap();
+        let not_record = w
+            .insert_renamed_thread_info(ResourceKey(first.0 + 8), 10, b"x")
+            .unwrap();
+        let outside = w
+            .insert_renamed_thread_info(ResourceKey(u64::MAX - 7), 10, b"y")
+            .unwrap();
+        let rr = r.open_reader().unwrap();
+        let reader = ResourcesReader::new(&rr).unwrap();
+        let serial = |k| reader.thread(k).unwrap().serial;
+        assert_eq!([serial(first), serial(renamed), serial(again)], [0; 3]);
+        assert_eq!(serial(other), 1);
+        assert_eq!(reader.thread(again).unwrap().name, "G1 Again");
+        assert_eq!(
+            [serial(wrong_tid), serial(not_record), serial(outside)],
+            [2, 3, 4]
+        );
     }
 
     #[test]

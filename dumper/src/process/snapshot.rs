@@ -889,21 +889,28 @@ pub fn take(
         ));
     }
 
-    // Threads: registration order.
+    // Threads: registration order. The records of one thread renamed
+    // share its tid and serial: one thread, under its latest name (the
+    // record written last, at the highest offset). A tid alone would also
+    // join a later thread given the same tid.
     let mut threads: Vec<ThreadStat> = Vec::new();
     let mut thread_index: HashMap<ResourceKey, usize> = HashMap::new();
     let mut recs = thread_records;
-    recs.sort_by_key(|(_, t)| t.serial);
-    // The latest record of each tid (a tid can be reused by a later thread).
+    recs.sort_by_key(|(key, t)| (t.serial, key.0));
+    let mut one_thread: HashMap<(u64, u64), usize> = HashMap::new();
+    // The latest thread of each tid (a tid can be reused by a later thread).
     let mut latest: HashMap<u64, usize> = HashMap::new();
     for (key, t) in recs {
-        thread_index.insert(key, threads.len());
-        latest.insert(t.tid, threads.len());
-        threads.push(ThreadStat {
-            tid: t.tid,
-            name: t.name,
-            ..Default::default()
+        let i = *one_thread.entry((t.tid, t.serial)).or_insert_with(|| {
+            threads.push(ThreadStat {
+                tid: t.tid,
+                ..Default::default()
+            });
+            threads.len() - 1
         });
+        thread_index.insert(key, i);
+        latest.insert(t.tid, i);
+        threads[i].name = t.name;
     }
     // Threads still running show under their current names (the agent
     // records a name when the thread starts allocating and re-reads it
