@@ -464,7 +464,7 @@ impl<'a> ResourcesWriter<'a> {
         name: &[u8],
     ) -> Result<ResourceKey, TableError> {
         let k = earlier.0;
-        let serial = (k % 8 == 0
+        let serial = (k.is_multiple_of(8)
             && k >= self.layout.data_off
             && k.saturating_add(THREAD_HEADER) <= self.layout.data_end
             && self.word(k).load(Ordering::Relaxed) as u32 == TAG_THREAD
