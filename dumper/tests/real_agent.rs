@@ -210,7 +210,7 @@ fn a_thread_renamed_while_it_allocates_shows_once_under_its_last_name() {
     // one thread: its blocks together, under the name it had last.
     let mut cmd = Command::new(compile_c("renamed_while_allocating"));
     cmd.env("LD_PRELOAD", preload_lib());
-    let mut target = Target::spawn(cmd);
+    let target = Target::spawn(cmd);
     let pid = target.pid();
     let dir = TempDir::new("renamed-while-allocating");
     let j = snapshot_json(pid, &dir.str("s.json"));
