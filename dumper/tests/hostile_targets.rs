@@ -994,7 +994,46 @@ fn a_library_on_a_fuse_mount_whose_server_stalls_root_is_not_read() {
     // The text report and attach's checks go through the same files.
     let text = ok(&bounded(&["snapshot", &pid]));
     assert!(text.contains("fuse.fuse_stall"), "{text}");
+    // A long-running watch keeps its symbolizer across snapshots: each
+    // snapshot still says why the library's frames are addresses, the
+    // final one after the target's exit too.
+    let out_dir = t.path("snaps");
+    let mut watch = Command::new(bin())
+        .args(["watch", &pid, "-f", "json", "-d"])
+        .arg(&out_dir)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let lines = Lines::new(watch.stdout.take().unwrap());
+    assert!(lines.next().starts_with("watching "));
+    let mut written = Vec::new();
+    for _ in 0..2 {
+        target.send("request");
+        target.wait_line("requested");
+        written.push(lines.next());
+    }
     target.send("quit");
+    written.push(lines.next());
+    for wrote in &written {
+        let path = wrote
+            .strip_prefix("wrote ")
+            .unwrap_or_else(|| panic!("{wrote}"));
+        let j = read_json(Path::new(path));
+        let notes = j["notes"].to_string();
+        assert!(
+            notes.contains("fuse.fuse_stall") && notes.contains("libtwo.so"),
+            "{path}: {notes}"
+        );
+        assert_eq!(
+            live_blocks_with_frame(&j, |f| f["module"].as_str() == served.to_str()),
+            10,
+            "{path}"
+        );
+    }
+    assert!(written[2].contains("-exit-"), "{written:?}");
+    let status = watch.wait().unwrap();
+    assert!(status.success(), "watch died: {status:?}");
     drop(mount);
 }
 
