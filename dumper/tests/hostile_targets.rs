@@ -89,6 +89,21 @@ fn bounded(args: &[&str]) -> Output {
     }
 }
 
+/// `heapdump watch PID -f json -d DIR`, started and past its "watching"
+/// line: the process and its stdout's lines (each "wrote PATH").
+fn watch_json(pid: &str, dir: &Path) -> (std::process::Child, Lines) {
+    let mut watch = Command::new(bin())
+        .args(["watch", pid, "-f", "json", "-d"])
+        .arg(dir)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let lines = Lines::new(watch.stdout.take().unwrap());
+    assert!(lines.next().starts_with("watching "));
+    (watch, lines)
+}
+
 fn ok(out: &Output) -> String {
     assert!(
         out.status.success(),
@@ -346,16 +361,7 @@ fn watch_survives_a_truncated_mapped_library_and_writes_the_requested_snapshot()
     target.send(&format!("plugin {}", plugin.display()));
     assert_eq!(target.wait_line(""), "loaded");
     let pid = target.pid().to_string();
-    let out_dir = t.path("snaps");
-    let mut watch = Command::new(bin())
-        .args(["watch", &pid, "-f", "json", "-d"])
-        .arg(&out_dir)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let lines = Lines::new(watch.stdout.take().unwrap());
-    assert!(lines.next().starts_with("watching "));
+    let (mut watch, lines) = watch_json(&pid, &t.path("snaps"));
     // watch has opened the plugin; now it shrinks to nothing.
     target.send(&format!("truncate {}", plugin.display()));
     target.wait_line("truncated");
@@ -997,16 +1003,7 @@ fn a_library_on_a_fuse_mount_whose_server_stalls_root_is_not_read() {
     // A long-running watch keeps its symbolizer across snapshots: each
     // snapshot still says why the library's frames are addresses, the
     // final one after the target's exit too.
-    let out_dir = t.path("snaps");
-    let mut watch = Command::new(bin())
-        .args(["watch", &pid, "-f", "json", "-d"])
-        .arg(&out_dir)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let lines = Lines::new(watch.stdout.take().unwrap());
-    assert!(lines.next().starts_with("watching "));
+    let (mut watch, lines) = watch_json(&pid, &t.path("snaps"));
     let mut written = Vec::new();
     for _ in 0..2 {
         target.send("request");
