@@ -300,17 +300,9 @@ fn threads(pid: u32) -> Vec<Pid> {
 /// The mapping holding `addr` in `/proc/PID/maps` text: (start, end,
 /// whether it is the main thread's growable `[stack]`).
 fn mapping_of(maps: &str, addr: u64) -> Option<(u64, u64, bool)> {
-    maps.lines().find_map(|l| {
-        let (range, rest) = l.split_once(' ')?;
-        let (s, e) = range.split_once('-')?;
-        let (s, e) = (
-            u64::from_str_radix(s, 16).ok()?,
-            u64::from_str_radix(e, 16).ok()?,
-        );
-        (s..e)
-            .contains(&addr)
-            .then(|| (s, e, rest.ends_with("[stack]")))
-    })
+    crate::process::maps_lines::maps_lines(maps)
+        .find(|l| (l.start..l.end).contains(&addr))
+        .map(|l| (l.start, l.end, l.path == "[stack]"))
 }
 
 /// The address of `name` defined in a mapped glibc library of one of

@@ -61,25 +61,9 @@ fn served_ranges(maps: &str, mounts: &UserSpaceMounts) -> Vec<(u64, u64)> {
     if mounts.is_empty() {
         return Vec::new();
     }
-    maps.lines()
-        .filter_map(|l| {
-            let mut f = l.split_ascii_whitespace();
-            let (range, _perms, _offset, dev, inode) =
-                (f.next()?, f.next()?, f.next()?, f.next()?, f.next()?);
-            let (major, minor) = dev.split_once(':')?;
-            let dev = (
-                u32::from_str_radix(major, 16).ok()?,
-                u32::from_str_radix(minor, 16).ok()?,
-            );
-            if inode == "0" || !mounts.has_device(dev) {
-                return None;
-            }
-            let (s, e) = range.split_once('-')?;
-            Some((
-                u64::from_str_radix(s, 16).ok()?,
-                u64::from_str_radix(e, 16).ok()?,
-            ))
-        })
+    crate::process::maps_lines::maps_lines(maps)
+        .filter(|l| l.inode != 0 && mounts.has_device(l.dev))
+        .map(|l| (l.start, l.end))
         .collect()
 }
 

@@ -322,25 +322,18 @@ struct RegionMapping {
 
 /// Parses one `/proc/PID/maps` line if it maps a heapdump region shared.
 fn parse_region_mapping(line: &str) -> Option<RegionMapping> {
-    let mut f = line.splitn(6, ' ');
-    let range = f.next()?;
-    let perms = f.next()?;
-    let _offset = f.next()?;
-    let _dev = f.next()?;
-    let inode = f.next()?.parse().ok()?;
-    let path = f.next()?.trim_start();
-    let kind = RegionKind::from_link_target(path)?;
-    let (start, end) = range.split_once('-')?;
-    let perms = perms.as_bytes();
+    let l = super::maps_lines::MapsLine::parse(line)?;
+    let kind = RegionKind::from_link_target(l.path)?;
+    let perms = l.perms.as_bytes();
     if perms.len() != 4 || perms[3] != b's' {
         return None;
     }
     Some(RegionMapping {
         kind,
-        start: u64::from_str_radix(start, 16).ok()?,
-        end: u64::from_str_radix(end, 16).ok()?,
+        start: l.start,
+        end: l.end,
         writable: perms[1] == b'w',
-        inode,
+        inode: l.inode,
     })
 }
 

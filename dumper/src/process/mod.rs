@@ -4,6 +4,7 @@
 
 pub mod age;
 pub mod discovery;
+pub mod maps_lines;
 pub mod snapshot;
 pub mod target_files;
 pub mod user_space_mounts;

@@ -312,35 +312,15 @@ pub fn parse_maps(text: &str) -> Vec<Mapping> {
     // return addresses the agent inside it records.
     let mut executable_paths = std::collections::HashSet::new();
     let mut readable_only = Vec::new();
-    for line in text.lines() {
-        let mut fields = line.splitn(6, ' ');
-        let (Some(range), Some(perms), Some(offset), Some(_dev), Some(_inode)) = (
-            fields.next(),
-            fields.next(),
-            fields.next(),
-            fields.next(),
-            fields.next(),
-        ) else {
-            continue;
-        };
-        let path = fields.next().unwrap_or("").trim_start();
+    for line in crate::process::maps_lines::maps_lines(text) {
+        let (start, end, offset, path) = (line.start, line.end, line.offset, line.path);
         if !path.starts_with('/') {
             continue;
         }
-        let executable = perms.contains('x');
-        if !executable && perms != "r--p" {
+        let executable = line.perms.contains('x');
+        if !executable && line.perms != "r--p" {
             continue;
         }
-        let Some((s, e)) = range.split_once('-') else {
-            continue;
-        };
-        let (Ok(start), Ok(end), Ok(offset)) = (
-            u64::from_str_radix(s, 16),
-            u64::from_str_radix(e, 16),
-            u64::from_str_radix(offset, 16),
-        ) else {
-            continue;
-        };
         if start >= end {
             continue;
         }
