@@ -229,11 +229,15 @@ fn check_visibility(pid: u32) -> Result<()> {
 /// The library path the target has loaded (for detach).
 fn loaded_library(pid: u32) -> Option<String> {
     let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).ok()?;
-    maps.lines().find_map(|l| {
-        let path = l.split_whitespace().nth(5)?;
-        path.contains("libheapdump_preload")
-            .then(|| path.to_string())
-    })
+    let path = crate::process::maps_lines::maps_lines(&maps)
+        .map(|l| crate::symbolization::maps::unescape_path(l.path))
+        .find(|path| {
+            std::path::Path::new(path)
+                .file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("libheapdump_preload"))
+        });
+    path
 }
 
 fn explain(e: InjectError, pid: u32) -> anyhow::Error {
