@@ -1,6 +1,7 @@
 //! The lines of a `/proc/PID/maps` text, split once for every reader
 //! (symbolization's mappings, region discovery through mappings, attach's
-//! stack ranges and its refusal of ranges served by a user's file system).
+//! stack ranges and its refusal of ranges served by a user's file system,
+//! detach's search for the agent library).
 //!
 //! A line is `START-END PERMS OFFSET MAJOR:MINOR INODE [PATH]`, numbers in
 //! hex but the inode (decimal), fields separated by single spaces, the path
