@@ -158,6 +158,25 @@ fn a_heap_that_never_shrank_has_its_peak_exactly() {
     assert_eq!(totals["alloc_bytes"].as_u64(), Some(live), "{totals}");
     assert_eq!(totals["peak_bytes"].as_u64(), Some(live), "{totals}");
     assert_eq!(totals["peak_tolerance"].as_u64(), Some(0), "{totals}");
+    // One moment for the peak: `--peak` rebuilds the heap at the moment
+    // the agent recorded, and the curve shows its highest point then (not
+    // at a later point of the same height, or now).
+    let file = dir.str("peak.json");
+    let out = heapdump(&["snapshot", &pid, "--peak", "-o", &file]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let j = read_json(&dir.path("peak.json"));
+    let peak = j["totals"]["peak_bytes"].as_u64().unwrap();
+    let first_at_peak = j["timeline"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["live_bytes"].as_u64() == Some(peak))
+        .expect("the curve reaches the peak");
+    assert_eq!(
+        first_at_peak["time"], j["peak"]["time"],
+        "{}",
+        j["timeline"]
+    );
     for args in [
         vec!["snapshot", pid.as_str()],
         vec!["snapshot", pid.as_str(), "--peak"],

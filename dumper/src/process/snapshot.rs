@@ -1118,13 +1118,6 @@ pub fn take(
         bytes / heapdump_table::peak::TOLERANCE_DIV
             + batching * heapdump_table::allocations_table::LIVE_BATCH as u64
     };
-    if let Some(p) = &peak {
-        snap.peak = Some(PeakInfo {
-            time: clock.wall_of(p.time_us).unwrap_or(taken_at),
-            live_bytes: snap.totals.live_bytes,
-            tolerance: 0,
-        });
-    }
     // The curve ends at the heap now (a `--peak` snapshot's totals are the
     // heap at the peak; the exact counters give now).
     let last = if peak.is_some() {
@@ -1144,6 +1137,25 @@ pub fn take(
         }
     };
     snap.timeline = timeline(target, Some(last));
+    // Nothing was recorded before the curve's first point (where recording
+    // began): a moment of the coarse clock that converts to just before it
+    // is that point's (so the peak is never drawn before the curve starts).
+    let curve_start = snap
+        .timeline
+        .as_ref()
+        .and_then(|tl| tl.points.first())
+        .map(|p| p.time);
+    let recorded_time = |p: &heapdump_table::peak::Peak| {
+        let t = clock.wall_of(p.time_us).unwrap_or(taken_at);
+        curve_start.map_or(t, |start| t.max(start))
+    };
+    if let Some(p) = &peak {
+        snap.peak = Some(PeakInfo {
+            time: recorded_time(p),
+            live_bytes: snap.totals.live_bytes,
+            tolerance: 0,
+        });
+    }
     // One peak, shown alike in the totals, the curve, JSON, pprof and the
     // report: the highest of the heap now, the heap rebuilt at the
     // recorded peak, and the curve's highest point (a running total, up
@@ -1153,7 +1165,7 @@ pub fn take(
         candidates.push((
             at_recorded.0.round() as u64,
             at_recorded.1.round() as u64,
-            clock.wall_of(p.time_us).unwrap_or(taken_at),
+            recorded_time(p),
         ));
     }
     if let Some(tl) = &snap.timeline {
@@ -1161,9 +1173,12 @@ pub fn take(
             candidates.push((pt.live_bytes, pt.live_blocks, pt.time));
         }
     }
+    // Of equal heaps the earliest: the high-water mark is when the heap
+    // reached it (the curve may have its first point at that level only
+    // later, or only now: the running total lags by the writers' batches).
     let (peak_bytes, peak_blocks, peak_time) = candidates
         .into_iter()
-        .max_by_key(|c| c.0)
+        .max_by_key(|c| (c.0, std::cmp::Reverse(c.2)))
         .expect("the heap now is a candidate");
     snap.totals.peak_bytes = peak_bytes;
     // In exact mode the heap never held more than was allocated since
@@ -1182,9 +1197,12 @@ pub fn take(
         p.tolerance = snap.totals.peak_tolerance;
     }
     if let Some(tl) = &mut snap.timeline {
-        if tl.peak().is_none_or(|pt| pt.live_bytes < peak_bytes) {
-            // The rebuilt peak lies between two points of the curve: put
-            // it there, so the curve's highest point is the peak.
+        if tl.peak().is_none_or(|pt| {
+            pt.live_bytes < peak_bytes || (pt.live_bytes == peak_bytes && pt.time > peak_time)
+        }) {
+            // The rebuilt peak lies between two points of the curve (or
+            // the curve reached it only later): put it there, so the
+            // curve's highest point is the peak, at the same moment.
             let at = tl.points.partition_point(|p| p.time <= peak_time);
             let alloc_bytes = at
                 .checked_sub(1)
