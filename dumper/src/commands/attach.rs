@@ -229,6 +229,8 @@ fn check_visibility(pid: u32) -> Result<()> {
 /// The library path the target has loaded (for detach).
 fn loaded_library(pid: u32) -> Option<String> {
     let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).ok()?;
+    // Bound, not returned at once: the lines borrow `maps`, which the
+    // block's tail expression would outlive.
     let path = crate::process::maps_lines::maps_lines(&maps)
         .map(|l| crate::symbolization::maps::unescape_path(l.path))
         .find(|path| {
