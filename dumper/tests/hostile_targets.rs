@@ -336,6 +336,81 @@ fn a_planted_agent_library_is_never_loaded_nor_written_through() {
     let _ = std::fs::remove_file(&planted_dir);
 }
 
+#[test]
+fn a_decoy_library_under_the_agents_name_neither_fails_nor_answers_detach() {
+    if !root_here("decoy library") {
+        return;
+    }
+    let t = TempDir::new("hostile-decoy");
+    // The marker's directory must be writable by the target (nobody).
+    std::fs::set_permissions(&t.0, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let marker = t.path("decoy-detach-ran");
+    let nobodys = nobody_dir(&t, "nobodys");
+    // nobody's library under the agent's name, with the agent's detach
+    // entry point: loaded after the attach, it maps below the agent and
+    // comes first in /proc/PID/maps.
+    let src = nobodys.join("decoy.c");
+    std::fs::write(
+        &src,
+        format!(
+            "#include <stdio.h>\n#include <stdlib.h>\n\
+             const char pad[4 << 20] = {{1}};\n\
+             void plugin_alloc(int n) {{ (void)n; }}\n\
+             int heapdump_detach(void) {{ FILE *f = fopen(\"{}\", \"w\"); \
+             if (f) fclose(f); return 4242; }}\n",
+            marker.display()
+        ),
+    )
+    .unwrap();
+    let decoy = nobodys.join("libheapdump_preload_decoy.so");
+    cc(Command::new("cc")
+        .args(["-shared", "-fPIC", "-o"])
+        .arg(&decoy)
+        .arg(&src));
+    chown_nobody(&decoy);
+
+    let exe = hostile_copy(&nobodys, "prog");
+    let mut target = Target::spawn(as_nobody(&exe));
+    let pid = target.pid().to_string();
+    let lib = preload_lib();
+    ok(&bounded(&[
+        "attach",
+        &pid,
+        "--library",
+        lib.to_str().unwrap(),
+    ]));
+    target.send(&format!("plugin {}", decoy.display()));
+    target.wait_line("loaded");
+    target.send("alloc");
+    target.wait_line("allocated");
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap();
+    let first = maps
+        .lines()
+        .find(|l| l.contains("libheapdump_preload"))
+        .expect("a library under the agent's name is mapped");
+    assert!(
+        first.ends_with("libheapdump_preload_decoy.so"),
+        "the decoy is not the first candidate, so this test would not bite:\n{maps}"
+    );
+
+    let out = ok(&bounded(&["detach", &pid]));
+    assert!(out.contains("detached from"), "{out}");
+    assert!(
+        !marker.exists(),
+        "root's detach called the decoy's heapdump_detach"
+    );
+    // Detached for real: blocks allocated afterwards are not recorded.
+    target.send("alloc");
+    target.wait_line("allocated");
+    let roots = t.path("roots");
+    std::fs::create_dir(&roots).unwrap();
+    let json = roots.join("after.json");
+    ok(&bounded(&["snapshot", &pid, "-o", json.to_str().unwrap()]));
+    let j = read_json(&json);
+    assert_eq!(live_by_leaf(&j).get("site_hostile"), Some(&(100, 30_000)));
+    target.send("quit");
+}
+
 /// Builds `tests/c/attach_plugin.c` as a shared object at `out`.
 fn plugin_at(out: &Path, extra: &[&str]) {
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/c/attach_plugin.c");
@@ -755,6 +830,70 @@ fn agent_settings_are_ignored_in_set_user_id_programs() {
         suid & bit(libc::SIGUSR1) == 0 && suid & bit(libc::SIGUSR2) != 0,
         "HEAPDUMP_SIGNAL was taken in a set-user-ID program (SigCgt {suid:x})"
     );
+}
+
+#[test]
+fn a_process_in_a_root_of_its_own_is_attached_and_detached() {
+    if !root_here("chroot")
+        || !real_dependency("unshare, chroot", Path::new("/usr/bin/unshare").exists())
+    {
+        return;
+    }
+    // A container's process: its own root (the host's /usr bound in), so
+    // our /proc/PID/maps names the agent under the root's host path, which
+    // is no path inside it; detach must name the library as the process
+    // sees it (it used to fail: "the agent library is not loaded").
+    let t = TempDir::new("chrooted-attach");
+    std::fs::set_permissions(&t.0, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let root = t.path("root");
+    let app = root.join("app");
+    std::fs::create_dir_all(&app).unwrap();
+    std::fs::create_dir_all(root.join("usr")).unwrap();
+    let tmp = root.join("tmp");
+    std::fs::create_dir_all(&tmp).unwrap();
+    std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o1777)).unwrap();
+    for (l, to) in [
+        ("lib", "usr/lib"),
+        ("lib64", "usr/lib64"),
+        ("bin", "usr/bin"),
+    ] {
+        std::os::unix::fs::symlink(to, root.join(l)).unwrap();
+    }
+    hostile_copy(&app, "prog");
+    let mut cmd = Command::new("/usr/bin/unshare");
+    cmd.args(["-m", "--propagation", "private", "--", "sh", "-c"])
+        .arg(format!(
+            "mount --bind /usr {}/usr && exec chroot {} /usr/bin/setpriv --reuid=65534 \
+             --regid=65534 --clear-groups /app/prog",
+            root.display(),
+            root.display()
+        ))
+        .env_remove("LD_PRELOAD");
+    let mut target = Target::spawn(cmd);
+    let pid = target.last_line()["ready ".len()..].to_string();
+    let lib = preload_lib();
+    let out = bounded(&["attach", &pid, "--library", lib.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap();
+    assert!(
+        maps.contains(&format!("{}/tmp/heapdump-agent-", root.display())),
+        "the agent is not mapped from the process's own /tmp:\n{maps}"
+    );
+    target.send("alloc");
+    target.wait_line("allocated");
+    let out = ok(&bounded(&["detach", &pid]));
+    assert!(out.contains("detached from"), "{out}");
+    target.send("alloc");
+    target.wait_line("allocated");
+    let json = t.path("after.json");
+    ok(&bounded(&["snapshot", &pid, "-o", json.to_str().unwrap()]));
+    let j = read_json(&json);
+    assert_eq!(
+        live_by_leaf(&j).get("site_hostile"),
+        Some(&(100, 30_000)),
+        "blocks allocated after the detach were recorded"
+    );
+    target.send("quit");
 }
 
 #[test]

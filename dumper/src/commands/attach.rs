@@ -226,20 +226,52 @@ fn check_visibility(pid: u32) -> Result<()> {
     Ok(())
 }
 
-/// The library path the target has loaded (for detach).
+/// The path of the agent library the target has loaded, for detach to
+/// name it to the target's `dlopen(RTLD_NOLOAD)`.
+///
+/// The target chooses what it maps and under which names: a library of its
+/// own called `libheapdump_preload_x.so`, mapped before ours, must neither
+/// make root's detach fail nor have root call its `heapdump_detach`. So a
+/// mapping counts only when the file behind it, opened through
+/// `/proc/PID/map_files` (never on a user-space file system, whose server
+/// the target may run), can be changed by no one but root or heapdump's
+/// user, as the library attach loads always is (see
+/// [`crate::attach::library_placement`]). The path is as the target sees
+/// it: a target in another root shows in our `/proc/PID/maps` under that
+/// root's path, which is taken off.
 fn loaded_library(pid: u32) -> Option<String> {
     let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).ok()?;
+    let mounts = crate::process::user_space_mounts::UserSpaceMounts::of_process(pid);
+    let root = std::fs::read_link(format!("/proc/{pid}/root")).ok();
     // Bound, not returned at once: the lines borrow `maps`, which the
     // block's tail expression would outlive.
     let path = crate::process::maps_lines::maps_lines(&maps)
-        .map(|l| crate::symbolization::maps::unescape_path(l.path))
-        .find(|path| {
-            std::path::Path::new(path)
+        .filter(|l| {
+            let path = crate::symbolization::maps::unescape_path(l.path);
+            std::path::Path::new(&path)
                 .file_name()
                 .and_then(|n| n.to_str())
                 .is_some_and(|n| n.starts_with("libheapdump_preload"))
-        });
-    path
+        })
+        .find(|l| {
+            let via = format!("/proc/{pid}/map_files/{:x}-{:x}", l.start, l.end);
+            crate::process::target_files::open_regular(std::path::Path::new(&via), &mounts)
+                .and_then(|f| crate::process::target_files::fstat(&f))
+                .is_ok_and(|st| crate::attach::library_placement::trusted(&st))
+        })
+        .map(|l| crate::symbolization::maps::unescape_path(l.path));
+    path.map(|p| as_seen_inside(&p, root.as_deref()))
+}
+
+/// `path`, as our `/proc/PID/maps` shows it, as a process whose root
+/// directory is `root` (as `/proc/PID/root` reads to us) names it.
+fn as_seen_inside(path: &str, root: Option<&std::path::Path>) -> String {
+    match root.and_then(|r| std::path::Path::new(path).strip_prefix(r).ok()) {
+        Some(rest) if root != Some(std::path::Path::new("/")) => {
+            format!("/{}", rest.display())
+        }
+        _ => path.to_string(),
+    }
 }
 
 fn explain(e: InjectError, pid: u32) -> anyhow::Error {
@@ -499,8 +531,12 @@ pub fn detach(a: DetachArgs) -> Result<i32> {
         }
         AgentState::None => bail!("heapdump is not attached to process {pid} ({name})"),
     }
-    let path = loaded_library(pid)
-        .with_context(|| format!("process {pid} has no libheapdump_preload.so mapped"))?;
+    let path = loaded_library(pid).with_context(|| {
+        format!(
+            "process {pid} maps no libheapdump_preload library that only root (or heapdump's \
+             user) can change, so no agent heapdump attached: nothing to detach"
+        )
+    })?;
     let done = inject::inject(pid, &path, &Action::Detach).map_err(|e| {
         anyhow::anyhow!("{e}").context(format!(
             "detaching from {pid} ({name}) failed; the process was left as it was (still \
@@ -518,4 +554,24 @@ pub fn detach(a: DetachArgs) -> Result<i32> {
         done.stopped.as_secs_f64() * 1e3
     ));
     Ok(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::as_seen_inside;
+    use std::path::Path;
+
+    #[test]
+    fn a_library_path_is_named_as_the_target_sees_it() {
+        let lib = "/srv/jail/tmp/heapdump-agent-1/libheapdump_preload.so";
+        assert_eq!(
+            as_seen_inside(lib, Some(Path::new("/srv/jail"))),
+            "/tmp/heapdump-agent-1/libheapdump_preload.so"
+        );
+        assert_eq!(as_seen_inside(lib, Some(Path::new("/"))), lib);
+        assert_eq!(as_seen_inside(lib, None), lib);
+        // A root that is not a whole-component prefix is not taken off.
+        assert_eq!(as_seen_inside(lib, Some(Path::new("/srv/ja"))), lib);
+        assert_eq!(as_seen_inside(lib, Some(Path::new("/elsewhere"))), lib);
+    }
 }
