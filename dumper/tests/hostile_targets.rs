@@ -1173,6 +1173,60 @@ fn a_library_on_a_fuse_mount_whose_server_stalls_root_is_not_read() {
     drop(mount);
 }
 
+#[test]
+fn a_library_on_a_lazily_unmounted_fuse_mount_is_not_read() {
+    if !root_here("fuse") {
+        return;
+    }
+    // The user then takes the mount out of every mount table
+    // (`fusermount -uz`, here `umount -l`): the mapped library stays
+    // served by the user's server, and its device is in no mountinfo.
+    // heapdump used to find no user-space mount there, and hung on the
+    // library's first page (snapshot, list and attach alike).
+    let t = TempDir::new("hostile-fuse-detached");
+    let d = nobody_dir(&t, "src");
+    let lib = two_place_library(&t, &d);
+    let point = nobody_dir(&t, "mnt");
+    let Some(mount) = stalling_mount(&point, &lib) else {
+        return;
+    };
+    let mut target = Target::spawn(as_nobody_recorded(&compile_c("hostile")));
+    let mount = mount;
+    target.send(&format!("plugin {}", point.join("libtwo.so").display()));
+    assert_eq!(target.wait_line(""), "loaded");
+    let status = Command::new("umount")
+        .arg("-l")
+        .arg(&point)
+        .status()
+        .unwrap();
+    assert!(status.success(), "umount -l {point:?}");
+    let pid = target.pid().to_string();
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap();
+    assert!(
+        maps.lines().any(|l| l.ends_with(" /libtwo.so")),
+        "the detached library shows by its path inside the mount:\n{maps}"
+    );
+    let json = t.str("s.json");
+    ok(&bounded(&["snapshot", &pid, "-o", &json]));
+    let j = read_json(Path::new(&json));
+    assert_eq!(
+        live_blocks_with_frame(&j, |f| {
+            f["module"].as_str() == Some("/libtwo.so") && f["function"].is_null()
+        }),
+        10,
+        "the plugin's 10 blocks, at its unread library's addresses: {j}"
+    );
+    let notes = j["notes"].to_string();
+    assert!(
+        notes.contains("mounted nowhere") && notes.contains("/libtwo.so"),
+        "the snapshot says why the library was not read: {notes}"
+    );
+    let list = ok(&bounded(&["list"]));
+    assert!(list.contains(&pid), "{list}");
+    target.send("quit");
+    drop(mount);
+}
+
 /// A FUSE mount of `tests/c/fuse_stall.c` serving `file` at `point`, or
 /// `None` where this machine cannot mount one (a failure where CI
 /// requires it).
@@ -1208,36 +1262,49 @@ fn attach_never_touches_a_stack_mapped_from_a_fuse_file() {
     // which only the server has, and the server never answers root. The
     // pages of a mapping come from its file whoever touches them, so this
     // needs no allow_other (the server here has it for the other test).
+    // Then the same with the mount lazily unmounted (`fusermount -uz`)
+    // once the stack is mapped: its device is in no mount table, and
+    // attach used to read the stack and hang.
     let t = TempDir::new("hostile-fuse-stack");
     let d = nobody_dir(&t, "src");
     let file = d.join("stack.bin");
     std::fs::write(&file, vec![0u8; 1 << 20]).unwrap();
-    let point = nobody_dir(&t, "mnt");
-    let Some(mount) = stalling_mount(&point, &file) else {
-        return;
-    };
-    let mut target = Target::spawn(as_nobody(&compile_c("hostile")));
-    // Dropped before the target (declared after it): a hung heapdump holds
-    // the target traced, and only the server's end frees both.
-    let mount = mount;
-    let pid = target.pid().to_string();
-    target.send(&format!("fusestack {}", point.join("stack.bin").display()));
-    assert_eq!(target.wait_line(""), "stacked");
-    // Before: heapdump read the stack through /proc/PID/mem and hung,
-    // unkillable, with the target's thread held stopped.
-    let lib = preload_lib();
-    let out = bounded(&["attach", &pid, "--library", lib.to_str().unwrap()]);
-    assert!(!out.status.success(), "attached: {}", stderr(&out));
-    assert!(
-        stderr(&out).contains("part of its stack cannot be read"),
-        "{}",
-        stderr(&out)
-    );
-    // The target was left as it was: its read goes on.
-    target.send("x");
-    assert_eq!(target.wait_line("unstacked"), "unstacked 1");
-    target.send("quit");
-    drop(mount);
+    for detached in [false, true] {
+        let point = nobody_dir(&t, &format!("mnt-{detached}"));
+        let Some(mount) = stalling_mount(&point, &file) else {
+            return;
+        };
+        let mut target = Target::spawn(as_nobody(&compile_c("hostile")));
+        // Dropped before the target (declared after it): a hung heapdump holds
+        // the target traced, and only the server's end frees both.
+        let mount = mount;
+        let pid = target.pid().to_string();
+        target.send(&format!("fusestack {}", point.join("stack.bin").display()));
+        assert_eq!(target.wait_line(""), "stacked");
+        if detached {
+            let status = Command::new("umount")
+                .arg("-l")
+                .arg(&point)
+                .status()
+                .unwrap();
+            assert!(status.success(), "umount -l {point:?}");
+        }
+        // Before: heapdump read the stack through /proc/PID/mem and hung,
+        // unkillable, with the target's thread held stopped.
+        let lib = preload_lib();
+        let out = bounded(&["attach", &pid, "--library", lib.to_str().unwrap()]);
+        assert!(!out.status.success(), "attached: {}", stderr(&out));
+        assert!(
+            stderr(&out).contains("part of its stack cannot be read"),
+            "{}",
+            stderr(&out)
+        );
+        // The target was left as it was: its read goes on.
+        target.send("x");
+        assert_eq!(target.wait_line("unstacked"), "unstacked 1");
+        target.send("quit");
+        drop(mount);
+    }
 }
 
 #[test]

@@ -376,9 +376,18 @@ pub fn region_sources(pid: u32) -> Result<Vec<RegionSource>, DiscoveryError> {
         {
             continue;
         }
-        if let Ok(meta) = fs::metadata(entry.path()) {
-            use std::os::unix::fs::MetadataExt;
-            by_inode.entry(meta.ino()).or_insert(entry.path());
+        // Its inode as the kernel has it cached: a `stat` of a file a
+        // target names `/memfd:heapdump.allocations (deleted)` at the root
+        // of its detached FUSE mount would be a request its server may
+        // never answer (the open below refuses such a file).
+        use std::os::unix::fs::OpenOptionsExt;
+        let ino = fs::File::options()
+            .read(true)
+            .custom_flags(libc::O_PATH)
+            .open(entry.path())
+            .and_then(|f| super::user_space_mounts::identity_without_request(&f));
+        if let Ok(id) = ino {
+            by_inode.entry(id.ino).or_insert(entry.path());
         }
     }
     Ok(mappings

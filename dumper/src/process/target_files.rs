@@ -198,6 +198,10 @@ impl TargetRoot {
     /// user-space file system is mounted in it), never on nor through a
     /// user-space file system.
     pub fn resolve(&self, path: &Path, no_symlinks: bool) -> io::Result<OwnedFd> {
+        // A root on a detached mount that may be a user-space one (a
+        // process chrooted into its FUSE mount, then lazily unmounted):
+        // every lookup in it would be a request.
+        self.mounts.check_fd(&self.fd, path)?;
         self.mounts.check_path(path)?;
         let fd = self.resolve_unchecked(path, no_symlinks || self.mounts.strict())?;
         self.mounts.check_fd(&fd, path)?;

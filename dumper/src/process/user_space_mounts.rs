@@ -32,6 +32,17 @@
 //!   lookup) is checked by its device before anything else, through
 //!   `statx(AT_STATX_DONT_SYNC)` with an empty mask, which FUSE answers
 //!   from the kernel's cache without a request.
+//! - A file on a file system mounted nowhere the target or heapdump can
+//!   see (lazily unmounted: `fusermount -uz` takes a user's FUSE mount out
+//!   of every mount table while the files mapped from it stay served) is
+//!   refused too when its device is an anonymous one (major 0, as every
+//!   FUSE mount a user can make) unless the kernel's FUSE control file
+//!   system (`/sys/fs/fuse/connections`, one directory per live
+//!   connection, named by its device) is mounted and lists no connection
+//!   of that device; the kernel's own hidden mount of shared memory
+//!   (memfd, SysV segments) is known by a memfd of heapdump's own. The
+//!   check runs on the descriptor of a file that exists, so its
+//!   connection, if it has one, is listed by then: no race.
 //! - `HEAPDUMP_READ_FUSE=1` turns all of this off (for file systems whose
 //!   servers the user trusts, on hosts where no other user may mount).
 
@@ -42,6 +53,8 @@ use std::path::{Component, Path, PathBuf};
 /// One mount of a user-space file system.
 #[derive(Clone, Debug, PartialEq, Eq)]
 struct Mount {
+    /// The kernel's id of the mount (unique on the host).
+    id: u64,
     /// Device number (major, minor) of its superblock.
     dev: (u32, u32),
     /// Where it is mounted, as the process whose mountinfo named it sees
@@ -56,14 +69,41 @@ struct Mount {
 #[derive(Clone, Debug, Default)]
 pub struct UserSpaceMounts {
     mounts: Vec<Mount>,
+    /// Every mount the target and heapdump see, of any type: a file of a
+    /// mount among them is judged by its type; one on an anonymous device
+    /// none of them (nor the kernel's shared-memory mount) has is on a
+    /// detached mount. `None`: such files are not checked
+    /// ([`UserSpaceMounts::none`]).
+    known: Option<Known>,
 }
 
-/// Why a file was not opened: it lies on a user-space file system.
+/// Every mount a target and heapdump see.
+#[derive(Clone, Debug, Default)]
+struct Known {
+    /// Mount ids, each with its file system's type.
+    ids: Vec<(u64, String)>,
+    /// Devices, and the kernel's shared-memory mount's.
+    devs: Vec<(u32, u32)>,
+}
+
+impl Known {
+    fn of(mounts: &[Mount]) -> Known {
+        Known {
+            ids: mounts.iter().map(|m| (m.id, m.fstype.clone())).collect(),
+            devs: mounts.iter().map(|m| m.dev).collect(),
+        }
+    }
+}
+
+/// The `fstype` of a refusal for a file on a detached mount that may be
+/// a user-space file system's.
+const DETACHED: &str = "detached";
+
+/// Why a file was not opened: it lies on a user-space file system, or on
+/// a detached one that may be.
 #[derive(Debug, thiserror::Error)]
-#[error(
-    "{path} is on a {fstype} file system, whose user-space server answers every access to it \
-     and could stall heapdump for ever: not read (HEAPDUMP_READ_FUSE=1 reads such files)"
-)]
+#[error("{path} is on {}, and could stall heapdump for ever: not read (HEAPDUMP_READ_FUSE=1 \
+         reads such files)", describe(.fstype))]
 pub struct OnUserSpaceFs {
     /// The file (or the path asked for).
     pub path: String,
@@ -82,6 +122,18 @@ pub fn naming(e: io::Error, path: &Path) -> io::Error {
     match e.get_ref().and_then(|r| r.downcast_ref::<OnUserSpaceFs>()) {
         Some(r) => refusal(path, &r.fstype),
         None => e,
+    }
+}
+
+/// The file system of a refusal, in words.
+fn describe(fstype: &str) -> String {
+    if fstype == DETACHED {
+        "a file system mounted nowhere the process or heapdump can see (lazily unmounted), \
+         which may be a user-space one (FUSE, served by a process that answers every access to \
+         it; /sys/fs/fuse/connections, where mounted, tells)"
+            .to_string()
+    } else {
+        format!("a {fstype} file system, whose user-space server answers every access to it")
     }
 }
 
@@ -125,19 +177,26 @@ fn unescape(s: &str) -> String {
 }
 
 /// The user-space mounts of a mountinfo text.
+#[cfg(test)]
 fn parse(text: &str) -> Vec<Mount> {
+    parse_all(text)
+        .into_iter()
+        .filter(|m| user_space(&m.fstype))
+        .collect()
+}
+
+/// Every mount of a mountinfo text.
+fn parse_all(text: &str) -> Vec<Mount> {
     text.lines()
         .filter_map(|line| {
             let (left, right) = line.split_once(" - ")?;
             let fstype = right.split(' ').next()?;
-            if !user_space(fstype) {
-                return None;
-            }
             let mut f = left.split(' ');
-            let (_id, _parent, dev, _root, point) =
+            let (id, _parent, dev, _root, point) =
                 (f.next()?, f.next()?, f.next()?, f.next()?, f.next()?);
             let (major, minor) = dev.split_once(':')?;
             Some(Mount {
+                id: id.parse().ok()?,
                 dev: (major.parse().ok()?, minor.parse().ok()?),
                 point: Some(PathBuf::from(unescape(point))),
                 fstype: fstype.to_string(),
@@ -148,8 +207,63 @@ fn parse(text: &str) -> Vec<Mount> {
 
 fn read_mountinfo(of: &str) -> Vec<Mount> {
     std::fs::read_to_string(format!("/proc/{of}/mountinfo"))
-        .map(|t| parse(&t))
+        .map(|t| parse_all(&t))
         .unwrap_or_default()
+}
+
+/// The device of the kernel's hidden shared-memory mount (memfd, SysV
+/// segments), from a memfd of our own; `None` if none can be made.
+fn shared_memory_device() -> Option<(u32, u32)> {
+    static DEV: std::sync::OnceLock<Option<(u32, u32)>> = std::sync::OnceLock::new();
+    *DEV.get_or_init(|| {
+        // SAFETY: a valid NUL-terminated name and flags; through `syscall`
+        // because glibc's wrapper is newer than the 2.17 the binary may
+        // import.
+        let fd = unsafe {
+            libc::syscall(
+                libc::SYS_memfd_create,
+                c"heapdump-probe".as_ptr(),
+                libc::MFD_CLOEXEC,
+            )
+        };
+        if fd < 0 {
+            return None;
+        }
+        // SAFETY: a descriptor the kernel just gave us, owned here alone.
+        let fd =
+            unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd as i32) };
+        let st = super::target_files::fstat(&fd).ok()?;
+        Some((libc::major(st.st_dev), libc::minor(st.st_dev)))
+    })
+}
+
+/// Whether a file on device `dev` lies on a mount none of `known` names,
+/// on an anonymous device (as every FUSE mount a user can make), that
+/// `connection` (the FUSE control file system's answer) does not rule out.
+fn detached_and_maybe_user_space(
+    dev: (u32, u32),
+    known: &[(u32, u32)],
+    connection: impl FnOnce((u32, u32)) -> Option<bool>,
+) -> bool {
+    dev.0 == 0 && !known.contains(&dev) && connection(dev) != Some(false)
+}
+
+/// Whether device `dev` is a live FUSE connection's, as the kernel's
+/// control file system lists them; `None` where it is not mounted.
+fn fuse_connection(dev: (u32, u32)) -> Option<bool> {
+    const FUSE_CTL_SUPER_MAGIC: i64 = 0x6573_5543;
+    let dir = c"/sys/fs/fuse/connections";
+    // SAFETY: an all-zero `statfs` is a valid value of the plain C struct.
+    let mut sfs: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `dir` is a valid string and `sfs` a valid place to write.
+    if unsafe { libc::statfs(dir.as_ptr(), &mut sfs) } != 0
+        || sfs.f_type as i64 != FUSE_CTL_SUPER_MAGIC
+    {
+        return None;
+    }
+    // The kernel's own encoding of a device number names the directory.
+    let name = (u64::from(dev.0) << 20) | u64::from(dev.1);
+    Some(Path::new(&format!("/sys/fs/fuse/connections/{name}")).exists())
 }
 
 fn disabled() -> bool {
@@ -170,14 +284,24 @@ impl UserSpaceMounts {
         if disabled() {
             return Self::none();
         }
-        let mut mounts = read_mountinfo(&pid.to_string());
-        for mut m in read_mountinfo("self") {
+        let theirs = read_mountinfo(&pid.to_string());
+        let ours = read_mountinfo("self");
+        let mut known = Known::of(&[theirs.as_slice(), ours.as_slice()].concat());
+        known.devs.extend(shared_memory_device());
+        let mut mounts: Vec<Mount> = theirs
+            .into_iter()
+            .filter(|m| user_space(&m.fstype))
+            .collect();
+        for mut m in ours.into_iter().filter(|m| user_space(&m.fstype)) {
             if !mounts.iter().any(|t| t.dev == m.dev) {
                 m.point = None;
                 mounts.push(m);
             }
         }
-        UserSpaceMounts { mounts }
+        UserSpaceMounts {
+            mounts,
+            known: Some(known),
+        }
     }
 
     /// The user-space mounts of a mountinfo text (tests).
@@ -185,17 +309,31 @@ impl UserSpaceMounts {
     pub fn from_mountinfo(text: &str) -> Self {
         UserSpaceMounts {
             mounts: parse(text),
+            known: Some(Known::of(&parse_all(text))),
         }
     }
 
-    /// Whether no user-space file system is known.
+    /// Whether nothing is refused: no user-space file system is known and
+    /// files on detached mounts are not checked.
     pub fn is_empty(&self) -> bool {
-        self.mounts.is_empty()
+        self.mounts.is_empty() && self.known.is_none()
     }
 
-    /// Whether device (major, minor) is a user-space file system's.
+    /// Whether device (major, minor) is, or may be, a user-space file
+    /// system's.
     pub fn has_device(&self, dev: (u32, u32)) -> bool {
-        self.mounts.iter().any(|m| m.dev == dev)
+        self.served(dev).is_some()
+    }
+
+    /// The type of the user-space file system of device `dev`, or
+    /// [`DETACHED`] for an anonymous device mounted nowhere we see that
+    /// may be one (see the module doc).
+    fn served(&self, dev: (u32, u32)) -> Option<&str> {
+        if let Some(m) = self.mounts.iter().find(|m| m.dev == dev) {
+            return Some(&m.fstype);
+        }
+        let known = self.known.as_ref()?;
+        detached_and_maybe_user_space(dev, &known.devs, fuse_connection).then_some(DETACHED)
     }
 
     /// Whether names must be resolved without symbolic links and `..`
@@ -233,13 +371,24 @@ impl UserSpaceMounts {
     /// a user-space mount, asking the kernel for its device only
     /// (`statx(AT_STATX_DONT_SYNC)`, answered without the server).
     pub fn check_fd(&self, fd: &impl AsRawFd, shown: &Path) -> io::Result<()> {
-        if self.mounts.is_empty() {
+        if self.is_empty() {
             return Ok(());
         }
-        let dev = device_without_request(fd)?;
-        match self.mounts.iter().find(|m| m.dev == dev) {
-            Some(m) => Err(refusal(shown, &m.fstype)),
-            None => Ok(()),
+        let id = identity_without_request(fd)?;
+        if let Some(m) = self.mounts.iter().find(|m| m.dev == id.dev) {
+            return Err(refusal(shown, &m.fstype));
+        }
+        // A file of a mount we see is judged by the mount's type: its
+        // device may be none in the tables (a btrfs subvolume's own).
+        let mount = self
+            .known
+            .as_ref()
+            .zip(id.mount)
+            .and_then(|(known, mount)| known.ids.iter().find(|(m, _)| *m == mount).map(|(_, t)| t));
+        match (mount, self.served(id.dev)) {
+            (Some(fstype), _) if user_space(fstype) => Err(refusal(shown, fstype)),
+            (Some(_), _) | (None, None) => Ok(()),
+            (None, Some(fstype)) => Err(refusal(shown, fstype)),
         }
     }
 }
@@ -247,7 +396,27 @@ impl UserSpaceMounts {
 /// The device of the file behind `fd`, without asking its file system's
 /// server (see the module doc). On a kernel without `statx` (before 4.11)
 /// the ordinary `fstat`.
+#[cfg(test)]
 fn device_without_request(fd: &impl AsRawFd) -> io::Result<(u32, u32)> {
+    identity_without_request(fd).map(|id| id.dev)
+}
+
+/// What identifies a file, as the kernel has it cached.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Identity {
+    /// Its device (major, minor), as `stat` gives it.
+    pub dev: (u32, u32),
+    /// Its inode number.
+    pub ino: u64,
+    /// The id of the mount it was reached through (kernels 5.8 and later).
+    pub mount: Option<u64>,
+}
+
+/// The device and inode number of the file behind `fd` (an `O_PATH`
+/// descriptor will do), as the kernel has them cached, without a request
+/// to a user-space file system's server: `statx(AT_STATX_DONT_SYNC)`. On
+/// a kernel without `statx` (before 4.11) the ordinary `fstat`.
+pub fn identity_without_request(fd: &impl AsRawFd) -> io::Result<Identity> {
     // SAFETY: an all-zero `statx` is a valid value of the plain C struct.
     let mut stx: libc::statx = unsafe { std::mem::zeroed() };
     // SAFETY: an empty, NUL-terminated path with AT_EMPTY_PATH names `fd`
@@ -260,19 +429,27 @@ fn device_without_request(fd: &impl AsRawFd) -> io::Result<(u32, u32)> {
             fd.as_raw_fd(),
             c"".as_ptr(),
             libc::AT_EMPTY_PATH | libc::AT_STATX_DONT_SYNC,
-            0u32,
+            libc::STATX_INO | libc::STATX_MNT_ID,
             &mut stx as *mut libc::statx,
         )
     };
     if ret == 0 {
-        return Ok((stx.stx_dev_major, stx.stx_dev_minor));
+        return Ok(Identity {
+            dev: (stx.stx_dev_major, stx.stx_dev_minor),
+            ino: stx.stx_ino,
+            mount: (stx.stx_mask & libc::STATX_MNT_ID != 0).then_some(stx.stx_mnt_id),
+        });
     }
     let err = io::Error::last_os_error();
     if err.raw_os_error() != Some(libc::ENOSYS) {
         return Err(err);
     }
     let st = super::target_files::fstat(fd)?;
-    Ok((libc::major(st.st_dev), libc::minor(st.st_dev)))
+    Ok(Identity {
+        dev: (libc::major(st.st_dev), libc::minor(st.st_dev)),
+        ino: st.st_ino,
+        mount: None,
+    })
 }
 
 #[cfg(test)]
@@ -286,6 +463,35 @@ mod tests {
 42 22 0:47 / /run/lxcfs rw - fuse lxcfs rw,allow_other
 43 22 0:48 / /tmp rw - tmpfs tmpfs rw
 ";
+
+    #[test]
+    fn a_file_on_an_anonymous_device_no_mount_names_is_refused_unless_fusectl_says_no() {
+        let known = [(8, 1), (0, 48)];
+        let asked = |answer: Option<bool>| move |_| answer;
+        // Mounted where we see it, or a block device: never refused here.
+        assert!(!detached_and_maybe_user_space((0, 48), &known, asked(None)));
+        assert!(!detached_and_maybe_user_space((8, 2), &known, asked(None)));
+        // Detached: refused, unless the control file system lists no
+        // FUSE connection of that device.
+        assert!(detached_and_maybe_user_space((0, 99), &known, asked(None)));
+        assert!(detached_and_maybe_user_space(
+            (0, 99),
+            &known,
+            asked(Some(true))
+        ));
+        assert!(!detached_and_maybe_user_space(
+            (0, 99),
+            &known,
+            asked(Some(false))
+        ));
+        let m = UserSpaceMounts::from_mountinfo(MOUNTINFO);
+        assert!(m.has_device((0, 45)) && !m.has_device((0, 48)) && !m.has_device((8, 1)));
+        assert!(!UserSpaceMounts::none().has_device((0, 99)));
+        assert_eq!(
+            refusal(Path::new("/x.so"), DETACHED).to_string().split(',').next(),
+            Some("/x.so is on a file system mounted nowhere the process or heapdump can see (lazily unmounted)")
+        );
+    }
 
     #[test]
     fn only_user_space_mounts_are_kept_with_their_devices_and_points() {
@@ -338,7 +544,9 @@ mod tests {
                 dev,
                 point: None,
                 fstype: "fuse.test".into(),
+                id: 0,
             }],
+            known: None,
         };
         let e = m.check_fd(&f, Path::new("/x")).unwrap_err();
         assert!(is_refusal(&e), "{e}");
@@ -346,5 +554,18 @@ mod tests {
         assert!(UserSpaceMounts::none()
             .check_fd(&f, Path::new("/x"))
             .is_ok());
+    }
+
+    #[test]
+    fn our_own_files_and_memfds_are_on_known_mounts() {
+        let ours = UserSpaceMounts::of_process(std::process::id());
+        let exe = std::fs::File::open("/proc/self/exe").unwrap();
+        ours.check_fd(&exe, Path::new("/exe")).unwrap();
+        // SAFETY: a valid name and flags.
+        let fd = unsafe { libc::syscall(libc::SYS_memfd_create, c"t".as_ptr(), 0) };
+        assert!(fd >= 0);
+        // SAFETY: a descriptor the kernel just gave us.
+        let memfd = unsafe { <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(fd as i32) };
+        ours.check_fd(&memfd, Path::new("/memfd:t")).unwrap();
     }
 }
