@@ -136,6 +136,49 @@ fn json_matches_ground_truth_exactly() {
 }
 
 #[test]
+fn a_peak_snapshot_never_claims_less_than_the_curve_shows() {
+    // The fake target's heap rose above what it holds now (it allocated
+    // and freed blocks). Whatever `--peak` can rebuild, the heap it shows
+    // plus its tolerance reaches the peak the totals and the curve name,
+    // and a heap now shown for a peak that was higher says so: `--peak`
+    // once showed the heap now, 14 KiB, "at most 2.3 KiB below the true
+    // high-water mark", beside a curve whose peak was 18 KiB.
+    let target = FakeTarget::start(&[]);
+    let dir = TempDir::new("peak-claim");
+    let j = snapshot_json(target.pid(), &dir, "peak.json", &["--peak"]);
+    let (lb, ..) = expected_totals();
+    let peak_bytes = j["totals"]["peak_bytes"].as_u64().unwrap();
+    assert!(
+        peak_bytes > lb,
+        "the fake's heap was higher before: {}",
+        j["totals"]
+    );
+    let curve_peak = j["timeline"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["live_bytes"].as_u64().unwrap())
+        .max()
+        .unwrap();
+    assert_eq!(curve_peak, peak_bytes, "{}", j["timeline"]);
+    let shown = j["peak"]["live_bytes"].as_u64().unwrap();
+    let tolerance = j["peak"]["tolerance"].as_u64().unwrap();
+    assert!(
+        shown + tolerance >= peak_bytes,
+        "shown {shown} + tolerance {tolerance} < peak {peak_bytes}"
+    );
+    if shown == lb && j["peak"]["time"] == j["taken_at"] {
+        assert!(
+            j["notes"]
+                .to_string()
+                .contains("was not recorded: this is the heap now"),
+            "{}",
+            j["notes"]
+        );
+    }
+}
+
+#[test]
 fn no_symbolize_keeps_addresses_and_modules() {
     let target = FakeTarget::start(&[]);
     let dir = TempDir::new("nosym");

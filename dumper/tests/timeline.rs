@@ -177,6 +177,19 @@ fn a_heap_that_never_shrank_has_its_peak_exactly() {
         "{}",
         j["timeline"]
     );
+    // Nothing was freed, so the curve never falls: the peak's point goes
+    // after the curve's points of its own clock reading (the agent keeps
+    // the peak's reading in whole microseconds), not before lower ones.
+    let heights: Vec<u64> = j["timeline"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["live_bytes"].as_u64().unwrap())
+        .collect();
+    assert!(
+        heights.windows(2).all(|w| w[0] <= w[1]),
+        "a heap that never shrank, drawn falling: {heights:?}"
+    );
     for args in [
         vec!["snapshot", pid.as_str()],
         vec!["snapshot", pid.as_str(), "--peak"],

@@ -847,10 +847,33 @@ pub fn take(
                 ..opts
             },
         )?;
+        let now = snap.taken_at.unwrap_or(taken_at);
+        let live = snap.totals.live_bytes;
+        let curve_peak = snap.timeline.as_ref().and_then(Timeline::peak).copied();
+        let time = match curve_peak {
+            // The curve stood higher before and no composition was kept
+            // then (no rise was recorded): the heap now is what can be
+            // shown, and it says so; the high-water mark is at least the
+            // curve's, so the tolerance is measured from the heap shown.
+            Some(pt) if pt.live_bytes > live => {
+                snap.notes.push(format!(
+                    "the heap's composition at its peak ({}, {}) was not recorded: this is the \
+                     heap now",
+                    crate::formats::text::human_bytes(pt.live_bytes),
+                    humantime::format_rfc3339_micros(pt.time)
+                ));
+                now
+            }
+            // When the heap first stood this high, as the curve's peak
+            // names it (a heap flat at its peak reached it before now):
+            // one moment for the peak in the header and the curve.
+            Some(pt) if pt.live_bytes == live && pt.time <= now => pt.time,
+            _ => now,
+        };
         snap.peak = Some(PeakInfo {
-            time: snap.taken_at.unwrap_or(taken_at),
-            live_bytes: snap.totals.live_bytes,
-            tolerance: snap.totals.peak_tolerance,
+            time,
+            live_bytes: live,
+            tolerance: (snap.totals.peak_bytes + snap.totals.peak_tolerance).saturating_sub(live),
         });
         return Ok(snap);
     }
@@ -1146,7 +1169,14 @@ pub fn take(
         .and_then(|tl| tl.points.first())
         .map(|p| p.time);
     let recorded_time = |p: &heapdump_table::peak::Peak| {
-        let t = clock.wall_of(p.time_us).unwrap_or(taken_at);
+        // The agent truncates the coarse clock's reading to microseconds
+        // for the peak and keeps it whole for the curve: the end of the
+        // microsecond orders the peak after the curve's points of the same
+        // reading (else the rebuilt point lands before lower points of
+        // its own moment, a spike in a heap that never shrank).
+        let t = clock
+            .wall_of(p.time_us)
+            .map_or(taken_at, |t| t + Duration::from_nanos(999));
         curve_start.map_or(t, |start| t.max(start))
     };
     if let Some(p) = &peak {
