@@ -1224,7 +1224,11 @@ pub fn take(
     let shown = snap.peak.as_ref().map_or(peak_bytes, |p| p.live_bytes);
     snap.totals.peak_tolerance = tolerance_of(peak_bytes).min(ceiling(shown));
     if let Some(p) = &mut snap.peak {
-        p.tolerance = snap.totals.peak_tolerance;
+        // The heap rebuilt may lie below the peak figure (the curve's
+        // running total stood higher): the true high-water mark is then
+        // that much further above the heap shown.
+        p.tolerance = (peak_bytes.saturating_sub(p.live_bytes) + snap.totals.peak_tolerance)
+            .min(ceiling(p.live_bytes));
     }
     if let Some(tl) = &mut snap.timeline {
         if tl.peak().is_none_or(|pt| {
