@@ -67,8 +67,14 @@ fn as_nobody_recorded(exe: &Path) -> Command {
 /// Runs heapdump; a run that outlives the hang guard is killed and fails
 /// the test.
 fn bounded(args: &[&str]) -> Output {
+    bounded_with(args, &[])
+}
+
+/// [`bounded`], with environment variables set.
+fn bounded_with(args: &[&str], env: &[(&str, &str)]) -> Output {
     let child = Command::new(bin())
         .args(args)
+        .envs(env.iter().copied())
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -1305,6 +1311,47 @@ fn attach_never_touches_a_stack_mapped_from_a_fuse_file() {
         target.send("quit");
         drop(mount);
     }
+}
+
+#[test]
+fn attach_gives_up_a_read_of_the_targets_memory_that_never_returns() {
+    if !root_here("fuse stack, checks off") {
+        return;
+    }
+    // The same stack on the stalling server, with heapdump's check of
+    // user-space file systems turned off (HEAPDUMP_READ_FUSE=1): what a
+    // target gets when it maps such a file over the held thread's stack
+    // after attach read its maps (a race no check of the maps closes).
+    // Every read of the target's memory is made by a helper process under
+    // a deadline: attach gives up, the thread goes on, heapdump exits.
+    let t = TempDir::new("hostile-fuse-deadline");
+    let d = nobody_dir(&t, "src");
+    let file = d.join("stack.bin");
+    std::fs::write(&file, vec![0u8; 1 << 20]).unwrap();
+    let point = nobody_dir(&t, "mnt");
+    let Some(mount) = stalling_mount(&point, &file) else {
+        return;
+    };
+    let mut target = Target::spawn(as_nobody(&compile_c("hostile")));
+    let mount = mount;
+    let pid = target.pid().to_string();
+    target.send(&format!("fusestack {}", point.join("stack.bin").display()));
+    assert_eq!(target.wait_line(""), "stacked");
+    let lib = preload_lib();
+    let out = bounded_with(
+        &["attach", &pid, "--library", lib.to_str().unwrap()],
+        &[("HEAPDUMP_READ_FUSE", "1")],
+    );
+    assert!(!out.status.success(), "attached: {}", stderr(&out));
+    assert!(
+        stderr(&out).contains("took longer than 5 s"),
+        "{}",
+        stderr(&out)
+    );
+    target.send("x");
+    assert_eq!(target.wait_line("unstacked"), "unstacked 1");
+    target.send("quit");
+    drop(mount);
 }
 
 #[test]

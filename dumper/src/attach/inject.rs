@@ -223,6 +223,17 @@ fn resend(pid: u32, tid: Pid, pending: &[Signal]) {
     }
 }
 
+/// The error of an access to the target's memory that outlived its
+/// deadline.
+fn stalled(pid: u32) -> InjectError {
+    InjectError::Stalled(format!(
+        "a read of process {pid}'s memory took longer than {} s (a page of a file served by a \
+         user-space file system that does not answer?); the thread was let go as it was, and \
+         heapdump's helper that was reading stays until whatever holds it lets go",
+        crate::attach::memory_access::DEADLINE.as_secs()
+    ))
+}
+
 /// Lets a held thread go as it was; returns how long it was held.
 fn release(pid: u32, h: Held) -> Duration {
     let _ = ptrace::setregs(h.tid, h.resume);
@@ -530,13 +541,15 @@ pub fn inject(pid: u32, library: &str, action: &Action) -> Result<Injected, Inje
                 // change: prefer another thread while one may come.
                 Verdict::Unsafe("in a sleep the kernel resumes through its restart block".into())
             } else {
-                safe_point::judge(
-                    &mem,
-                    &mut modules,
-                    &danger,
-                    regs,
-                    mapping_of(&maps, regs.rsp),
-                )
+                mem.judging(|mem| {
+                    safe_point::judge(
+                        mem,
+                        &mut modules,
+                        &danger,
+                        regs,
+                        mapping_of(&maps, regs.rsp),
+                    )
+                })
             };
             if in_restart_block && matches!(verdict, Verdict::Safe) {
                 // Chosen all the same (a single-threaded daemon asleep in
@@ -557,6 +570,10 @@ pub fn inject(pid: u32, library: &str, action: &Action) -> Result<Injected, Inje
                 Verdict::Safe => {
                     let result = run_calls(pid, &mem, &mut held, &loader, library, action);
                     let stopped = release(pid, held);
+                    let result = match result {
+                        Err(_) if mem.stalled() => Err(stalled(pid)),
+                        other => other,
+                    };
                     return result.map(|result| Injected {
                         result,
                         thread: tid.as_raw() as u32,
@@ -566,6 +583,9 @@ pub fn inject(pid: u32, library: &str, action: &Action) -> Result<Injected, Inje
                 }
                 Verdict::Unsafe(why) => {
                     others_stopped = others_stopped.max(release(pid, held));
+                    if mem.stalled() {
+                        return Err(stalled(pid));
+                    }
                     if round == 0 || round == ROUNDS - 1 {
                         passed_over.push((tid.as_raw() as u32, why));
                     }

@@ -27,6 +27,9 @@ pub enum InjectError {
     /// the library stays (it cannot be unloaded) and may have started.
     #[error("{0}")]
     AgentFailed(String),
+    /// Reading or writing the target's memory outlived its deadline.
+    #[error("{0}")]
+    Stalled(String),
     /// Something the injector needs is missing.
     #[error("{0}")]
     Unsupported(String),

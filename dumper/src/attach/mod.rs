@@ -19,6 +19,7 @@ pub mod inject;
 pub mod inject;
 pub mod injection;
 pub mod library_placement;
+pub mod memory_access;
 pub mod remote_unwind;
 pub mod safe_point;
 

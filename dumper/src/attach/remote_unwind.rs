@@ -22,7 +22,9 @@
 //!   address.
 
 use std::collections::HashMap;
+#[cfg(test)]
 use std::fs::File;
+#[cfg(test)]
 use std::os::unix::fs::FileExt;
 use std::sync::Arc;
 
@@ -49,7 +51,10 @@ pub const MAX_SIGNAL_FRAMES: usize = 8;
 /// mappings, as the target's maps showed them last ([`Memory::refresh`]),
 /// are neither read nor written: to this code they are unreadable.
 pub struct Memory {
-    file: File,
+    access: Access,
+    /// Pages read while a judgement runs ([`Memory::judging`]), by page
+    /// address (`None`: could not be read); `None` outside one.
+    pages: std::cell::RefCell<Option<PageCache>>,
     mounts: UserSpaceMounts,
     /// Address ranges mapped from files on user-space file systems.
     served: Vec<(u64, u64)>,
@@ -67,16 +72,49 @@ fn served_ranges(maps: &str, mounts: &UserSpaceMounts) -> Vec<(u64, u64)> {
         .collect()
 }
 
+/// Pages of the target's memory by address, `None` where unreadable.
+type PageCache = HashMap<u64, Option<Box<[u8]>>>;
+
+/// How the target's memory is reached.
+enum Access {
+    /// Through a helper process, each access under a deadline
+    /// ([`crate::attach::memory_access`]).
+    Helper(crate::attach::memory_access::MemoryAccess),
+    /// Directly (tests of what a file's contents make of the reads).
+    #[cfg(test)]
+    File(File),
+}
+
+impl Access {
+    fn read_at(&self, buf: &mut [u8], addr: u64) -> Option<usize> {
+        match self {
+            Access::Helper(h) => h.read_at(buf, addr),
+            #[cfg(test)]
+            Access::File(f) => f.read_at(buf, addr).ok(),
+        }
+    }
+
+    fn write_at(&self, bytes: &[u8], addr: u64) -> Option<usize> {
+        match self {
+            Access::Helper(h) => h.write_at(bytes, addr),
+            #[cfg(test)]
+            Access::File(f) => f.write_at(bytes, addr).ok(),
+        }
+    }
+}
+
 impl Memory {
     /// Opens `/proc/PID/mem` for reading and writing (writing only works
-    /// while the process is traced by us).
+    /// while the process is traced by us), read and written by a helper
+    /// process under a deadline.
     pub fn open(pid: u32) -> std::io::Result<Memory> {
         let file = std::fs::OpenOptions::new()
             .read(true)
             .write(true)
             .open(format!("/proc/{pid}/mem"))?;
         let mut mem = Memory {
-            file,
+            access: Access::Helper(crate::attach::memory_access::MemoryAccess::start(file)?),
+            pages: Default::default(),
             mounts: UserSpaceMounts::of_process(pid),
             served: Vec::new(),
         };
@@ -98,10 +136,59 @@ impl Memory {
         !self.served.iter().any(|&(s, e)| addr < e && end > s)
     }
 
+    /// Whether an access outlived its deadline (see
+    /// [`crate::attach::memory_access`]): nothing can be read or written
+    /// any more.
+    pub fn stalled(&self) -> bool {
+        match &self.access {
+            Access::Helper(h) => h.stalled(),
+            #[cfg(test)]
+            Access::File(_) => false,
+        }
+    }
+
+    /// Runs `judge`, a judgement of a held thread that only reads, with
+    /// the pages it reads kept: each page is fetched from the helper once
+    /// (a walk reads words one by one, and each fetch is a round trip to
+    /// another process), and the judgement sees each page as it was at
+    /// its first read. Nothing is kept past it: the target runs after.
+    pub fn judging<T>(&self, judge: impl FnOnce(&Self) -> T) -> T {
+        *self.pages.borrow_mut() = Some(HashMap::new());
+        let verdict = judge(self);
+        *self.pages.borrow_mut() = None;
+        verdict
+    }
+
     /// Reads `buf.len()` bytes at `addr`; false if any could not be read.
     pub fn read(&self, addr: u64, buf: &mut [u8]) -> bool {
-        self.touchable(addr, buf.len())
-            && matches!(self.file.read_at(buf, addr), Ok(n) if n == buf.len())
+        if !self.touchable(addr, buf.len()) {
+            return false;
+        }
+        let mut pages = self.pages.borrow_mut();
+        let Some(pages) = pages.as_mut() else {
+            return matches!(self.access.read_at(buf, addr), Some(n) if n == buf.len());
+        };
+        const PAGE: u64 = 4096;
+        let mut done = 0;
+        while done < buf.len() {
+            let at = addr.wrapping_add(done as u64);
+            let page = at & !(PAGE - 1);
+            let bytes = pages.entry(page).or_insert_with(|| {
+                let mut b = vec![0u8; PAGE as usize].into_boxed_slice();
+                // A mapping is whole pages: the page is readable whole or
+                // not at all (and on no user-space file system if `addr`'s
+                // bytes are not, checked above).
+                matches!(self.access.read_at(&mut b, page), Some(n) if n == b.len()).then_some(b)
+            });
+            let Some(bytes) = bytes else {
+                return false;
+            };
+            let off = (at - page) as usize;
+            let n = (buf.len() - done).min(PAGE as usize - off);
+            buf[done..done + n].copy_from_slice(&bytes[off..off + n]);
+            done += n;
+        }
+        true
     }
 
     /// The 8-byte word at `addr`.
@@ -117,7 +204,13 @@ impl Memory {
                 "the place is mapped from a file on a user-space file system: not written",
             ));
         }
-        let n = self.file.write_at(bytes, addr)?;
+        let Some(n) = self.access.write_at(bytes, addr) else {
+            return Err(std::io::Error::other(if self.stalled() {
+                "reading or writing the target's memory stalled"
+            } else {
+                "the target's memory could not be written there"
+            }));
+        };
         if n != bytes.len() {
             return Err(std::io::Error::other("short write to the target's memory"));
         }
@@ -511,7 +604,8 @@ mod tests {
         );
         assert!(served_ranges(maps, &UserSpaceMounts::none()).is_empty());
         let mem = Memory {
-            file: File::open("/dev/null").unwrap(),
+            access: Access::File(File::open("/dev/null").unwrap()),
+            pages: Default::default(),
             served: served_ranges(maps, &mounts),
             mounts,
         };
