@@ -167,15 +167,30 @@ fn a_peak_snapshot_never_claims_less_than_the_curve_shows() {
         shown + tolerance >= peak_bytes,
         "shown {shown} + tolerance {tolerance} < peak {peak_bytes}"
     );
-    if shown == lb && j["peak"]["time"] == j["taken_at"] {
-        assert!(
-            j["notes"]
-                .to_string()
-                .contains("was not recorded: this is the heap now"),
-            "{}",
-            j["notes"]
-        );
+    // Shown for the peak or not, it says which.
+    let at_peak = j["peak"]["at_peak"].as_bool().unwrap();
+    let noted = j["notes"]
+        .to_string()
+        .contains("was not recorded: this is the heap now");
+    assert_eq!(noted, !at_peak, "{}", j["notes"]);
+    if !at_peak {
+        assert_eq!(shown, lb);
+        assert_eq!(j["peak"]["time"], j["taken_at"]);
     }
+    let text = stdout(&heapdump(&[
+        "snapshot",
+        &target.pid().to_string(),
+        "--peak",
+    ]));
+    let header = text
+        .lines()
+        .find(|l| l.starts_with("THE HEAP"))
+        .unwrap_or_else(|| panic!("{text}"));
+    assert_eq!(
+        header.starts_with("THE HEAP NOW"),
+        !at_peak,
+        "{header} (JSON at_peak {at_peak})"
+    );
 }
 
 #[test]

@@ -521,12 +521,21 @@ pub fn render(r: &Report<'_>) -> String {
     o.push_str(&sites_table(s, "sites-now", 20));
     if let Some(p) = r.peak {
         let when = p.peak.map(|x| {
-            format!(
-                "{}: {} live{}",
-                rfc3339(x.time),
-                human_bytes(x.live_bytes),
-                crate::formats::text::higher_by(x.tolerance)
-            )
+            if x.at_peak {
+                format!(
+                    "{}: {} live{}",
+                    rfc3339(x.time),
+                    human_bytes(x.live_bytes),
+                    crate::formats::text::higher_by(x.tolerance)
+                )
+            } else {
+                format!(
+                    "not recorded (the peak was {}); the heap now, {}: {} live",
+                    human_bytes(p.totals.peak_bytes),
+                    rfc3339(x.time),
+                    human_bytes(x.live_bytes)
+                )
+            }
         });
         let _ = write!(
             o,

@@ -127,6 +127,15 @@ pub struct JsonPeak {
     pub live_bytes: u64,
     /// Bytes the true high-water mark may exceed `live_bytes` by.
     pub tolerance: u64,
+    /// Whether the document shows the heap at its peak; false: the heap
+    /// at `time` (the snapshot's), the composition at the peak, higher,
+    /// not having been recorded. Absent (true) in older documents.
+    #[serde(default = "yes")]
+    pub at_peak: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 impl From<&crate::process::snapshot::PeakInfo> for JsonPeak {
@@ -135,6 +144,7 @@ impl From<&crate::process::snapshot::PeakInfo> for JsonPeak {
             time: rfc3339(p.time),
             live_bytes: p.live_bytes,
             tolerance: p.tolerance,
+            at_peak: p.at_peak,
         }
     }
 }
@@ -636,6 +646,7 @@ pub fn from_json(j: &JsonSnapshot) -> Snapshot {
                 time: humantime::parse_rfc3339(&p.time).ok()?,
                 live_bytes: p.live_bytes,
                 tolerance: p.tolerance,
+                at_peak: p.at_peak,
             })
         }),
         timing: Default::default(),

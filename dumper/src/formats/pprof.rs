@@ -454,13 +454,23 @@ pub fn from_snapshot(s: &Snapshot, per_thread: bool) -> Profile {
         comments.push(r.describe(s.totals.live_bytes, s.taken_at));
     }
     if let Some(p) = &s.peak {
-        comments.push(format!(
-            "the heap at its peak, {}: {} live bytes (tolerance {} bytes); inuse values are the \
-             heap then",
-            crate::formats::json::rfc3339(p.time),
-            p.live_bytes,
-            p.tolerance
-        ));
+        comments.push(if p.at_peak {
+            format!(
+                "the heap at its peak, {}: {} live bytes (tolerance {} bytes); inuse values are \
+                 the heap then",
+                crate::formats::json::rfc3339(p.time),
+                p.live_bytes,
+                p.tolerance
+            )
+        } else {
+            format!(
+                "the heap now, {}: {} live bytes; its composition at the peak ({} bytes) was not \
+                 recorded; inuse values are the heap now",
+                crate::formats::json::rfc3339(p.time),
+                p.live_bytes,
+                s.totals.peak_bytes
+            )
+        });
     }
     if let Some(tl) = &s.timeline {
         if let Some(line) = tl.describe(s.taken_at) {

@@ -90,13 +90,24 @@ pub fn render(s: &Snapshot, opts: TextOptions) -> String {
         let _ = writeln!(o, "{line}");
     }
     if let Some(p) = &s.peak {
-        let _ = writeln!(
-            o,
-            "THE HEAP AT ITS PEAK, {}: {} live{}; sites and threads below are the heap then",
-            crate::formats::json::rfc3339(p.time),
-            human_bytes(p.live_bytes),
-            higher_by(p.tolerance)
-        );
+        if p.at_peak {
+            let _ = writeln!(
+                o,
+                "THE HEAP AT ITS PEAK, {}: {} live{}; sites and threads below are the heap then",
+                crate::formats::json::rfc3339(p.time),
+                human_bytes(p.live_bytes),
+                higher_by(p.tolerance)
+            );
+        } else {
+            let _ = writeln!(
+                o,
+                "THE HEAP NOW, {}: {} live; its composition at the peak ({}) was not recorded, \
+                 so sites and threads below are the heap now",
+                crate::formats::json::rfc3339(p.time),
+                human_bytes(p.live_bytes),
+                human_bytes(t.peak_bytes)
+            );
+        }
     }
     let _ = writeln!(
         o,

@@ -196,6 +196,9 @@ pub struct PeakInfo {
     /// writers' running-total lag (64 KiB per thread recording at
     /// the same time).
     pub tolerance: u64,
+    /// Whether what is shown is the heap at its peak (else the heap now:
+    /// the curve stood higher before, and no composition was kept then).
+    pub at_peak: bool,
 }
 
 /// One point of the memory curve.
@@ -850,7 +853,7 @@ pub fn take(
         let now = snap.taken_at.unwrap_or(taken_at);
         let live = snap.totals.live_bytes;
         let curve_peak = snap.timeline.as_ref().and_then(Timeline::peak).copied();
-        let time = match curve_peak {
+        let (time, at_peak) = match curve_peak {
             // The curve stood higher before and no composition was kept
             // then (no rise was recorded): the heap now is what can be
             // shown, and it says so; the high-water mark is at least the
@@ -862,18 +865,19 @@ pub fn take(
                     crate::formats::text::human_bytes(pt.live_bytes),
                     humantime::format_rfc3339_micros(pt.time)
                 ));
-                now
+                (now, false)
             }
             // When the heap first stood this high, as the curve's peak
             // names it (a heap flat at its peak reached it before now):
             // one moment for the peak in the header and the curve.
-            Some(pt) if pt.live_bytes == live && pt.time <= now => pt.time,
-            _ => now,
+            Some(pt) if pt.live_bytes == live && pt.time <= now => (pt.time, true),
+            _ => (now, true),
         };
         snap.peak = Some(PeakInfo {
             time,
             live_bytes: live,
             tolerance: (snap.totals.peak_bytes + snap.totals.peak_tolerance).saturating_sub(live),
+            at_peak,
         });
         return Ok(snap);
     }
@@ -1184,6 +1188,7 @@ pub fn take(
             time: recorded_time(p),
             live_bytes: snap.totals.live_bytes,
             tolerance: 0,
+            at_peak: true,
         });
     }
     // One peak, shown alike in the totals, the curve, JSON, pprof and the
