@@ -838,26 +838,22 @@ fn agent_settings_are_ignored_in_set_user_id_programs() {
     );
 }
 
-#[test]
-fn a_process_in_a_root_of_its_own_is_attached_and_detached() {
-    if !root_here("chroot")
-        || !real_dependency("unshare, chroot", Path::new("/usr/bin/unshare").exists())
-    {
-        return;
-    }
-    // A container's process: its own root (the host's /usr bound in), so
-    // our /proc/PID/maps names the agent under the root's host path, which
-    // is no path inside it; detach must name the library as the process
-    // sees it (it used to fail: "the agent library is not loaded").
-    let t = TempDir::new("chrooted-attach");
+/// Whether root and `unshare` are here to make containers (see
+/// [`root_here`]).
+fn containers_here() -> bool {
+    root_here("chroot")
+        && real_dependency("unshare, chroot", Path::new("/usr/bin/unshare").exists())
+}
+
+/// A container's root in `t`: `root/usr` (the host's, bound in by
+/// [`in_container`]), `lib`, `lib64` and `bin` linked into it, and an
+/// empty `root/app`; returns (root, app).
+fn container_root(t: &TempDir) -> (PathBuf, PathBuf) {
     std::fs::set_permissions(&t.0, std::fs::Permissions::from_mode(0o755)).unwrap();
     let root = t.path("root");
     let app = root.join("app");
     std::fs::create_dir_all(&app).unwrap();
     std::fs::create_dir_all(root.join("usr")).unwrap();
-    let tmp = root.join("tmp");
-    std::fs::create_dir_all(&tmp).unwrap();
-    std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o1777)).unwrap();
     for (l, to) in [
         ("lib", "usr/lib"),
         ("lib64", "usr/lib64"),
@@ -865,17 +861,39 @@ fn a_process_in_a_root_of_its_own_is_attached_and_detached() {
     ] {
         std::os::unix::fs::symlink(to, root.join(l)).unwrap();
     }
-    hostile_copy(&app, "prog");
+    (root, app)
+}
+
+/// `command` (a shell command line) run as `nobody` in a mount namespace
+/// of its own, chrooted into `root` with the host's /usr bound in.
+fn in_container(root: &Path, command: &str) -> Command {
     let mut cmd = Command::new("/usr/bin/unshare");
     cmd.args(["-m", "--propagation", "private", "--", "sh", "-c"])
         .arg(format!(
-            "mount --bind /usr {}/usr && exec chroot {} /usr/bin/setpriv --reuid=65534 \
-             --regid=65534 --clear-groups /app/prog",
-            root.display(),
-            root.display()
+            "mount --bind /usr {root}/usr && exec chroot {root} /usr/bin/setpriv \
+             --reuid=65534 --regid=65534 --clear-groups {command}",
+            root = root.display()
         ))
         .env_remove("LD_PRELOAD");
-    let mut target = Target::spawn(cmd);
+    cmd
+}
+
+#[test]
+fn a_process_in_a_root_of_its_own_is_attached_and_detached() {
+    if !containers_here() {
+        return;
+    }
+    // A container's process: its own root (the host's /usr bound in), so
+    // our /proc/PID/maps names the agent under the root's host path, which
+    // is no path inside it; detach must name the library as the process
+    // sees it (it used to fail: "the agent library is not loaded").
+    let t = TempDir::new("chrooted-attach");
+    let (root, app) = container_root(&t);
+    let tmp = root.join("tmp");
+    std::fs::create_dir_all(&tmp).unwrap();
+    std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o1777)).unwrap();
+    hostile_copy(&app, "prog");
+    let mut target = Target::spawn(in_container(&root, "/app/prog"));
     let pid = target.last_line()["ready ".len()..].to_string();
     let lib = preload_lib();
     let out = bounded(&["attach", &pid, "--library", lib.to_str().unwrap()]);
@@ -904,9 +922,7 @@ fn a_process_in_a_root_of_its_own_is_attached_and_detached() {
 
 #[test]
 fn links_in_a_containers_root_resolve_inside_it_never_on_the_host() {
-    if !root_here("chroot")
-        || !real_dependency("unshare, chroot", Path::new("/usr/bin/unshare").exists())
-    {
+    if !containers_here() {
         return;
     }
     // A container: a root of its own (the host's /usr bound in), a
@@ -917,18 +933,7 @@ fn links_in_a_containers_root_resolve_inside_it_never_on_the_host() {
     // resolved on the host (as `/proc/PID/root/app/prog.debug` would be),
     // root would read a host file the container chose.
     let t = TempDir::new("hostile-container");
-    std::fs::set_permissions(&t.0, std::fs::Permissions::from_mode(0o755)).unwrap();
-    let root = t.path("root");
-    let app = root.join("app");
-    std::fs::create_dir_all(&app).unwrap();
-    std::fs::create_dir_all(root.join("usr")).unwrap();
-    for (l, to) in [
-        ("lib", "usr/lib"),
-        ("lib64", "usr/lib64"),
-        ("bin", "usr/bin"),
-    ] {
-        std::os::unix::fs::symlink(to, root.join(l)).unwrap();
-    }
+    let (root, app) = container_root(&t);
     let prog = hostile_copy(&app, "prog");
     let debug = t.path("prog.debug");
     assert!(Command::new("objcopy")
@@ -950,17 +955,10 @@ fn links_in_a_containers_root_resolve_inside_it_never_on_the_host() {
         let link = app.join("prog.debug");
         let _ = std::fs::remove_file(&link);
         std::os::unix::fs::symlink(link_to, &link).unwrap();
-        let mut cmd = Command::new("/usr/bin/unshare");
-        cmd.args(["-m", "--propagation", "private", "--", "sh", "-c"])
-            .arg(format!(
-                "mount --bind /usr {}/usr && exec chroot {} /usr/bin/setpriv --reuid=65534 \
-                 --regid=65534 --clear-groups env LD_PRELOAD=/app/libheapdump_preload.so \
-                 /app/prog",
-                root.display(),
-                root.display()
-            ))
-            .env_remove("LD_PRELOAD");
-        let mut target = Target::spawn(cmd);
+        let mut target = Target::spawn(in_container(
+            &root,
+            "env LD_PRELOAD=/app/libheapdump_preload.so /app/prog",
+        ));
         let pid = target.last_line()["ready ".len()..].to_string();
         target.send("alloc");
         target.wait_line("allocated");
@@ -1102,6 +1100,23 @@ impl Drop for StallingMount {
     }
 }
 
+/// A FUSE mount in `t` whose server answers its user and stalls root,
+/// serving a library (`libtwo.so`, 10 blocks from its `plugin_alloc`),
+/// and `tests/c/hostile.c` run as `nobody` under the agent, which has
+/// loaded it: (mount point, target, mount), `None` where no FUSE mount
+/// can be made. The mount, last, is dropped before the target: a hung
+/// heapdump holds the target, and only the server's end frees both.
+fn loading_a_served_library(t: &TempDir) -> Option<(PathBuf, Target, StallingMount)> {
+    let d = nobody_dir(t, "src");
+    let lib = two_place_library(t, &d);
+    let point = nobody_dir(t, "mnt");
+    let mount = stalling_mount(&point, &lib)?;
+    let mut target = Target::spawn(as_nobody_recorded(&compile_c("hostile")));
+    target.send(&format!("plugin {}", point.join("libtwo.so").display()));
+    assert_eq!(target.wait_line(""), "loaded");
+    Some((point, target, mount))
+}
+
 #[test]
 fn a_library_on_a_fuse_mount_whose_server_stalls_root_is_not_read() {
     if !root_here("fuse") {
@@ -1112,18 +1127,10 @@ fn a_library_on_a_fuse_mount_whose_server_stalls_root_is_not_read() {
     // once taken, such a request keeps root's process in uninterruptible
     // sleep (not even SIGKILL ends it) until the server dies.
     let t = TempDir::new("hostile-fuse");
-    let d = nobody_dir(&t, "src");
-    let lib = two_place_library(&t, &d);
-    let point = nobody_dir(&t, "mnt");
-    let Some(mount) = stalling_mount(&point, &lib) else {
+    let Some((point, mut target, mount)) = loading_a_served_library(&t) else {
         return;
     };
     let served = point.join("libtwo.so");
-    let mut target = Target::spawn(as_nobody_recorded(&compile_c("hostile")));
-    // Dropped before the target (declared after it).
-    let mount = mount;
-    target.send(&format!("plugin {}", served.display()));
-    assert_eq!(target.wait_line(""), "loaded");
     let pid = target.pid().to_string();
     // Before: heapdump stat-ed and opened the library through
     // /proc/PID/map_files and hung there, unkillable.
@@ -1190,16 +1197,9 @@ fn a_library_on_a_lazily_unmounted_fuse_mount_is_not_read() {
     // heapdump used to find no user-space mount there, and hung on the
     // library's first page (snapshot, list and attach alike).
     let t = TempDir::new("hostile-fuse-detached");
-    let d = nobody_dir(&t, "src");
-    let lib = two_place_library(&t, &d);
-    let point = nobody_dir(&t, "mnt");
-    let Some(mount) = stalling_mount(&point, &lib) else {
+    let Some((point, mut target, mount)) = loading_a_served_library(&t) else {
         return;
     };
-    let mut target = Target::spawn(as_nobody_recorded(&compile_c("hostile")));
-    let mount = mount;
-    target.send(&format!("plugin {}", point.join("libtwo.so").display()));
-    assert_eq!(target.wait_line(""), "loaded");
     let status = Command::new("umount")
         .arg("-l")
         .arg(&point)
