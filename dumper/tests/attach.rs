@@ -952,16 +952,9 @@ fn commands_that_print_end_quietly_when_their_reader_goes_away() {
 /// The peak figures one JSON document gives: (totals.peak_bytes, the
 /// curve's highest point, peak.live_bytes, tolerance).
 fn peaks_of(j: &Value) -> (u64, u64, Option<u64>, u64) {
-    let curve_max = j["timeline"]
-        .as_array()
-        .expect("a curve")
-        .iter()
-        .map(|p| p["live_bytes"].as_u64().unwrap())
-        .max()
-        .unwrap();
     (
         j["totals"]["peak_bytes"].as_u64().unwrap(),
-        curve_max,
+        curve_max(j),
         j["peak"]["live_bytes"].as_u64(),
         j["totals"]["peak_tolerance"].as_u64().unwrap(),
     )

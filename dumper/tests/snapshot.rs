@@ -153,14 +153,7 @@ fn a_peak_snapshot_never_claims_less_than_the_curve_shows() {
         "the fake's heap was higher before: {}",
         j["totals"]
     );
-    let curve_peak = j["timeline"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|p| p["live_bytes"].as_u64().unwrap())
-        .max()
-        .unwrap();
-    assert_eq!(curve_peak, peak_bytes, "{}", j["timeline"]);
+    assert_eq!(curve_max(&j), peak_bytes, "{}", j["timeline"]);
     let shown = j["peak"]["live_bytes"].as_u64().unwrap();
     let tolerance = j["peak"]["tolerance"].as_u64().unwrap();
     assert!(

@@ -19,20 +19,6 @@ fn near_peak(live: u64, exact: u64) -> bool {
     live <= exact && live >= exact - exact / 64 - (64 << 10)
 }
 
-fn points(j: &Value) -> Vec<(u64, String)> {
-    j["timeline"]
-        .as_array()
-        .expect("a timeline")
-        .iter()
-        .map(|p| {
-            (
-                p["live_bytes"].as_u64().unwrap(),
-                p["time"].as_str().unwrap().to_string(),
-            )
-        })
-        .collect()
-}
-
 fn start(program: &str, args: &[&str], env: &[(&str, &str)]) -> Target {
     let mut cmd = Command::new(compile_c(program));
     cmd.args(args).env("LD_PRELOAD", preload_lib());
@@ -86,7 +72,7 @@ fn the_curve_reaches_the_peak_and_ends_at_the_current_heap() {
     let out = heapdump(&["snapshot", &t.pid().to_string(), "-o", &dir.str("s.json")]);
     assert!(out.status.success(), "{}", stderr(&out));
     let j = read_json(&dir.path("s.json"));
-    let p = points(&j);
+    let p = curve_points(&j);
     assert!(p.len() >= 3, "{p:?}");
     // Recording starts at zero.
     assert_eq!(p[0].0, 0, "{p:?}");
@@ -166,29 +152,22 @@ fn a_heap_that_never_shrank_has_its_peak_exactly() {
     assert!(out.status.success(), "{}", stderr(&out));
     let j = read_json(&dir.path("peak.json"));
     let peak = j["totals"]["peak_bytes"].as_u64().unwrap();
-    let first_at_peak = j["timeline"]
-        .as_array()
-        .unwrap()
+    let curve = curve_points(&j);
+    let first_at_peak = curve
         .iter()
-        .find(|p| p["live_bytes"].as_u64() == Some(peak))
+        .find(|p| p.0 == peak)
         .expect("the curve reaches the peak");
     assert_eq!(
-        first_at_peak["time"], j["peak"]["time"],
-        "{}",
-        j["timeline"]
+        j["peak"]["time"].as_str(),
+        Some(first_at_peak.1.as_str()),
+        "{curve:?}"
     );
     // Nothing was freed, so the curve never falls: the peak's point goes
     // after the curve's points of its own clock reading (the agent keeps
     // the peak's reading in whole microseconds), not before lower ones.
-    let heights: Vec<u64> = j["timeline"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|p| p["live_bytes"].as_u64().unwrap())
-        .collect();
     assert!(
-        heights.windows(2).all(|w| w[0] <= w[1]),
-        "a heap that never shrank, drawn falling: {heights:?}"
+        curve.windows(2).all(|w| w[0].0 <= w[1].0),
+        "a heap that never shrank, drawn falling: {curve:?}"
     );
     for args in [
         vec!["snapshot", pid.as_str()],
@@ -211,7 +190,7 @@ fn a_watch_final_snapshot_after_the_process_was_killed_still_has_the_curve() {
     let paths = killed_under_watch(&mut t, &dir, &[], 1);
     let path = &paths[0];
     let j = read_json(std::path::Path::new(path));
-    let p = points(&j);
+    let p = curve_points(&j);
     let top = p.iter().map(|x| x.0).max().unwrap();
     assert!(near_peak(top, 320 * MIB), "{p:?}");
     assert_eq!(
@@ -236,7 +215,7 @@ fn a_sampled_curve_estimates_the_peak() {
     let out = heapdump(&["snapshot", &t.pid().to_string(), "-o", &dir.str("s.json")]);
     assert!(out.status.success(), "{}", stderr(&out));
     let j = read_json(&dir.path("s.json"));
-    let p = points(&j);
+    let p = curve_points(&j);
     let top = p.iter().map(|x| x.0).max().unwrap() as f64 / MIB as f64;
     assert!(
         (300.0..=335.0).contains(&top),
@@ -256,7 +235,7 @@ fn the_ring_fills_many_times_and_keeps_the_first_the_peak_and_the_last() {
     let out = heapdump(&["snapshot", &t.pid().to_string(), "-o", &dir.str("s.json")]);
     assert!(out.status.success(), "{}", stderr(&out));
     let j = read_json(&dir.path("s.json"));
-    let p = points(&j);
+    let p = curve_points(&j);
     let cap = heapdump_table::timeline::CAPACITY as usize;
     let thinned = j["timeline_thinned"].as_u64().unwrap() as usize;
     // 300 cycles of two moves each, 13 ms apart: ~600 points for a ring
@@ -318,14 +297,7 @@ fn check_peak_composition(j: &Value, sampled: bool) {
         live <= figure && figure - live <= tolerance,
         "{live} vs {figure}"
     );
-    let curve_max = j["timeline"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|p| p["live_bytes"].as_u64().unwrap())
-        .max()
-        .unwrap();
-    assert_eq!(curve_max, figure);
+    assert_eq!(curve_max(j), figure);
     let spike = sites.get("site_spike").map_or(0, |c| c.1);
     let keep = sites.get("site_keep").map_or(0, |c| c.1);
     let after = sites.get("site_after").map_or(0, |c| c.0);

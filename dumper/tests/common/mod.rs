@@ -191,6 +191,31 @@ pub fn go_pprof(args: &[&str]) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
+/// The memory curve of a JSON snapshot: (live bytes, RFC 3339 time) per
+/// point, oldest first.
+pub fn curve_points(j: &serde_json::Value) -> Vec<(u64, String)> {
+    j["timeline"]
+        .as_array()
+        .expect("a timeline")
+        .iter()
+        .map(|p| {
+            (
+                p["live_bytes"].as_u64().unwrap(),
+                p["time"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect()
+}
+
+/// The highest point of a JSON snapshot's curve, in live bytes.
+pub fn curve_max(j: &serde_json::Value) -> u64 {
+    curve_points(j)
+        .into_iter()
+        .map(|(b, _)| b)
+        .max()
+        .expect("a point")
+}
+
 /// Live (blocks, bytes) by leaf function (the first frame's function) of a
 /// JSON snapshot, summed over its sites.
 pub fn live_by_leaf(j: &serde_json::Value) -> std::collections::BTreeMap<String, (u64, u64)> {
