@@ -245,22 +245,21 @@ fn loaded_library(pid: u32) -> Option<String> {
     let root = std::fs::read_link(format!("/proc/{pid}/root")).ok();
     // Bound, not returned at once: the lines borrow `maps`, which the
     // block's tail expression would outlive.
-    let path = crate::process::maps_lines::maps_lines(&maps)
-        .filter(|l| {
-            let path = crate::symbolization::maps::unescape_path(l.path);
-            std::path::Path::new(&path)
+    let found = crate::process::maps_lines::maps_lines(&maps)
+        .map(|l| (l, crate::symbolization::maps::unescape_path(l.path)))
+        .filter(|(_, path)| {
+            std::path::Path::new(path)
                 .file_name()
                 .and_then(|n| n.to_str())
                 .is_some_and(|n| n.starts_with("libheapdump_preload"))
         })
-        .find(|l| {
+        .find(|(l, _)| {
             let via = format!("/proc/{pid}/map_files/{:x}-{:x}", l.start, l.end);
             crate::process::target_files::open_regular(std::path::Path::new(&via), &mounts)
                 .and_then(|f| crate::process::target_files::fstat(&f))
                 .is_ok_and(|st| crate::attach::library_placement::trusted(&st))
-        })
-        .map(|l| crate::symbolization::maps::unescape_path(l.path));
-    path.map(|p| as_seen_inside(&p, root.as_deref()))
+        });
+    found.map(|(_, path)| as_seen_inside(&path, root.as_deref()))
 }
 
 /// `path`, as our `/proc/PID/maps` shows it, as a process whose root

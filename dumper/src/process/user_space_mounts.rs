@@ -29,13 +29,15 @@
 //!   ([`UserSpaceMounts::none`]).
 //! - An opened `O_PATH` descriptor (which costs no request: magic links of
 //!   `/proc/PID/map_files` and `/proc/PID/fd` jump to the file without a
-//!   lookup) is checked by its device before anything else, through
-//!   `statx(AT_STATX_DONT_SYNC)` with an empty mask, which FUSE answers
-//!   from the kernel's cache without a request.
+//!   lookup) is checked before anything else by its device and the mount
+//!   it was reached through, from `statx(AT_STATX_DONT_SYNC)`, which FUSE
+//!   answers from the kernel's cache without a request: a mount in the
+//!   target's or heapdump's mountinfo is judged by its type.
 //! - A file on a file system mounted nowhere the target or heapdump can
 //!   see (lazily unmounted: `fusermount -uz` takes a user's FUSE mount out
-//!   of every mount table while the files mapped from it stay served) is
-//!   refused too when its device is an anonymous one (major 0, as every
+//!   of every mount table while the files mapped from it stay served; or
+//!   a kernel before 5.8, whose `statx` gives no mount id, and a device no
+//!   mountinfo names) is refused too when its device is an anonymous one (major 0, as every
 //!   FUSE mount a user can make) unless the kernel's FUSE control file
 //!   system (`/sys/fs/fuse/connections`, one directory per live
 //!   connection, named by its device) is mounted and lists no connection
@@ -393,14 +395,6 @@ impl UserSpaceMounts {
     }
 }
 
-/// The device of the file behind `fd`, without asking its file system's
-/// server (see the module doc). On a kernel without `statx` (before 4.11)
-/// the ordinary `fstat`.
-#[cfg(test)]
-fn device_without_request(fd: &impl AsRawFd) -> io::Result<(u32, u32)> {
-    identity_without_request(fd).map(|id| id.dev)
-}
-
 /// What identifies a file, as the kernel has it cached.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Identity {
@@ -536,7 +530,7 @@ mod tests {
     #[test]
     fn a_descriptor_is_checked_by_its_device() {
         let f = std::fs::File::open("/proc/self/exe").unwrap();
-        let dev = device_without_request(&f).unwrap();
+        let dev = identity_without_request(&f).unwrap().dev;
         let st = super::super::target_files::fstat(&f).unwrap();
         assert_eq!(dev, (libc::major(st.st_dev), libc::minor(st.st_dev)));
         let m = UserSpaceMounts {
