@@ -22,10 +22,6 @@
 //!   address.
 
 use std::collections::HashMap;
-#[cfg(test)]
-use std::fs::File;
-#[cfg(test)]
-use std::os::unix::fs::FileExt;
 use std::sync::Arc;
 
 use gimli::{
@@ -51,7 +47,7 @@ pub const MAX_SIGNAL_FRAMES: usize = 8;
 /// mappings, as the target's maps showed them last ([`Memory::refresh`]),
 /// are neither read nor written: to this code they are unreadable.
 pub struct Memory {
-    access: Access,
+    access: crate::attach::memory_access::MemoryAccess,
     /// Pages read while a judgement runs ([`Memory::judging`]), by page
     /// address (`None`: could not be read); `None` outside one.
     pages: std::cell::RefCell<Option<PageCache>>,
@@ -75,34 +71,6 @@ fn served_ranges(maps: &str, mounts: &UserSpaceMounts) -> Vec<(u64, u64)> {
 /// Pages of the target's memory by address, `None` where unreadable.
 type PageCache = HashMap<u64, Option<Box<[u8]>>>;
 
-/// How the target's memory is reached.
-enum Access {
-    /// Through a helper process, each access under a deadline
-    /// ([`crate::attach::memory_access`]).
-    Helper(crate::attach::memory_access::MemoryAccess),
-    /// Directly (tests of what a file's contents make of the reads).
-    #[cfg(test)]
-    File(File),
-}
-
-impl Access {
-    fn read_at(&self, buf: &mut [u8], addr: u64) -> Option<usize> {
-        match self {
-            Access::Helper(h) => h.read_at(buf, addr),
-            #[cfg(test)]
-            Access::File(f) => f.read_at(buf, addr).ok(),
-        }
-    }
-
-    fn write_at(&self, bytes: &[u8], addr: u64) -> Option<usize> {
-        match self {
-            Access::Helper(h) => h.write_at(bytes, addr),
-            #[cfg(test)]
-            Access::File(f) => f.write_at(bytes, addr).ok(),
-        }
-    }
-}
-
 impl Memory {
     /// Opens `/proc/PID/mem` for reading and writing (writing only works
     /// while the process is traced by us), read and written by a helper
@@ -113,7 +81,7 @@ impl Memory {
             .write(true)
             .open(format!("/proc/{pid}/mem"))?;
         let mut mem = Memory {
-            access: Access::Helper(crate::attach::memory_access::MemoryAccess::start(file)?),
+            access: crate::attach::memory_access::MemoryAccess::start(file)?,
             pages: Default::default(),
             mounts: UserSpaceMounts::of_process(pid),
             served: Vec::new(),
@@ -140,11 +108,7 @@ impl Memory {
     /// [`crate::attach::memory_access`]): nothing can be read or written
     /// any more.
     pub fn stalled(&self) -> bool {
-        match &self.access {
-            Access::Helper(h) => h.stalled(),
-            #[cfg(test)]
-            Access::File(_) => false,
-        }
+        self.access.stalled()
     }
 
     /// Runs `judge`, a judgement of a held thread that only reads, with
@@ -604,7 +568,10 @@ mod tests {
         );
         assert!(served_ranges(maps, &UserSpaceMounts::none()).is_empty());
         let mem = Memory {
-            access: Access::File(File::open("/dev/null").unwrap()),
+            access: crate::attach::memory_access::MemoryAccess::start(
+                std::fs::File::open("/dev/null").unwrap(),
+            )
+            .unwrap(),
             pages: Default::default(),
             served: served_ranges(maps, &mounts),
             mounts,
