@@ -1158,6 +1158,112 @@ fn record_weighted_here<const DIRECT: bool>(
     .unwrap_or(0)
 }
 
+/// A `realloc` of the block at `addr` to `size` bytes that the allocator
+/// may do in place: `resize` asks it to (and must change nothing when it
+/// answers false). Exact mode, for a block in this thread's young ring
+/// (where a block `realloc`ed over and over, such as redis's list nodes,
+/// stays): the block keeps its record, rewritten with the new size, the
+/// `realloc`'s stack (walked from `fp`, the hook's frame) and time, and
+/// is counted as a free and an allocation, exactly as the free and
+/// allocation of a `realloc` that moves it would be; no table insert,
+/// no removal. True when the block was resized in place (recorded, or
+/// counted as dropped); false when nothing changed, `resize` included:
+/// the caller then `realloc`s the usual way ([`on_free`], the
+/// allocator's `realloc`, [`on_alloc`]).
+///
+/// The block is claimed from the ring before `resize` runs, and given
+/// back unchanged if it answers false: while the allocator resizes it,
+/// no other thread's free (only a double free could race here) finds it.
+#[inline(never)]
+pub fn on_realloc_in_place(
+    addr: usize,
+    size: usize,
+    fp: usize,
+    resize: impl FnOnce() -> bool,
+) -> bool {
+    if addr == 0 || size == 0 || crate::sampling::rate() != 0 {
+        return false;
+    }
+    with_thread(|t| {
+        let Some(w) = writers() else {
+            return false;
+        };
+        let ablate = w.config.ablate;
+        if ablation::off(ablate, ablation::ALL | ablation::TABLE) {
+            return false;
+        }
+        enter_generation(t);
+        let Some(k) = own_ring(t) else {
+            return false;
+        };
+        let Some(claim) = w.allocations.claim_own_young(addr as u64, &YOUNG, k) else {
+            return false;
+        };
+        if !resize() {
+            w.allocations.unclaim(claim, &YOUNG);
+            return false;
+        }
+        // Resized: from here on the block is the new one, the ring's newest
+        // (see `rewrite_claimed`): start fetching the index slot of the
+        // block it promotes, if any, as an insert does. An allocation
+        // event for the thread's books (its name, its event count).
+        let promoting = w.allocations.prefetch_young(&YOUNG, k);
+        prepare_thread(w, t);
+        // SAFETY: `with_thread` set this thread's busy flag.
+        let nodes = unsafe { t.nodes() };
+        let Some((stack, slot)) = stack_key(w, t, fp, ablation::off(ablate, ablation::STACK))
+        else {
+            // No stack key (counted as dropped): the block goes unrecorded,
+            // as a moved one would.
+            let old = w.allocations.free_claimed(claim, &YOUNG, nodes);
+            after_removal(t, w, addr, old, true);
+            return true;
+        };
+        let now_us = if ablation::off(ablate, ablation::CLOCK) {
+            0
+        } else {
+            coarse_now_ns().saturating_sub(w.clock_base_ns) / 1000
+        };
+        let rec = AllocationRecord {
+            address: addr as u64,
+            size: size as u64,
+            stack,
+            thread: ResourceKey(t.thread_key.get()),
+            timestamp_us: now_us,
+        };
+        match w
+            .allocations
+            .rewrite_claimed(claim, &rec, &YOUNG, promoting, nodes)
+        {
+            Ok(old) => {
+                // As at insert (`young_policy`).
+                if promoting.is_some() && t.young_policy.promoted(t.allocs.get()) {
+                    t.young.set(t.young.get() | BYPASSING);
+                }
+                // The old block's free, for the peak's composition.
+                after_removal(t, w, addr, old, true);
+                if !ablation::off(ablate, ablation::COUNTERS) {
+                    match slot {
+                        // SAFETY: `slot` is from `stack_key`, which had it
+                        // from this same writer `w.resources` during this
+                        // event.
+                        Some(slot) => unsafe { w.resources.cache_count(slot, 1, rec.size) },
+                        None => w.resources.record_allocations(stack, 1, rec.size),
+                    }
+                }
+            }
+            // Not representable (a key out of range, which the resources
+            // region never hands out): freed instead, unrecorded, as an
+            // insert would refuse it.
+            Err(old) => {
+                after_removal(t, w, addr, old, true);
+            }
+        }
+        true
+    })
+    .unwrap_or(false)
+}
+
 /// Removes the block at `addr` from the table; call *before* releasing
 /// the memory. Returns the recorded size, if the block was recorded.
 #[inline]

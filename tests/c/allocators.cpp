@@ -52,6 +52,33 @@ SITE void site_calloc(void) { for (int i = 0; i < N; i++) hold(calloc(4, 25), 10
 SITE void site_realloc(void) {
     for (int i = 0; i < N; i++) hold(realloc(malloc(10), 300), 300);
 }
+/* Blocks realloc'ed by the sites below, made elsewhere (outside every
+ * site_ function): once resized, a block's stack must be the realloc's
+ * (jemalloc resizes the first ones in place, and the agent keeps their
+ * records; the last moves). */
+static void *made[3][N];
+__attribute__((noinline)) static void make_blocks_to_resize(void) {
+    for (int i = 0; i < N; i++) {
+        made[0][i] = opaque(malloc(100));
+        made[1][i] = opaque(malloc(100));
+        made[2][i] = opaque(malloc(3000));
+    }
+}
+/* Within jemalloc's size class of 112 bytes, twice. */
+SITE void site_realloc_same_class(void) {
+    for (int i = 0; i < N; i++) {
+        void *p = realloc(made[0][i], 104);
+        hold(realloc(p, 110), 110);
+    }
+}
+/* Past what a small block can grow in place. */
+SITE void site_realloc_grown(void) {
+    for (int i = 0; i < N; i++) hold(realloc(made[1][i], 5000), 5000);
+}
+/* Into a smaller size class: jemalloc moves the block. */
+SITE void site_realloc_shrunk(void) {
+    for (int i = 0; i < N; i++) hold(realloc(made[2][i], 40), 40);
+}
 /* jemalloc 5.3 has no reallocarray or pvalloc: in a program linked with
  * it these names resolve to glibc's, with or without the agent, and glibc
  * cannot resize or own jemalloc's blocks. Those sites are left out there. */
@@ -213,6 +240,10 @@ int main(void) {
     site_malloc();
     site_calloc();
     site_realloc();
+    make_blocks_to_resize();
+    site_realloc_same_class();
+    site_realloc_grown();
+    site_realloc_shrunk();
 #ifndef USE_JEMALLOC
     site_reallocarray();
 #endif

@@ -108,6 +108,7 @@ pub unsafe extern "C" fn heapdump_attach(settings: *const c_char) -> c_int {
         // Held-back frees are not used when attached: after a detach no
         // hook would run to release what a thread still holds.
         crate::cxx::note_next_operators();
+        forwarding(crate::in_place_realloc::choose);
         state.hooks = Some(hooks);
     } else {
         // Attached before and detached: the mode is fixed, and the frees

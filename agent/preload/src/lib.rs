@@ -27,6 +27,7 @@ pub mod bootstrap_arena;
 pub mod bound_definitions;
 pub mod cxx;
 pub mod dlclose_hook;
+pub mod in_place_realloc;
 pub mod internal_api;
 pub mod jemalloc_attached;
 pub mod malloc_family;
@@ -85,6 +86,7 @@ pub(crate) fn choose_forwarding() {
     // redis report) should move when the program frees, so every other
     // allocator gets each free at once.
     cxx::note_next_operators();
+    in_place_realloc::choose();
     if next_allocator::next_is_glibc() {
         if let Some(f) = next_allocator::free() {
             heapdump_agent::recorder::set_release(f);

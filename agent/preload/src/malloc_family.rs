@@ -354,6 +354,10 @@ fn realloc_slow(p: *mut c_void, size: usize) -> *mut c_void {
     if arena::contains(p as usize) {
         return realloc_arena_block(p, size, fp);
     }
+    // jemalloc, a block that stays where it is: its record is kept.
+    if crate::in_place_realloc::resized(p, size, fp) {
+        return p;
+    }
     // SAFETY: the next allocator's realloc on a block it made.
     resize_impl(p, size, fp, || {
         next::realloc().map(|f| unsafe { f(p, size) })

@@ -130,4 +130,4 @@ pub use reader::{
 pub use record::AllocationRecord;
 pub(crate) use shards::add_shard_counters;
 pub use writer::{AllocationsWriter, Freed, InsertError, NodeCache, LIVE_BATCH, NODE_CACHE};
-pub use young::{YoungRegistry, YoungRing, YOUNG, YOUNG_RINGS};
+pub use young::{OwnClaim, YoungRegistry, YoungRing, YOUNG, YOUNG_RINGS};

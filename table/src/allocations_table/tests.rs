@@ -657,6 +657,84 @@ fn a_young_free_returns_what_the_record_held() {
 }
 
 #[test]
+fn a_young_block_resized_in_place_keeps_one_record_with_the_new_contents() {
+    // A block the allocator resized in place: claimed, rewritten (size,
+    // stack, thread, time), given back as the ring's newest block
+    // (promoting the oldest); counted as a free and an allocation, found
+    // again by its address, freed as any other. A claim given back
+    // unchanged and a claim freed leave the model's table.
+    let r = region(1024, 4);
+    let w = AllocationsWriter::new(&r).unwrap();
+    let reg = Box::new(YoungRegistry::new());
+    let k = w.claim_young(&reg).unwrap();
+    let mut cache = NodeCache::new();
+    let mut m = Model::default();
+    let blocks: Vec<AllocationRecord> = (0..YOUNG as u64)
+        .map(|j| rec(0x5000_0000 + j * 4096, 100 + j))
+        .collect();
+    for b in &blocks {
+        w.insert_young(b, &reg, k, &mut cache).unwrap();
+        m.alloc(*b);
+    }
+    // Block 5 grows: it takes the head's entry, whose block (0, the
+    // oldest) goes to the index. Block 1, the oldest now, shrinks in its
+    // own entry, which is the head's.
+    for (b, size) in [(blocks[5], 5000), (blocks[1], 7)] {
+        let c = w.claim_own_young(b.address, &reg, k).unwrap();
+        // Claimed: no other lookup of the owner's finds it meanwhile.
+        assert!(w.claim_own_young(b.address, &reg, k).is_none());
+        let new = AllocationRecord {
+            size,
+            stack: ResourceKey(b.stack.0 + 8),
+            thread: ResourceKey(8),
+            timestamp_us: b.timestamp_us + 1,
+            ..b
+        };
+        let old = w.rewrite_claimed(c, &new, &reg, None, &mut cache).unwrap();
+        assert_eq!(
+            (old.size, old.stack, old.timestamp_us),
+            (b.size, b.stack, b.timestamp_us)
+        );
+        m.free(b.address);
+        m.alloc(new);
+        m.check_peak(&r, false);
+    }
+    // Block 0 was promoted: the owner's ring no longer holds it.
+    assert!(w.claim_own_young(blocks[0].address, &reg, k).is_none());
+    // Block 2: claimed and given back as it was.
+    let c = w.claim_own_young(blocks[2].address, &reg, k).unwrap();
+    w.unclaim(c, &reg);
+    // Block 3: claimed, then freed.
+    let c = w.claim_own_young(blocks[3].address, &reg, k).unwrap();
+    assert_eq!(w.free_claimed(c, &reg, &mut cache).size, blocks[3].size);
+    m.free(blocks[3].address);
+    // Block 4: a rewrite naming another address frees it instead.
+    let c = w.claim_own_young(blocks[4].address, &reg, k).unwrap();
+    let elsewhere = rec(0x5100_0000, 1);
+    assert_eq!(
+        w.rewrite_claimed(c, &elsewhere, &reg, None, &mut cache)
+            .map_err(|f| f.size),
+        Err(104)
+    );
+    m.free(blocks[4].address);
+    // Not in the ring: nothing claimed.
+    assert!(w.claim_own_young(0x5200_0000, &reg, k).is_none());
+    // Every live block but the promoted one is in the ring.
+    assert_eq!(reg.held(k), m.live.len() - 1);
+    w.flush_cache(&mut cache);
+    m.check_peak(&r, false);
+    // Every block still recorded is found by address and freed once.
+    let live: Vec<u64> = m.live.keys().copied().collect();
+    for a in live {
+        let f = w.remove_any(a, &reg, Some(k), &mut cache).unwrap();
+        assert_eq!(Some(f.size), m.free(a));
+    }
+    assert_eq!(reg.held(k), 0);
+    w.flush_cache(&mut cache);
+    m.check_peak(&r, false);
+}
+
+#[test]
 fn a_thread_freeing_without_naming_its_ring_still_frees_its_young_blocks() {
     // A thread that started bypassing its ring frees the blocks its ring
     // still holds without naming the ring: found after the index, and the

@@ -55,6 +55,13 @@
 //!   while its blocks outlive the ring), and free without naming its ring
 //!   (`own` = `None`): its ring is then searched after the index with the
 //!   others, and such a free is counted in line 0.
+//! - A block its owner resizes in place (the allocator kept its address:
+//!   the agent's `realloc` on jemalloc) keeps its entry and node: the
+//!   owner claims the entry as for a free ([`OwnClaim`]), rewrites the
+//!   node in one seqlock write, and stores the address back, as it would
+//!   into an empty entry. Readers, who read nodes only, see the old block
+//!   or the new one throughout; a lookup meanwhile finds nothing, as it
+//!   would during a `realloc` that moves the block.
 //! - Blocks are found by address: a block freed behind the allocator's
 //!   back (a free the hooks never saw) whose address is allocated again
 //!   leaves a stale record until that address is promoted, when the stale
@@ -96,6 +103,21 @@ pub struct YoungRing {
     head: AtomicU32,
     /// 1 while a thread owns the ring.
     owner: AtomicU32,
+}
+
+/// A block of the calling thread's own ring that the thread has claimed
+/// ([`AllocationsWriter::claim_own_young`]): its entry reads as empty to
+/// every lookup, its node still as the live block to readers. Give it to
+/// exactly one of [`AllocationsWriter::free_claimed`],
+/// [`AllocationsWriter::unclaim`] or [`AllocationsWriter::rewrite_claimed`]
+/// before the thread's next insert.
+#[must_use = "a claimed entry must be freed, given back or rewritten"]
+#[derive(Debug)]
+pub struct OwnClaim {
+    ring: u32,
+    entry: u32,
+    node: u32,
+    addr: u64,
 }
 
 impl YoungRing {
@@ -639,18 +661,138 @@ impl AllocationsWriter<'_> {
     /// when the cache is full). The caller settles live bytes.
     #[inline(always)]
     pub(super) fn free_young_node(&self, node: u32, line: u32, cache: &mut NodeCache) -> Freed {
-        let w2 = self.node_word(node, 2).load(Ordering::Relaxed);
-        let w3 = self.node_word(node, 3).load(Ordering::Relaxed);
-        let size = w2 & SIZE_MASK;
+        let freed = self.node_contents(node);
         if !cache.push(node) {
             self.give_back_node(node);
         } else {
             self.empty_node(node);
         }
         self.line_add(line, L_FREES, 1);
-        self.line_add(line, L_FREED_BYTES, size);
+        self.line_add(line, L_FREED_BYTES, freed.size);
+        freed
+    }
+
+    /// Claims the block at `addr` in the calling thread's own ring `own`
+    /// (the first half of [`Self::remove_own_young`]): its entry's address
+    /// becomes 0, while its node, untouched, still reads as the live block
+    /// to readers. `None` when the ring does not hold it (nothing changed).
+    ///
+    /// The claim must be given to exactly one of [`Self::free_claimed`],
+    /// [`Self::unclaim`] or [`Self::rewrite_claimed`] before the thread
+    /// inserts into its ring again: an entry left claimed is taken as
+    /// empty by the next insert into it, and its node, never emptied,
+    /// would be read as a live block for ever.
+    #[inline(always)]
+    pub fn claim_own_young(&self, addr: u64, reg: &YoungRegistry, own: u32) -> Option<OwnClaim> {
+        if !self.has_line(own) {
+            return None;
+        }
+        let r = &reg.rings[own as usize % YOUNG_RINGS];
+        let i = r.find_own(addr)?;
+        let node = r.nodes[i].load(Ordering::Relaxed);
+        // A CAS, not a store: a double free racing on another thread must
+        // not free the node twice.
+        r.addrs[i]
+            .compare_exchange(addr, 0, Ordering::AcqRel, Ordering::Relaxed)
+            .ok()?;
+        Some(OwnClaim {
+            ring: own,
+            entry: i as u32,
+            node,
+            addr,
+        })
+    }
+
+    /// Frees a claimed block (the second half of
+    /// [`Self::remove_own_young`]): its node goes to `cache`.
+    #[inline(always)]
+    pub fn free_claimed(&self, c: OwnClaim, reg: &YoungRegistry, cache: &mut NodeCache) -> Freed {
+        let r = &reg.rings[c.ring as usize % YOUNG_RINGS];
+        r.unset_tag(c.entry as usize, c.addr);
+        let f = self.free_young_node(c.node, c.ring + 1, cache);
+        self.live_changed(Some(cache), -(f.size as i64));
+        f
+    }
+
+    /// Gives a claimed block back to its entry unchanged.
+    #[inline]
+    pub fn unclaim(&self, c: OwnClaim, reg: &YoungRegistry) {
+        let r = &reg.rings[c.ring as usize % YOUNG_RINGS];
+        // The entry is the owner's and empty (its claim): the owner may
+        // store an address into it. Release, as at insert.
+        r.addrs[c.entry as usize].store(c.addr, Ordering::Release);
+    }
+
+    /// Replaces a claimed block by `rec`, a block at the same address (one
+    /// resized in place by the allocator): one seqlock write of the node it
+    /// keeps, so a reader sees the old block or the new one, never neither
+    /// and never both. Counted as a free of the old block and an
+    /// allocation of the new one, which becomes the ring's newest block,
+    /// as after the free and insert of a `realloc` that moves it: it takes
+    /// the entry at the ring's head (promoting the block there, if any, as
+    /// an insert does), and its own entry stays empty until the head
+    /// reaches it. (Left in its entry, a block resized over and over, like
+    /// redis's list nodes, would be promoted into the index every [`YOUNG`]
+    /// allocations.) Returns what the old block held; when `rec` cannot be
+    /// stored (it names another address, or a key out of range) the old
+    /// block is freed instead, and the answer is `Err` with what it held.
+    /// `prefetched`: [`Self::prefetch_young`]'s answer for the ring, as
+    /// for [`Self::insert_young_prefetched`].
+    #[inline]
+    pub fn rewrite_claimed(
+        &self,
+        c: OwnClaim,
+        rec: &AllocationRecord,
+        reg: &YoungRegistry,
+        prefetched: Option<Prefetched>,
+        cache: &mut NodeCache,
+    ) -> Result<Freed, Freed> {
+        let Some((t32, w1, w2, w3)) = Self::encode(rec).filter(|e| e.1 == c.addr) else {
+            return Err(self.free_claimed(c, reg, cache));
+        };
+        let old = self.node_contents(c.node);
+        self.write_node(c.node, t32, w1, w2, w3);
+        let r = &reg.rings[c.ring as usize % YOUNG_RINGS];
+        let line = c.ring + 1;
+        let head = r.head.load(Ordering::Relaxed);
+        let i = head as usize % YOUNG;
+        let own = c.entry as usize;
+        if i != own {
+            // Acquire: as at insert (another thread's claim of the block
+            // there read its node first).
+            let occupant = r.addrs[i].load(Ordering::Acquire);
+            if occupant != 0 {
+                let h = match prefetched {
+                    Some(p) if p.address == occupant => p.hash,
+                    _ => hash(occupant),
+                };
+                self.promote((&r.addrs[i], &r.nodes[i]), occupant, h, line, cache);
+            }
+            r.unset_tag(own, c.addr);
+            r.nodes[i].store(c.node, Ordering::Relaxed);
+            r.set_tag_byte(i, tag(w1));
+        }
+        // Release: the node's new words, node word and tag before the
+        // address that another thread's lookup acquires (as at insert).
+        r.addrs[i].store(c.addr, Ordering::Release);
+        r.head.store(head.wrapping_add(1), Ordering::Relaxed);
+        let size = w2 & SIZE_MASK;
+        self.line_add(line, L_FREES, 1);
+        self.line_add(line, L_FREED_BYTES, old.size);
+        self.line_add(line, L_ALLOCS, 1);
+        self.line_add(line, L_BYTES, size);
+        self.live_changed(Some(cache), size as i64 - old.size as i64);
+        Ok(old)
+    }
+
+    /// What node `node` holds (its size, stack and time), read by the
+    /// thread that owns it.
+    #[inline(always)]
+    fn node_contents(&self, node: u32) -> Freed {
+        let w2 = self.node_word(node, 2).load(Ordering::Relaxed);
+        let w3 = self.node_word(node, 3).load(Ordering::Relaxed);
         Freed {
-            size,
+            size: w2 & SIZE_MASK,
             stack: ResourceKey((w3 & 0xffff_ffff) * 8),
             timestamp_us: (w2 >> 48) << 32 | w3 >> 32,
         }
@@ -703,21 +845,8 @@ impl AllocationsWriter<'_> {
         own: u32,
         cache: &mut NodeCache,
     ) -> Option<Freed> {
-        if !self.has_line(own) {
-            return None;
-        }
-        let r = &reg.rings[own as usize % YOUNG_RINGS];
-        let i = r.find_own(addr)?;
-        let node = r.nodes[i].load(Ordering::Relaxed);
-        // A CAS, not a store: a double free racing on another thread must
-        // not free the node twice.
-        r.addrs[i]
-            .compare_exchange(addr, 0, Ordering::AcqRel, Ordering::Relaxed)
-            .ok()?;
-        r.unset_tag(i, addr);
-        let f = self.free_young_node(node, own + 1, cache);
-        self.live_changed(Some(cache), -(f.size as i64));
-        Some(f)
+        let c = self.claim_own_young(addr, reg, own)?;
+        Some(self.free_claimed(c, reg, cache))
     }
 
     /// The rest of [`Self::remove_any_owned`] once
