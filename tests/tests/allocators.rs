@@ -142,6 +142,13 @@ fn check_every_entry_point(kind: &str) {
     let d = dump(pid);
     assert_eq!(d.partial, None);
     assert_eq!(d.counters.dropped_total(), 0, "{:?}", d.counters.dropped);
+    // The header's counters agree with the records (a realloc in place
+    // counts its block's free and allocation itself).
+    assert_eq!(d.counters.live_blocks, d.blocks.len() as u64);
+    assert_eq!(
+        d.counters.live_bytes,
+        d.blocks.iter().map(|b| b.size).sum::<u64>()
+    );
     let syms = Symbols::of_process(&exe, pid);
     let t = by_site(&d, &syms, "site_");
     let thread = d
