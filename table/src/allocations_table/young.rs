@@ -422,15 +422,24 @@ impl AllocationsWriter<'_> {
         Some(k)
     }
 
-    /// Adds `v` to a field of writer line `line`: a load and a store on
-    /// the owner's own line, an atomic add on the shared line 0.
+    /// Counts one block of `bytes` in writer line `line`: `pair` is
+    /// [`L_ALLOCS`] (allocations, then bytes) or [`L_FREES`] (frees, then
+    /// freed bytes). A load and a store each on the owner's own line, an
+    /// atomic add each on the shared line 0. Both words' addresses are
+    /// taken before either store (after one, the compiler would load the
+    /// writer's base and layout again).
     #[inline(always)]
-    fn line_add(&self, line: u32, field: u64, v: u64) {
-        let w = self.line_word(line, field);
+    fn line_count(&self, line: u32, pair: u64, bytes: u64) {
+        let (n, b) = (self.line_word(line, pair), self.line_word(line, pair + 8));
         if line == 0 {
-            w.fetch_add(v, Ordering::Relaxed);
+            n.fetch_add(1, Ordering::Relaxed);
+            b.fetch_add(bytes, Ordering::Relaxed);
         } else {
-            w.store(w.load(Ordering::Relaxed).wrapping_add(v), Ordering::Relaxed);
+            n.store(n.load(Ordering::Relaxed).wrapping_add(1), Ordering::Relaxed);
+            b.store(
+                b.load(Ordering::Relaxed).wrapping_add(bytes),
+                Ordering::Relaxed,
+            );
         }
     }
 
@@ -528,8 +537,7 @@ impl AllocationsWriter<'_> {
         // another thread's lookup acquires.
         entry.store(w1, Ordering::Release);
         let size = w2 & SIZE_MASK;
-        self.line_add(line, L_ALLOCS, 1);
-        self.line_add(line, L_BYTES, size);
+        self.line_count(line, L_ALLOCS, size);
         self.live_changed(Some(cache), size as i64);
         Ok(())
     }
@@ -611,8 +619,7 @@ impl AllocationsWriter<'_> {
                 }
             },
         };
-        self.line_add(line, L_FREES, 1);
-        self.line_add(line, L_FREED_BYTES, size);
+        self.line_count(line, L_FREES, size);
     }
 
     /// Gives the (claimed) young block in `node` an index slot in
@@ -667,8 +674,7 @@ impl AllocationsWriter<'_> {
         } else {
             self.empty_node(node);
         }
-        self.line_add(line, L_FREES, 1);
-        self.line_add(line, L_FREED_BYTES, freed.size);
+        self.line_count(line, L_FREES, freed.size);
         freed
     }
 
@@ -777,10 +783,8 @@ impl AllocationsWriter<'_> {
         r.addrs[i].store(c.addr, Ordering::Release);
         r.head.store(head.wrapping_add(1), Ordering::Relaxed);
         let size = w2 & SIZE_MASK;
-        self.line_add(line, L_FREES, 1);
-        self.line_add(line, L_FREED_BYTES, old.size);
-        self.line_add(line, L_ALLOCS, 1);
-        self.line_add(line, L_BYTES, size);
+        self.line_count(line, L_FREES, old.size);
+        self.line_count(line, L_ALLOCS, size);
         self.live_changed(Some(cache), size as i64 - old.size as i64);
         Ok(old)
     }
