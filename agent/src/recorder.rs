@@ -37,10 +37,12 @@
 //! [`on_free_deferred`] -> `remove_block`. Budget (DESIGN §6, issue 30):
 //! at most 350 instructions added per malloc+free pair at 4 frames, 700 on
 //! the churn, 3 L1 data misses; `bench/instructions --parts` counts them
-//! per part (session 27, 2026-11-28: +751 and +1401 instructions, +4.4
-//! and +8.0 misses, +623 on a young block's pair, +634 on a C++ one: far
-//! over; see docs/benchmarks.md), and CI fails when they grow past
-//! `bench/instructions-budget.json`.
+//! per part (session 31, 2026-11-28: +751 and +1396 instructions, +3.2
+//! and +6.7 misses on this machine's cache model, +623 on a young block's
+//! pair, +633 on a C++ one: far over; see docs/benchmarks.md), and CI
+//! fails when they grow past `bench/instructions-budget.json`. A
+//! `realloc` on jemalloc of a block in the thread's young ring keeps its
+//! record ([`on_realloc_in_place`]).
 
 use std::cell::UnsafeCell;
 use std::mem::MaybeUninit;
