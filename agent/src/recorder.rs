@@ -1067,18 +1067,7 @@ fn record_weighted_here<const DIRECT: bool>(
         else {
             return 0;
         };
-        let now_us = if ablation::off(ablate, ablation::CLOCK) {
-            0
-        } else {
-            coarse_now_ns().saturating_sub(w.clock_base_ns) / 1000
-        };
-        let rec = AllocationRecord {
-            address: addr as u64,
-            size: size as u64,
-            stack,
-            thread: ResourceKey(t.thread_key.get()),
-            timestamp_us: now_us,
-        };
+        let rec = record_now(w, t, addr, size, stack);
         // SAFETY: `with_thread` set this thread's busy flag.
         let nodes = unsafe { t.nodes() };
         let mut token = 0;
@@ -1146,15 +1135,9 @@ fn record_weighted_here<const DIRECT: bool>(
                 }
             }
         }
-        if !ablation::off(ablate, ablation::COUNTERS) {
-            let bytes = rec.size.wrapping_mul(weight);
-            match slot {
-                // SAFETY: `slot` is from `stack_key`, which had it from
-                // this same writer `w.resources` during this event.
-                Some(slot) => unsafe { w.resources.cache_count(slot, weight, bytes) },
-                None => w.resources.record_allocations(stack, weight, bytes),
-            }
-        }
+        // SAFETY: `slot` is what `stack_key` gave with `stack` above, from
+        // `w.resources`.
+        unsafe { count_on_stack(w, stack, slot, weight, rec.size.wrapping_mul(weight)) };
         token
     })
     .unwrap_or(0)
@@ -1221,18 +1204,7 @@ pub fn on_realloc_in_place(
             after_removal(t, w, addr, old, true);
             return true;
         };
-        let now_us = if ablation::off(ablate, ablation::CLOCK) {
-            0
-        } else {
-            coarse_now_ns().saturating_sub(w.clock_base_ns) / 1000
-        };
-        let rec = AllocationRecord {
-            address: addr as u64,
-            size: size as u64,
-            stack,
-            thread: ResourceKey(t.thread_key.get()),
-            timestamp_us: now_us,
-        };
+        let rec = record_now(w, t, addr, size, stack);
         match w
             .allocations
             .rewrite_claimed(claim, &rec, &YOUNG, promoting, nodes)
@@ -1244,15 +1216,9 @@ pub fn on_realloc_in_place(
                 }
                 // The old block's free, for the peak's composition.
                 after_removal(t, w, addr, old, true);
-                if !ablation::off(ablate, ablation::COUNTERS) {
-                    match slot {
-                        // SAFETY: `slot` is from `stack_key`, which had it
-                        // from this same writer `w.resources` during this
-                        // event.
-                        Some(slot) => unsafe { w.resources.cache_count(slot, 1, rec.size) },
-                        None => w.resources.record_allocations(stack, 1, rec.size),
-                    }
-                }
+                // SAFETY: `slot` is what `stack_key` gave with `stack`
+                // above, from `w.resources`.
+                unsafe { count_on_stack(w, stack, slot, 1, rec.size) };
             }
             // Not representable (a key out of range, which the resources
             // region never hands out): freed instead, unrecorded, as an
@@ -1264,6 +1230,55 @@ pub fn on_realloc_in_place(
         true
     })
     .unwrap_or(false)
+}
+
+/// The record of a block of `size` bytes at `addr` allocated now on this
+/// thread, with stack `stack`.
+#[inline(always)]
+fn record_now(
+    w: &Writers,
+    t: &ThreadState,
+    addr: usize,
+    size: usize,
+    stack: ResourceKey,
+) -> AllocationRecord {
+    let now_us = if ablation::off(w.config.ablate, ablation::CLOCK) {
+        0
+    } else {
+        coarse_now_ns().saturating_sub(w.clock_base_ns) / 1000
+    };
+    AllocationRecord {
+        address: addr as u64,
+        size: size as u64,
+        stack,
+        thread: ResourceKey(t.thread_key.get()),
+        timestamp_us: now_us,
+    }
+}
+
+/// Counts `weight` allocations of `bytes` in all on `stack`'s cumulative
+/// counters: in the thread's stack cache slot `slot`, else on the stack's
+/// record.
+///
+/// # Safety
+/// `slot` is what `stack_key` gave with `stack` during this event, from
+/// this same writer `w.resources`.
+#[inline(always)]
+unsafe fn count_on_stack(
+    w: &Writers,
+    stack: ResourceKey,
+    slot: Option<CacheSlot>,
+    weight: u64,
+    bytes: u64,
+) {
+    if ablation::off(w.config.ablate, ablation::COUNTERS) {
+        return;
+    }
+    match slot {
+        // SAFETY: the caller's contract.
+        Some(slot) => unsafe { w.resources.cache_count(slot, weight, bytes) },
+        None => w.resources.record_allocations(stack, weight, bytes),
+    }
 }
 
 /// Removes the block at `addr` from the table; call *before* releasing
