@@ -129,3 +129,54 @@ def cpu_name():
     except OSError:
         pass
     return f"{name}, {os.cpu_count()} CPUs"
+
+
+def redis_under_callgrind(out, library, tests, requests, fill, cwd, dump_instr=False):
+    """Runs Debian's redis-server under valgrind's callgrind (writing `out`)
+    with `library` preloaded (None: bare), loads it with `redis-benchmark
+    -P 16 -n REQUESTS -t TESTS` and shuts it down. With lpop or rpop among
+    `tests`, the list is first filled with `fill` LPUSHes (popping an empty
+    list allocates nearly nothing, while a real pop shrinks the list's
+    listpack with a `realloc`); a caller that compares two runs gives both
+    the same `fill`, so its cost cancels. Stops the script if the server
+    does not answer, or if the agent is (or is not) loaded as asked."""
+    import socket
+    import time
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("HEAPDUMP_") and k != "LD_PRELOAD"}
+    if library:
+        env["LD_PRELOAD"] = library
+    cmd = ["valgrind", "--tool=callgrind", "--cache-sim=yes", f"--callgrind-out-file={out}"]
+    if dump_instr:
+        cmd.append("--dump-instr=yes")
+    server = subprocess.Popen(
+        cmd + ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+               "--appendonly", "no", "--logfile", ""],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=cwd)
+    # Wait (bounded) until it answers; under valgrind it starts slowly.
+    for _ in range(600):
+        r = subprocess.run(["redis-cli", "-p", str(port), "ping"], capture_output=True, text=True)
+        if r.stdout.strip() == "PONG":
+            break
+        if server.poll() is not None:
+            die("redis-server exited before answering")
+        time.sleep(0.2)
+    else:
+        server.kill()
+        die("redis-server did not answer within 2 minutes")
+    what = "redis-server under callgrind"
+    if library:
+        check_preload_loaded(server.pid, library, what)
+    else:
+        check_no_agent(server.pid, what)
+    if {"lpop", "rpop"} & set(tests.lower().split(",")):
+        subprocess.run(["redis-benchmark", "-p", str(port), "-P", "16", "-n", str(fill),
+                        "-t", "lpush", "-q"], check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(["redis-benchmark", "-p", str(port), "-P", "16", "-n", str(requests),
+                    "-t", tests, "-q"], check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(["redis-cli", "-p", str(port), "shutdown", "nosave"], capture_output=True)
+    server.wait(timeout=300)
