@@ -358,8 +358,12 @@ fn realloc_slow(p: *mut c_void, size: usize) -> *mut c_void {
     if crate::in_place_realloc::resized(p, size, fp) {
         return p;
     }
-    // SAFETY: the next allocator's realloc on a block it made.
     resize_impl(p, size, fp, || {
+        // jemalloc, a block that stays where it is: `xallocx`, cheaper.
+        if crate::in_place_realloc::kept_in_place(p, size) {
+            return Some(p);
+        }
+        // SAFETY: the next allocator's realloc on a block it made.
         next::realloc().map(|f| unsafe { f(p, size) })
     })
 }
