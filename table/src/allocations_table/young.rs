@@ -483,6 +483,31 @@ impl AllocationsWriter<'_> {
         };
         let head = r.head.load(Ordering::Relaxed);
         let i = head as usize % YOUNG;
+        self.empty_head(r, i, prefetched, line, cache);
+        self.fill_entry(
+            (&r.addrs[i], &r.nodes[i]),
+            || r.set_tag_byte(i, tag(w1)),
+            (t32, w1, w2, w3),
+            line,
+            cache,
+        )?;
+        r.head.store(head.wrapping_add(1), Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Makes entry `i` of the caller's ring `r` (the one at its head)
+    /// empty for a new block: the block it still holds, if any, is
+    /// promoted into the index (counted out of writer line `line`), with
+    /// the hash `prefetched` ([`Self::prefetch_young`]) computed for it.
+    #[inline(always)]
+    fn empty_head(
+        &self,
+        r: &YoungRing,
+        i: usize,
+        prefetched: Option<Prefetched>,
+        line: u32,
+        cache: &mut NodeCache,
+    ) {
         // Only this thread stores a non-zero address here; another thread
         // may have claimed the entry (stored 0) meanwhile, which is fine.
         // Acquire: such a claimant read the entry's node before its claim
@@ -495,15 +520,6 @@ impl AllocationsWriter<'_> {
             };
             self.promote((&r.addrs[i], &r.nodes[i]), old, h, line, cache);
         }
-        self.fill_entry(
-            (&r.addrs[i], &r.nodes[i]),
-            || r.set_tag_byte(i, tag(w1)),
-            (t32, w1, w2, w3),
-            line,
-            cache,
-        )?;
-        r.head.store(head.wrapping_add(1), Ordering::Relaxed);
-        Ok(())
     }
 
     /// Writes a new block (its encoded words) into an entry (its address
@@ -764,16 +780,7 @@ impl AllocationsWriter<'_> {
         let i = head as usize % YOUNG;
         let own = c.entry as usize;
         if i != own {
-            // Acquire: as at insert (another thread's claim of the block
-            // there read its node first).
-            let occupant = r.addrs[i].load(Ordering::Acquire);
-            if occupant != 0 {
-                let h = match prefetched {
-                    Some(p) if p.address == occupant => p.hash,
-                    _ => hash(occupant),
-                };
-                self.promote((&r.addrs[i], &r.nodes[i]), occupant, h, line, cache);
-            }
+            self.empty_head(r, i, prefetched, line, cache);
             r.unset_tag(own, c.addr);
             r.nodes[i].store(c.node, Ordering::Relaxed);
             r.set_tag_byte(i, tag(w1));
