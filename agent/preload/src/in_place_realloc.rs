@@ -106,13 +106,19 @@ fn jemalloc_calls() -> Option<(usize, usize)> {
 /// to `realloc`: not null, not an arena block) to `size` bytes in place
 /// and keeps its record, if the allocator is jemalloc and the block stays
 /// where it is (see the module doc). False: nothing changed; the caller
-/// `realloc`s the usual way. `fp` is the hook's frame pointer.
+/// `realloc`s the usual way, and need not ask [`kept_in_place`] again if
+/// `refused` was set (jemalloc was asked and would move the block). `fp`
+/// is the hook's frame pointer.
 #[inline(always)]
-pub(crate) fn resized(p: *mut c_void, size: usize, fp: usize) -> bool {
+pub(crate) fn resized(p: *mut c_void, size: usize, fp: usize, refused: &mut bool) -> bool {
     if XALLOCX.load(Ordering::Relaxed) == 0 {
         return false;
     }
-    on_realloc_in_place(p as usize, size, fp, || kept_in_place(p, size))
+    on_realloc_in_place(p as usize, size, fp, || {
+        let kept = kept_in_place(p, size);
+        *refused = !kept;
+        kept
+    })
 }
 
 /// Whether jemalloc resized `p` to `size` bytes where it is, as its

@@ -355,12 +355,14 @@ fn realloc_slow(p: *mut c_void, size: usize) -> *mut c_void {
         return realloc_arena_block(p, size, fp);
     }
     // jemalloc, a block that stays where it is: its record is kept.
-    if crate::in_place_realloc::resized(p, size, fp) {
+    let mut refused = false;
+    if crate::in_place_realloc::resized(p, size, fp, &mut refused) {
         return p;
     }
     resize_impl(p, size, fp, || {
-        // jemalloc, a block that stays where it is: `xallocx`, cheaper.
-        if crate::in_place_realloc::kept_in_place(p, size) {
+        // jemalloc, a block that stays where it is: `xallocx`, cheaper
+        // (unless jemalloc was just asked and would move it).
+        if !refused && crate::in_place_realloc::kept_in_place(p, size) {
             return Some(p);
         }
         // SAFETY: the next allocator's realloc on a block it made.
