@@ -32,7 +32,8 @@
 //! - Nothing here allocates or takes a lock: gimli's parsers run on
 //!   borrowed slices with a fixed-size [`UnwindContext`] on the stack of a
 //!   cold, non-inlined function. One exception, before glibc 2.35 only: a
-//!   rule-cache miss for a counter in no module the agent's table knows
+//!   rule-cache miss for a counter in no module the agent's table knows,
+//!   or while another thread rebuilds the table,
 //!   asks the loader (`dl_iterate_phdr`, whose lock is recursive and is
 //!   never held by a thread waiting on this one: see `module_table`),
 //!   as libgcc's unwinder does for every C++ exception on those systems.
@@ -1316,6 +1317,9 @@ mod tests {
 
     #[test]
     fn the_module_table_finds_the_same_rules_as_dl_find_object() {
+        let _one_at_a_time = crate::module_table::TEST_LOCK
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
         assert!(init(false), "_dl_find_object is present in glibc >= 2.35");
         assert!(crate::module_table::init());
         let f = FIND_OBJECT.load(Ordering::Relaxed);

@@ -8,14 +8,21 @@
 //!
 //! Invariants:
 //! - One writer at a time (a try-lock: a thread that finds another
-//!   rebuilding does not wait, its lookup is [`Lookup::Transient`]).
-//!   Readers never wait either: the table is a seqlock (odd while being
-//!   written); a lookup that overlaps a rebuild is `Transient`, which the
-//!   caller must not cache.
+//!   rebuilding does not wait). Readers never wait either: the table is a
+//!   seqlock (odd while being written). A lookup that overlaps another
+//!   thread's rebuild asks the loader itself for the one module holding its
+//!   counter (`dl_iterate_phdr`, as the rebuild would have, had this thread
+//!   won the try-lock), so that two threads missing at once both get the
+//!   module: a `Transient` answer there made the loser's walk stop at that
+//!   frame, and the walk's memo and trace shortcut kept the short stack for
+//!   every later allocation from the same place (seen in CI: 50 blocks of
+//!   one thread with a one-frame stack).
 //! - Every entry describes a module that was loaded when the table was
 //!   built. A module can leave only through `dlclose`: the preload's
 //!   `dlclose` hook calls [`closing`] before forwarding and [`closed`]
-//!   after; lookups answer `Transient` in between. Both bump `CLOSES`,
+//!   after; lookups answer [`Lookup::Transient`] in between (the caller
+//!   must not cache that answer; walks kept meanwhile are forgotten when
+//!   the `dlclose` ends, which bumps the unwinder's generation). Both bump `CLOSES`,
 //!   and a table is used only if the `CLOSES` its rebuild read before
 //!   asking the loader is the current one: a table whose listing may have
 //!   overlapped a `dlclose` (or predates one) is rebuilt first. So a
@@ -133,19 +140,27 @@ pub fn find(pc: usize) -> Lookup {
         return Lookup::Missing;
     }
     let rebuild_first = match read(pc) {
+        Read::Closing => return Lookup::Transient,
+        Read::Busy => return ask_loader(pc),
         // The table may predate a `dlclose`.
-        None => true,
+        Read::Stale => true,
         // A module loaded since the table was built? Ask the loader.
-        Some(Lookup::Missing) => loader_changes() != Some(BUILT_AT.load(Ordering::Relaxed)),
-        Some(known) => return known,
+        Read::Known(Lookup::Missing) => loader_changes() != Some(BUILT_AT.load(Ordering::Relaxed)),
+        Read::Known(known) => return known,
     };
     if !rebuild_first {
         return Lookup::Missing;
     }
     if !rebuild() {
-        return Lookup::Transient;
+        // Another thread is rebuilding.
+        return ask_loader(pc);
     }
-    read(pc).unwrap_or(Lookup::Transient)
+    match read(pc) {
+        Read::Known(known) => known,
+        Read::Closing => Lookup::Transient,
+        // Another rebuild, or a whole `dlclose`, since ours.
+        Read::Busy | Read::Stale => ask_loader(pc),
+    }
 }
 
 /// Called by the `dlclose` hook before it forwards the call.
@@ -162,17 +177,30 @@ pub fn closed() {
     CLOSING.fetch_sub(1, Ordering::SeqCst);
 }
 
+/// What one read of the table tells of a program counter.
+#[derive(Debug, PartialEq, Eq)]
+enum Read {
+    /// The table's answer (`Found` or `Missing`).
+    Known(Lookup),
+    /// A `dlclose` is under way: nothing can be told.
+    Closing,
+    /// Another thread is rebuilding the table (no `dlclose` was under way
+    /// when the read began).
+    Busy,
+    /// The table may predate a `dlclose` (see the module doc).
+    Stale,
+}
+
 /// One lock-free read of the table.
-/// `None`: the table may predate a `dlclose` (see the module doc).
-fn read(pc: usize) -> Option<Lookup> {
+fn read(pc: usize) -> Read {
     // SeqCst: ordered with the dlclose hook's increment, so a lookup that
     // starts after a `dlclose` began sees it.
     if CLOSING.load(Ordering::SeqCst) != 0 {
-        return Some(Lookup::Transient);
+        return Read::Closing;
     }
     let s1 = SEQ.load(Ordering::Acquire);
     if s1 & 1 != 0 {
-        return Some(Lookup::Transient);
+        return Read::Busy;
     }
     let len = LEN.load(Ordering::Relaxed).min(MAX_MODULES);
     // The last entry starting at or below `pc` (entries sorted by start).
@@ -197,18 +225,84 @@ fn read(pc: usize) -> Option<Lookup> {
     // The seqlock's read side: the loads above happen before this fence,
     // and a writer that started meanwhile has bumped SEQ before its stores.
     std::sync::atomic::fence(Ordering::Acquire);
-    if SEQ.load(Ordering::Relaxed) != s1 || CLOSING.load(Ordering::SeqCst) != 0 {
-        return Some(Lookup::Transient);
+    if CLOSING.load(Ordering::SeqCst) != 0 {
+        return Read::Closing;
+    }
+    if SEQ.load(Ordering::Relaxed) != s1 {
+        return Read::Busy;
     }
     // SeqCst: a lookup that sees a `dlclose` ended (CLOSING back to 0)
     // sees both of its bumps.
     if built_at != CLOSES.load(Ordering::SeqCst) {
-        return None;
+        return Read::Stale;
     }
-    Some(match found {
+    Read::Known(match found {
         Some((start, end, hdr)) if start <= pc && pc < end => Lookup::Found { start, end, hdr },
         _ => Lookup::Missing,
     })
+}
+
+/// The module holding `pc`, asked of the loader directly, without the
+/// table (another thread is writing it). Same conditions as a rebuild
+/// (see the module doc): a rule-cache miss, no `dlclose` seen under way.
+fn ask_loader(pc: usize) -> Lookup {
+    struct Search {
+        pc: usize,
+        found: Option<(usize, usize, usize)>,
+    }
+    unsafe extern "C" fn holding(
+        info: *mut libc::dl_phdr_info,
+        _size: usize,
+        data: *mut c_void,
+    ) -> c_int {
+        // SAFETY: `data` is the `Search` below; `info` is the loader's, valid
+        // while the callback runs (see `module_range`).
+        let (s, i) = unsafe { (&mut *(data as *mut Search), &*info) };
+        // SAFETY: as above.
+        match unsafe { module_range(i) } {
+            Some((start, end, hdr)) if start <= s.pc && s.pc < end => {
+                s.found = Some((start, end, hdr));
+                1 // found: stop
+            }
+            _ => 0,
+        }
+    }
+    let mut s = Search { pc, found: None };
+    // SAFETY: `holding` matches the callback type and only writes `s`.
+    unsafe { libc::dl_iterate_phdr(Some(holding), &mut s as *mut Search as *mut c_void) };
+    match s.found {
+        Some((start, end, hdr)) => Lookup::Found { start, end, hdr },
+        None => Lookup::Missing,
+    }
+}
+
+/// A module's `[start, end)` (its loaded segments) and `.eh_frame_hdr`
+/// address (0: none), from the loader's description; `None` when it has
+/// no usable range.
+///
+/// # Safety
+/// `i` is a `dl_phdr_info` passed by `dl_iterate_phdr` to a callback that
+/// is still running (its program headers are mapped meanwhile).
+unsafe fn module_range(i: &libc::dl_phdr_info) -> Option<(usize, usize, usize)> {
+    if i.dlpi_phdr.is_null() {
+        return None;
+    }
+    // SAFETY: the caller's contract: `dlpi_phnum` headers at `dlpi_phdr`.
+    let phdrs = unsafe { std::slice::from_raw_parts(i.dlpi_phdr, i.dlpi_phnum as usize) };
+    let bias = i.dlpi_addr as usize;
+    let (mut start, mut end, mut hdr) = (usize::MAX, 0usize, 0usize);
+    for p in phdrs {
+        match p.p_type {
+            libc::PT_LOAD => {
+                let s = bias.wrapping_add(p.p_vaddr as usize);
+                start = start.min(s);
+                end = end.max(s.wrapping_add(p.p_memsz as usize));
+            }
+            libc::PT_GNU_EH_FRAME => hdr = bias.wrapping_add(p.p_vaddr as usize),
+            _ => {}
+        }
+    }
+    (start < end && (hdr == 0 || (start..end).contains(&hdr))).then_some((start, end, hdr))
 }
 
 /// The loader's count of modules added and removed so far (`None` when
@@ -285,25 +379,11 @@ unsafe extern "C" fn collect(
     if b.changes.is_none() && size >= std::mem::size_of::<libc::dl_phdr_info>() - 16 {
         b.changes = Some(i.dlpi_adds.wrapping_add(i.dlpi_subs));
     }
-    if b.len == MAX_MODULES || i.dlpi_phdr.is_null() {
+    if b.len == MAX_MODULES {
         return 0;
     }
-    // SAFETY: as above.
-    let phdrs = unsafe { std::slice::from_raw_parts(i.dlpi_phdr, i.dlpi_phnum as usize) };
-    let bias = i.dlpi_addr as usize;
-    let (mut start, mut end, mut hdr) = (usize::MAX, 0usize, 0usize);
-    for p in phdrs {
-        match p.p_type {
-            libc::PT_LOAD => {
-                let s = bias.wrapping_add(p.p_vaddr as usize);
-                start = start.min(s);
-                end = end.max(s.wrapping_add(p.p_memsz as usize));
-            }
-            libc::PT_GNU_EH_FRAME => hdr = bias.wrapping_add(p.p_vaddr as usize),
-            _ => {}
-        }
-    }
-    if start < end && (hdr == 0 || (start..end).contains(&hdr)) {
+    // SAFETY: `i` is the loader's, inside its callback.
+    if let Some((start, end, hdr)) = unsafe { module_range(i) } {
         let e = &ENTRIES[b.len];
         e.start.store(start, Ordering::Relaxed);
         e.end.store(end, Ordering::Relaxed);
@@ -341,12 +421,18 @@ fn sort(len: usize) {
     }
 }
 
+/// Held by the unit tests that look modules up or play a `dlclose` or a
+/// rebuild (they share the process's one table and run in parallel).
+#[cfg(test)]
+pub(crate) static TEST_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn finds_loaded_modules_misses_the_heap_and_waits_out_a_dlclose() {
+        let _one_at_a_time = TEST_LOCK.lock().unwrap_or_else(|e| e.into_inner());
         assert!(init());
         let here =
             finds_loaded_modules_misses_the_heap_and_waits_out_a_dlclose as *const () as usize;
@@ -366,10 +452,46 @@ mod tests {
         // have listed the closing module: not used once it ended.
         assert!(rebuild());
         closed();
-        assert_eq!(read(libc::malloc as *const () as usize), None);
+        assert_eq!(read(libc::malloc as *const () as usize), Read::Stale);
         assert!(matches!(
             find(libc::malloc as *const () as usize),
             Lookup::Found { .. }
         ));
+    }
+
+    #[test]
+    fn a_lookup_while_another_thread_rebuilds_asks_the_loader_itself() {
+        let _one_at_a_time = TEST_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+        assert!(init());
+        let here =
+            a_lookup_while_another_thread_rebuilds_asks_the_loader_itself as *const () as usize;
+        let known = find(here);
+        assert!(matches!(known, Lookup::Found { .. }), "{known:?}");
+        // Play the other thread, halfway through its rebuild: the try-lock
+        // held, the seqlock odd.
+        assert!(WRITING
+            .compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed)
+            .is_ok());
+        SEQ.fetch_add(1, Ordering::Relaxed);
+        assert_eq!(read(here), Read::Busy);
+        assert!(!rebuild());
+        let during = find(here);
+        let malloc = find(libc::malloc as *const () as usize);
+        let heap = Box::new(0u64);
+        let nowhere = find(&*heap as *const u64 as usize);
+        // A table that predates a dlclose, while the other thread rebuilds.
+        CLOSES.fetch_add(2, Ordering::SeqCst);
+        let stale_and_busy = find(here);
+        SEQ.fetch_add(1, Ordering::Release);
+        WRITING.store(false, Ordering::Release);
+        assert_eq!(during, known);
+        assert!(matches!(malloc, Lookup::Found { .. }), "{malloc:?}");
+        assert_ne!(malloc, known);
+        assert_eq!(nowhere, Lookup::Missing);
+        assert_eq!(stale_and_busy, known);
+        // The table itself was not touched: the next lookup rebuilds it
+        // (it predates the "dlclose") and answers the same.
+        assert_eq!(read(here), Read::Stale);
+        assert_eq!(find(here), known);
     }
 }
