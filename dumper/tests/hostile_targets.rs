@@ -555,6 +555,95 @@ fn a_sparse_4gib_note_and_a_1tib_debuglink_cost_little() {
     target.send("quit");
 }
 
+/// Replaces the DWARF of the shared object `lib` with one unit whose
+/// function `function` holds `levels` inlined calls each inside the last
+/// (one byte each), as a target may ship it.
+fn nest_dwarf(lib: &Path, function: &str, levels: usize) {
+    let nm = Command::new("nm").arg("-S").arg(lib).output().unwrap();
+    let (addr, size) = String::from_utf8_lossy(&nm.stdout)
+        .lines()
+        .find_map(|l| {
+            let f: Vec<_> = l.split_whitespace().collect();
+            (f.len() == 4 && f[3] == function).then(|| {
+                (
+                    u64::from_str_radix(f[0], 16).unwrap(),
+                    u64::from_str_radix(f[1], 16).unwrap(),
+                )
+            })
+        })
+        .expect("the function's symbol");
+    // Abbreviations: 1 compile unit, 2 subprogram (name, low_pc,
+    // high_pc as a length), 3 inlined subroutine; all with children.
+    let abbrev: &[u8] = &[
+        1, 0x11, 1, 0x11, 0x01, 0x12, 0x07, 0, 0, //
+        2, 0x2e, 1, 0x03, 0x08, 0x11, 0x01, 0x12, 0x07, 0, 0, //
+        3, 0x1d, 1, 0, 0, 0,
+    ];
+    let mut body = vec![1];
+    body.extend_from_slice(&addr.to_le_bytes());
+    body.extend_from_slice(&size.to_le_bytes());
+    body.push(2);
+    body.extend_from_slice(function.as_bytes());
+    body.push(0);
+    body.extend_from_slice(&addr.to_le_bytes());
+    body.extend_from_slice(&size.to_le_bytes());
+    body.extend(std::iter::repeat_n(3u8, levels));
+    body.extend(std::iter::repeat_n(0u8, levels + 2));
+    let mut info = ((2 + 4 + 1 + body.len()) as u32).to_le_bytes().to_vec();
+    info.extend_from_slice(&4u16.to_le_bytes()); // DWARF 4
+    info.extend_from_slice(&0u32.to_le_bytes()); // abbreviations at 0
+    info.push(8); // address size
+    info.extend_from_slice(&body);
+    let dir = lib.parent().unwrap();
+    std::fs::write(dir.join("info.bin"), &info).unwrap();
+    std::fs::write(dir.join("abbrev.bin"), abbrev).unwrap();
+    let status = Command::new("objcopy")
+        .args([
+            "--remove-section=.debug_aranges",
+            "--update-section",
+            ".debug_info=info.bin",
+            "--update-section",
+            ".debug_abbrev=abbrev.bin",
+        ])
+        .arg(lib)
+        .current_dir(dir)
+        .status()
+        .unwrap();
+    assert!(status.success());
+    chown_nobody(lib);
+}
+
+#[test]
+fn a_library_whose_dwarf_nests_a_million_levels_is_named_from_its_symbols() {
+    if !root_here("nested DWARF") {
+        return;
+    }
+    let t = TempDir::new("hostile-nesting");
+    let d = nobody_dir(&t, "app");
+    let lib = d.join("libnested.so");
+    plugin_at(&lib, &[]);
+    // addr2line reads inlined calls by recursion: this overflowed
+    // heapdump's stack (abort) before the nesting was checked.
+    nest_dwarf(&lib, "site_plugin", 1_000_000);
+    let mut target = Target::spawn(as_nobody_recorded(&compile_c("hostile")));
+    target.send(&format!("plugin {}", lib.display()));
+    assert_eq!(target.wait_line(""), "loaded");
+    let pid = target.pid().to_string();
+    let json = t.str("s.json");
+    ok(&bounded(&["snapshot", &pid, "-o", &json]));
+    let j = read_json(Path::new(&json));
+    assert_eq!(live_blocks_through(&j, "site_plugin"), 100);
+    let notes = j["notes"].to_string();
+    assert!(
+        notes.contains("libnested.so: its DWARF nests entries deeper than 512 levels"),
+        "{notes}"
+    );
+    // The text report too (its own symbolization).
+    let text = ok(&bounded(&["snapshot", &pid]));
+    assert!(text.contains("site_plugin"), "{text}");
+    target.send("quit");
+}
+
 #[test]
 fn a_flooding_process_cannot_delete_another_processes_snapshots() {
     if !root_here("flood") {

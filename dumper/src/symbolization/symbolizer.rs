@@ -46,6 +46,7 @@ use object::{Object, ObjectSection, ObjectSegment, ObjectSymbol};
 
 use crate::process::target_files::{self, BoundedFile, TargetRoot};
 use crate::process::user_space_mounts;
+use crate::symbolization::dwarf_nesting::{self, NestingError};
 use crate::symbolization::maps::{self, LocalFile, Mapping};
 
 /// The reader symbolization uses: sections copied out of the file.
@@ -115,6 +116,9 @@ struct Module {
     /// Function symbols with their extents, for addresses DWARF does not
     /// name (see [`SymbolExtents`]).
     symbols: SymbolExtents,
+    /// Why DWARF (the file's, or a unit of its `.dwp`) was not used, for
+    /// the snapshot's notes.
+    refused_dwarf: OnceLock<String>,
 }
 
 /// A module's function symbols as (address, size, name), sorted by
@@ -200,17 +204,20 @@ fn endian_of<'d>(obj: &object::File<'d, &'d BoundedFile>) -> RunTimeEndian {
 }
 
 /// The DWARF context of a parsed file, its sections copied out (the file
-/// may then be closed, truncated or gone).
+/// may then be closed, truncated or gone); `Err` when its units nest
+/// deeper than addr2line can be trusted with (see [`dwarf_nesting`]).
 fn dwarf_context<'d>(
     obj: &object::File<'d, &'d BoundedFile>,
     file: &'d BoundedFile,
-) -> Option<Context<Reader>> {
+) -> Result<Option<Context<Reader>>, NestingError> {
     let endian = endian_of(obj);
-    let dwarf = gimli::Dwarf::load(|id| {
+    let Ok(dwarf) = gimli::Dwarf::load(|id| {
         Ok::<_, gimli::Error>(Reader::new(section_bytes(obj, file, id.name()), endian))
-    })
-    .ok()?;
-    Context::from_dwarf(dwarf).ok()
+    }) else {
+        return Ok(None);
+    };
+    dwarf_nesting::within_bounds(&dwarf)?;
+    Ok(Context::from_dwarf(dwarf).ok())
 }
 
 /// Opens a file of a target within the read budget, or `None`.
@@ -260,11 +267,16 @@ impl Module {
             .map(SymbolExtents::of)
             .filter(|s| !s.0.is_empty())
             .unwrap_or_else(|| SymbolExtents::of(&obj));
+        let refused_dwarf = OnceLock::new();
+        let mut refuse = |e: NestingError| {
+            let _ = refused_dwarf.set(e.to_string());
+            None
+        };
         let dwarf = match (&separate_obj, &separate) {
-            (Some(o), Some(f)) => dwarf_context(o, f),
+            (Some(o), Some(f)) => dwarf_context(o, f).unwrap_or_else(&mut refuse),
             _ => None,
         }
-        .or_else(|| dwarf_context(&obj, &file));
+        .or_else(|| dwarf_context(&obj, &file).unwrap_or_else(&mut refuse));
         // A `.dwp` package sits beside the file, by the file's own name.
         let dwp = local.path.as_ref().map(|p| {
             let mut name = p.clone().into_os_string();
@@ -283,6 +295,7 @@ impl Module {
             dwarf,
             dwp,
             symbols,
+            refused_dwarf,
         })
     }
 
@@ -312,10 +325,52 @@ impl Module {
                 .ok()
             })
             .as_ref()?;
-        package
-            .find_cu(load.dwo_id, &load.parent)
-            .ok()?
-            .map(Arc::new)
+        let unit = package.find_cu(load.dwo_id, &load.parent).ok()??;
+        if let Err(e) = dwarf_nesting::within_bounds(&unit) {
+            let _ = self
+                .refused_dwarf
+                .set(format!("a unit of its .dwp package: {e}"));
+            return None;
+        }
+        Some(Arc::new(unit))
+    }
+
+    /// The frames DWARF gives for `probe` (innermost first, each a copy
+    /// of `base` with what DWARF says), none without DWARF.
+    fn dwarf_frames(&self, probe: u64, base: &Frame) -> Vec<Frame> {
+        let mut out = Vec::new();
+        let found = self.dwarf.as_ref().map(|ctx| {
+            let mut lookup = ctx.find_frames(probe);
+            // Split DWARF: each unit asked for comes from the `.dwp`.
+            loop {
+                match lookup {
+                    LookupResult::Output(r) => break r,
+                    LookupResult::Load { load, continuation } => {
+                        lookup = continuation.resume(self.split_unit(&load));
+                    }
+                }
+            }
+        });
+        if let Some(Ok(mut frames)) = found {
+            while let Ok(Some(f)) = frames.next() {
+                let function = f
+                    .function
+                    .as_ref()
+                    .and_then(|n| n.demangle().ok().map(|s| s.into_owned()));
+                let (file, line) = match &f.location {
+                    Some(l) => (l.file.map(str::to_string), l.line),
+                    None => (None, None),
+                };
+                out.push(Frame {
+                    function,
+                    file,
+                    line,
+                    inlined: true,
+                    ..base.clone()
+                });
+            }
+        }
+        out
     }
 
     fn svma(&self, file_offset: u64) -> Option<u64> {
@@ -673,38 +728,7 @@ impl Symbolizer {
         let Some(probe) = module.svma(file_offset) else {
             return vec![base];
         };
-        let mut out = Vec::new();
-        let found = module.dwarf.as_ref().map(|ctx| {
-            let mut lookup = ctx.find_frames(probe);
-            // Split DWARF: each unit asked for comes from the `.dwp`.
-            loop {
-                match lookup {
-                    LookupResult::Output(r) => break r,
-                    LookupResult::Load { load, continuation } => {
-                        lookup = continuation.resume(module.split_unit(&load));
-                    }
-                }
-            }
-        });
-        if let Some(Ok(mut frames)) = found {
-            while let Ok(Some(f)) = frames.next() {
-                let function = f
-                    .function
-                    .as_ref()
-                    .and_then(|n| n.demangle().ok().map(|s| s.into_owned()));
-                let (file, line) = match &f.location {
-                    Some(l) => (l.file.map(str::to_string), l.line),
-                    None => (None, None),
-                };
-                out.push(Frame {
-                    function,
-                    file,
-                    line,
-                    inlined: true,
-                    ..base.clone()
-                });
-            }
-        }
+        let mut out = module.dwarf_frames(probe, &base);
         if out.iter().all(|f| f.function.is_none()) {
             // No DWARF function: fall back to the symbol table, keeping a
             // line if DWARF had one.
@@ -723,10 +747,17 @@ impl Symbolizer {
                 }];
             }
         }
+        let refused = module.refused_dwarf.get().cloned();
         if let Some(last) = out.last_mut() {
             last.inlined = false;
         } else {
             out.push(base);
+        }
+        if let Some(why) = refused {
+            let note = format!("{}: {why}", m.path);
+            if !self.notes.contains(&note) {
+                self.notes.push(note);
+            }
         }
         out
     }
