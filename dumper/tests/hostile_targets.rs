@@ -555,10 +555,22 @@ fn a_sparse_4gib_note_and_a_1tib_debuglink_cost_little() {
     target.send("quit");
 }
 
-/// Replaces the DWARF of the shared object `lib` with one unit whose
-/// function `function` holds `levels` inlined calls each inside the last
-/// (one byte each), as a target may ship it.
-fn nest_dwarf(lib: &Path, function: &str, levels: usize) {
+/// DWARF a target may ship in place of its library's own (see
+/// `craft_dwarf`).
+enum Crafted {
+    /// The function holds this many inlined calls, each inside the last
+    /// (one byte each).
+    Nested(usize),
+    /// The unit's compilation directory is a string of this many bytes,
+    /// and its line program's header names this many files (5 bytes
+    /// each), every one rendered with that directory in front.
+    Files { dir_len: usize, files: usize },
+}
+
+/// Replaces the DWARF of the shared object `lib` with one unit covering
+/// its function `function`, shaped as `shape` says, its debug sections
+/// compressed (so the file stays small whatever the sections hold).
+fn craft_dwarf(lib: &Path, function: &str, shape: Crafted) {
     let nm = Command::new("nm").arg("-S").arg(lib).output().unwrap();
     let (addr, size) = String::from_utf8_lossy(&nm.stdout)
         .lines()
@@ -572,44 +584,100 @@ fn nest_dwarf(lib: &Path, function: &str, levels: usize) {
             })
         })
         .expect("the function's symbol");
-    // Abbreviations: 1 compile unit, 2 subprogram (name, low_pc,
-    // high_pc as a length), 3 inlined subroutine; all with children.
-    let abbrev: &[u8] = &[
-        1, 0x11, 1, 0x11, 0x01, 0x12, 0x07, 0, 0, //
-        2, 0x2e, 1, 0x03, 0x08, 0x11, 0x01, 0x12, 0x07, 0, 0, //
-        3, 0x1d, 1, 0, 0, 0,
-    ];
-    let mut body = vec![1];
-    body.extend_from_slice(&addr.to_le_bytes());
-    body.extend_from_slice(&size.to_le_bytes());
-    body.push(2);
-    body.extend_from_slice(function.as_bytes());
-    body.push(0);
-    body.extend_from_slice(&addr.to_le_bytes());
-    body.extend_from_slice(&size.to_le_bytes());
-    body.extend(std::iter::repeat_n(3u8, levels));
-    body.extend(std::iter::repeat_n(0u8, levels + 2));
+    let mut sections: Vec<(&str, Vec<u8>)> = Vec::new();
+    let mut body = Vec::new();
+    match shape {
+        Crafted::Nested(levels) => {
+            // 1 compile unit, 2 subprogram (name, low_pc, high_pc as a
+            // length), 3 inlined subroutine; all with children.
+            sections.push((
+                ".debug_abbrev",
+                vec![
+                    1, 0x11, 1, 0x11, 0x01, 0x12, 0x07, 0, 0, //
+                    2, 0x2e, 1, 0x03, 0x08, 0x11, 0x01, 0x12, 0x07, 0, 0, //
+                    3, 0x1d, 1, 0, 0, 0,
+                ],
+            ));
+            body.push(1);
+            body.extend_from_slice(&addr.to_le_bytes());
+            body.extend_from_slice(&size.to_le_bytes());
+            body.push(2);
+            body.extend_from_slice(function.as_bytes());
+            body.push(0);
+            body.extend_from_slice(&addr.to_le_bytes());
+            body.extend_from_slice(&size.to_le_bytes());
+            body.extend(std::iter::repeat_n(3u8, levels));
+            body.extend(std::iter::repeat_n(0u8, levels + 2));
+        }
+        Crafted::Files { dir_len, files } => {
+            // 1 compile unit, no children: stmt_list, comp_dir (strp),
+            // low_pc, high_pc as a length.
+            sections.push((
+                ".debug_abbrev",
+                vec![
+                    1, 0x11, 0, 0x10, 0x17, 0x1b, 0x0e, 0x11, 0x01, 0x12, 0x07, 0, 0, 0,
+                ],
+            ));
+            body.push(1);
+            body.extend_from_slice(&0u32.to_le_bytes());
+            body.extend_from_slice(&0u32.to_le_bytes());
+            body.extend_from_slice(&addr.to_le_bytes());
+            body.extend_from_slice(&size.to_le_bytes());
+            let mut dir = vec![b'/'];
+            dir.extend(std::iter::repeat_n(b'd', dir_len));
+            dir.push(0);
+            sections.push((".debug_str", dir));
+            // A DWARF 4 line program: its header (opcode base 13), the
+            // files, then one row at the function and the sequence's end.
+            let mut header = vec![1, 1, 1, (-5i8) as u8, 14, 13];
+            header.extend_from_slice(&[0, 1, 1, 1, 1, 0, 0, 0, 1, 0, 0, 1]);
+            header.push(0);
+            for _ in 0..files {
+                header.extend_from_slice(b"a\0\0\0\0");
+            }
+            header.push(0);
+            let mut after = 4u16.to_le_bytes().to_vec();
+            after.extend_from_slice(&(header.len() as u32).to_le_bytes());
+            after.extend_from_slice(&header);
+            after.extend_from_slice(&[0, 9, 2]);
+            after.extend_from_slice(&addr.to_le_bytes());
+            after.extend_from_slice(&[1, 2, size as u8, 0, 1, 1]);
+            let mut line = (after.len() as u32).to_le_bytes().to_vec();
+            line.extend_from_slice(&after);
+            sections.push((".debug_line", line));
+        }
+    }
     let mut info = ((2 + 4 + 1 + body.len()) as u32).to_le_bytes().to_vec();
     info.extend_from_slice(&4u16.to_le_bytes()); // DWARF 4
     info.extend_from_slice(&0u32.to_le_bytes()); // abbreviations at 0
     info.push(8); // address size
     info.extend_from_slice(&body);
+    sections.push((".debug_info", info));
     let dir = lib.parent().unwrap();
-    std::fs::write(dir.join("info.bin"), &info).unwrap();
-    std::fs::write(dir.join("abbrev.bin"), abbrev).unwrap();
-    let status = Command::new("objcopy")
-        .args([
-            "--remove-section=.debug_aranges",
-            "--update-section",
-            ".debug_info=info.bin",
-            "--update-section",
-            ".debug_abbrev=abbrev.bin",
-        ])
+    let mut objcopy = Command::new("objcopy");
+    objcopy.args([
+        "--remove-section=.debug_aranges",
+        "--remove-section=.debug_rnglists",
+    ]);
+    for (name, bytes) in &sections {
+        let file = format!("{}.bin", name.trim_start_matches('.'));
+        std::fs::write(dir.join(&file), bytes).unwrap();
+        objcopy
+            .arg("--update-section")
+            .arg(format!("{name}={file}"));
+    }
+    assert!(objcopy
         .arg(lib)
         .current_dir(dir)
         .status()
-        .unwrap();
-    assert!(status.success());
+        .unwrap()
+        .success());
+    assert!(Command::new("objcopy")
+        .arg("--compress-debug-sections=zlib")
+        .arg(lib)
+        .status()
+        .unwrap()
+        .success());
     chown_nobody(lib);
 }
 
@@ -624,7 +692,7 @@ fn a_library_whose_dwarf_nests_a_million_levels_is_named_from_its_symbols() {
     plugin_at(&lib, &[]);
     // addr2line reads inlined calls by recursion: this overflowed
     // heapdump's stack (abort) before the nesting was checked.
-    nest_dwarf(&lib, "site_plugin", 1_000_000);
+    craft_dwarf(&lib, "site_plugin", Crafted::Nested(1_000_000));
     let mut target = Target::spawn(as_nobody_recorded(&compile_c("hostile")));
     target.send(&format!("plugin {}", lib.display()));
     assert_eq!(target.wait_line(""), "loaded");
@@ -641,6 +709,48 @@ fn a_library_whose_dwarf_nests_a_million_levels_is_named_from_its_symbols() {
     // The text report too (its own symbolization).
     let text = ok(&bounded(&["snapshot", &pid]));
     assert!(text.contains("site_plugin"), "{text}");
+    target.send("quit");
+}
+
+#[test]
+fn a_small_library_whose_line_table_would_fill_memory_is_named_from_its_symbols() {
+    if !root_here("line table") {
+        return;
+    }
+    let t = TempDir::new("hostile-lines");
+    let d = nobody_dir(&t, "app");
+    let lib = d.join("libfiles.so");
+    plugin_at(&lib, &[]);
+    // 1 000 files under one 1 MB directory: 1 GB of paths once addr2line
+    // renders them, from a file of a few kilobytes.
+    craft_dwarf(
+        &lib,
+        "site_plugin",
+        Crafted::Files {
+            dir_len: 1 << 20,
+            files: 1000,
+        },
+    );
+    assert!(std::fs::metadata(&lib).unwrap().len() < 100_000);
+    let mut target = Target::spawn(as_nobody_recorded(&compile_c("hostile")));
+    target.send(&format!("plugin {}", lib.display()));
+    assert_eq!(target.wait_line(""), "loaded");
+    let pid = target.pid().to_string();
+    let json = t.str("s.json");
+    // A budget of 256 MiB a file (the default is 2 GiB).
+    ok(&bounded_with(
+        &["snapshot", &pid, "-o", &json],
+        &[("HEAPDUMP_MAX_FILE_READ", "268435456")],
+    ));
+    let rss = children_max_rss();
+    assert!(rss < 512 << 20, "heapdump used {} MiB", rss >> 20);
+    let j = read_json(Path::new(&json));
+    assert_eq!(live_blocks_through(&j, "site_plugin"), 100);
+    let notes = j["notes"].to_string();
+    assert!(
+        notes.contains("libfiles.so: its DWARF would take"),
+        "{notes}"
+    );
     target.send("quit");
 }
 

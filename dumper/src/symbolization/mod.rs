@@ -3,7 +3,7 @@
 //! demangling, separate debug files), and the allocator frames trimmed
 //! from the leaf end of each stack.
 
-pub mod dwarf_nesting;
+pub mod dwarf_limits;
 pub mod maps;
 pub mod plumbing;
 pub mod symbolizer;

@@ -46,7 +46,7 @@ use object::{Object, ObjectSection, ObjectSegment, ObjectSymbol};
 
 use crate::process::target_files::{self, BoundedFile, TargetRoot};
 use crate::process::user_space_mounts;
-use crate::symbolization::dwarf_nesting::{self, NestingError};
+use crate::symbolization::dwarf_limits::{self, Refusal};
 use crate::symbolization::maps::{self, LocalFile, Mapping};
 
 /// The reader symbolization uses: sections copied out of the file.
@@ -106,13 +106,18 @@ impl Frame {
     }
 }
 
+/// A `.dwp` package, its sections copied out, and the file they came
+/// from (its read budget).
+type DwpPackage = (gimli::DwarfPackage<Reader>, BoundedFile);
+
 struct Module {
     /// PT_LOAD segments: (file offset, file size, virtual address).
     segments: Vec<(u64, u64, u64)>,
     /// The DWARF of the file (or of its separate debug file).
     dwarf: Option<Context<Reader>>,
-    /// Where a `.dwp` package would be, and the package once looked for.
-    dwp: Option<(LocalFile, OnceLock<Option<gimli::DwarfPackage<Reader>>>)>,
+    /// Where a `.dwp` package would be, and the package once looked for
+    /// (with its file, whose budget its units' tables are charged to).
+    dwp: Option<(LocalFile, OnceLock<Option<DwpPackage>>)>,
     /// Function symbols with their extents, for addresses DWARF does not
     /// name (see [`SymbolExtents`]).
     symbols: SymbolExtents,
@@ -204,19 +209,20 @@ fn endian_of<'d>(obj: &object::File<'d, &'d BoundedFile>) -> RunTimeEndian {
 }
 
 /// The DWARF context of a parsed file, its sections copied out (the file
-/// may then be closed, truncated or gone); `Err` when its units nest
-/// deeper than addr2line can be trusted with (see [`dwarf_nesting`]).
+/// may then be closed, truncated or gone); `Err` when addr2line cannot be
+/// trusted with it (see [`dwarf_limits`]: its tables are charged to the
+/// file's budget).
 fn dwarf_context<'d>(
     obj: &object::File<'d, &'d BoundedFile>,
     file: &'d BoundedFile,
-) -> Result<Option<Context<Reader>>, NestingError> {
+) -> Result<Option<Context<Reader>>, Refusal> {
     let endian = endian_of(obj);
     let Ok(dwarf) = gimli::Dwarf::load(|id| {
         Ok::<_, gimli::Error>(Reader::new(section_bytes(obj, file, id.name()), endian))
     }) else {
         return Ok(None);
     };
-    dwarf_nesting::within_bounds(&dwarf)?;
+    dwarf_limits::admit(&dwarf, |bytes| file.charge_extra(bytes))?;
     Ok(Context::from_dwarf(dwarf).ok())
 }
 
@@ -268,7 +274,7 @@ impl Module {
             .filter(|s| !s.0.is_empty())
             .unwrap_or_else(|| SymbolExtents::of(&obj));
         let refused_dwarf = OnceLock::new();
-        let mut refuse = |e: NestingError| {
+        let mut refuse = |e: Refusal| {
             let _ = refused_dwarf.set(e.to_string());
             None
         };
@@ -306,27 +312,30 @@ impl Module {
         load: &addr2line::SplitDwarfLoad<Reader>,
     ) -> Option<Arc<gimli::Dwarf<Reader>>> {
         let (file, package) = self.dwp.as_ref()?;
-        let package = package
+        let (package, f) = package
             .get_or_init(|| {
                 let f = bounded(file.open().ok()?)?;
-                let obj = object::File::parse(&f).ok()?;
-                let endian = endian_of(&obj);
-                gimli::DwarfPackage::load(
-                    |id| {
-                        Ok::<_, gimli::Error>(Reader::new(
-                            id.dwo_name()
-                                .map(|n| section_bytes(&obj, &f, n))
-                                .unwrap_or_else(|| Arc::from(&[][..])),
-                            endian,
-                        ))
-                    },
-                    Reader::new(Arc::from(&[][..]), endian),
-                )
-                .ok()
+                let package = {
+                    let obj = object::File::parse(&f).ok()?;
+                    let endian = endian_of(&obj);
+                    gimli::DwarfPackage::load(
+                        |id| {
+                            Ok::<_, gimli::Error>(Reader::new(
+                                id.dwo_name()
+                                    .map(|n| section_bytes(&obj, &f, n))
+                                    .unwrap_or_else(|| Arc::from(&[][..])),
+                                endian,
+                            ))
+                        },
+                        Reader::new(Arc::from(&[][..]), endian),
+                    )
+                    .ok()?
+                };
+                Some((package, f))
             })
             .as_ref()?;
         let unit = package.find_cu(load.dwo_id, &load.parent).ok()??;
-        if let Err(e) = dwarf_nesting::within_bounds(&unit) {
+        if let Err(e) = dwarf_limits::admit(&unit, |bytes| f.charge_extra(bytes)) {
             let _ = self
                 .refused_dwarf
                 .set(format!("a unit of its .dwp package: {e}"));
