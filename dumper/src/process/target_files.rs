@@ -432,6 +432,11 @@ impl BoundedFile {
         self.budget.take(n)
     }
 
+    /// What is left of the file's read budget.
+    pub fn budget_left(&self) -> u64 {
+        self.budget.left.get()
+    }
+
     fn charge(&self, offset: u64, size: u64) -> Result<(), ()> {
         let end = offset.checked_add(size).ok_or(())?;
         if end > self.len {

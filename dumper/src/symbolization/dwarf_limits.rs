@@ -74,26 +74,29 @@ pub enum Refusal {
     },
     /// The tables addr2line would build exceed the file's budget.
     #[error(
-        "its DWARF would take {bytes} bytes of tables to read, past the file's budget \
-         (HEAPDUMP_MAX_FILE_READ): read from its symbol table only"
+        "its DWARF would take more than {bytes} bytes of tables to read, past the file's \
+         budget (HEAPDUMP_MAX_FILE_READ): read from its symbol table only"
     )]
     TooBig {
-        /// The estimate (saturating).
+        /// The estimate when it went past the budget (saturating).
         bytes: u64,
     },
 }
 
-/// Checks `dwarf` before addr2line reads it (see the module doc):
-/// `Ok` once every unit was read, its nesting found within [`MAX_DEPTH`]
-/// and the estimate of addr2line's tables accepted by `charge` (called
-/// once, with the total). Units whose headers, abbreviations or first
-/// entry cannot be read are skipped (addr2line skips them too); a unit's
-/// entries or line program are read up to their first malformed part.
-pub fn admit<R: gimli::Reader>(
-    dwarf: &gimli::Dwarf<R>,
-    charge: impl FnOnce(u64) -> bool,
-) -> Result<(), Refusal> {
-    let mut bytes = 0u64;
+/// Checks `dwarf` before addr2line reads it (see the module doc): the
+/// bytes addr2line's tables would take at most (to be charged to the
+/// file's budget), once every unit was read, its nesting found within
+/// [`MAX_DEPTH`] and the estimate within `available` bytes. Stops at the
+/// first unit past either bound, so its own work is bounded by the
+/// sections' sizes and `available` (see [`range_count`]). Units whose
+/// headers, abbreviations or first entry cannot be read are skipped
+/// (addr2line skips them too); a unit's entries or line program are read
+/// up to their first malformed part.
+pub fn admit<R: gimli::Reader>(dwarf: &gimli::Dwarf<R>, available: u64) -> Result<u64, Refusal> {
+    let mut estimate = Estimate {
+        bytes: 0,
+        available,
+    };
     let mut range_lists = HashMap::new();
     let mut units = dwarf.units();
     while let Ok(Some(header)) = units.next() {
@@ -105,33 +108,49 @@ pub fn admit<R: gimli::Reader>(
             continue;
         };
         let unit = unit.unit_ref(dwarf);
-        let entries = entries_cost(unit, unit_offset, &mut range_lists)
-            .ok_or(Refusal::TooDeep { unit_offset })?;
-        bytes = bytes
-            .saturating_add(UNIT_BYTES)
-            .saturating_add(entries)
-            .saturating_add(lines_cost(unit));
+        estimate.add(UNIT_BYTES)?;
+        entries_cost(unit, unit_offset, &mut range_lists, &mut estimate)?;
+        lines_cost(unit, &mut estimate)?;
     }
-    if charge(bytes) {
+    Ok(estimate.bytes)
+}
+
+/// The running estimate of addr2line's tables, and what it may reach.
+struct Estimate {
+    bytes: u64,
+    available: u64,
+}
+
+impl Estimate {
+    /// Adds `n` bytes; `TooBig` once past what is available.
+    fn add(&mut self, n: u64) -> Result<(), Refusal> {
+        self.bytes = self.bytes.saturating_add(n);
+        if self.bytes > self.available {
+            return Err(Refusal::TooBig { bytes: self.bytes });
+        }
         Ok(())
-    } else {
-        Err(Refusal::TooBig { bytes })
+    }
+
+    /// Entries of [`RANGE_BYTES`] that still fit, plus one (the one that
+    /// does not).
+    fn ranges_left(&self) -> u64 {
+        (self.available - self.bytes) / RANGE_BYTES + 1
     }
 }
 
-/// What addr2line's function tables for a unit take at most; `None` when
-/// an entry nests deeper than [`MAX_DEPTH`]. `range_lists`: entries of
-/// each range list counted so far, by unit (a list is read with its
-/// unit's address size and bases) and offset.
+/// Adds what addr2line's function tables for a unit take at most;
+/// `TooDeep` when an entry nests deeper than [`MAX_DEPTH`].
+/// `range_lists`: entries of each range list counted so far, by unit (a
+/// list is read with its unit's address size and bases) and offset.
 fn entries_cost<R: gimli::Reader>(
     unit: gimli::UnitRef<'_, R>,
     unit_offset: usize,
     range_lists: &mut HashMap<(usize, R::Offset), u64>,
-) -> Option<u64> {
+    estimate: &mut Estimate,
+) -> Result<(), Refusal> {
     let Ok(mut entries) = unit.entries_raw(None) else {
-        return Some(0);
+        return Ok(());
     };
-    let mut bytes = 0u64;
     while !entries.is_empty() {
         let depth = entries.next_depth();
         let abbreviation = match entries.read_abbreviation() {
@@ -142,7 +161,7 @@ fn entries_cost<R: gimli::Reader>(
             Err(_) => break,
         };
         if depth > MAX_DEPTH {
-            return None;
+            return Err(Refusal::TooDeep { unit_offset });
         }
         let cost = match abbreviation.tag() {
             gimli::DW_TAG_subprogram => FUNCTION_BYTES,
@@ -156,10 +175,10 @@ fn entries_cost<R: gimli::Reader>(
                 continue;
             }
         };
-        bytes = bytes.saturating_add(cost);
+        estimate.add(cost)?;
         for spec in abbreviation.attributes() {
             let Ok(attr) = entries.read_attribute(*spec) else {
-                return Some(bytes);
+                return Ok(());
             };
             if attr.name() != gimli::DW_AT_ranges {
                 continue;
@@ -167,46 +186,60 @@ fn entries_cost<R: gimli::Reader>(
             let Ok(Some(offset)) = unit.attr_ranges_offset(attr.value()) else {
                 continue;
             };
+            let most = estimate.ranges_left();
             let ranges = *range_lists
                 .entry((unit_offset, offset.0))
-                .or_insert_with(|| range_count(unit, offset));
-            bytes = bytes.saturating_add(ranges.saturating_mul(RANGE_BYTES));
+                .or_insert_with(|| range_count(unit, offset, most));
+            estimate.add(ranges.saturating_mul(RANGE_BYTES))?;
         }
     }
-    Some(bytes)
+    Ok(())
 }
 
-/// The entries of one range list (up to its first malformed one).
+/// The entries of one range list (up to its first malformed one), at
+/// most `most` of them. Lists may overlap (each entry of one long list can
+/// start a list of its own, named by a function of its own), so counting
+/// them all could take time quadratic in the section's size; but every
+/// entry counted is charged to the estimate, which ends the check once
+/// past what is available, so all the counting together stays within
+/// `available / RANGE_BYTES` entries, plus at most `most` for the list
+/// that goes past.
 fn range_count<R: gimli::Reader>(
     unit: gimli::UnitRef<'_, R>,
     offset: gimli::RangeListsOffset<R::Offset>,
+    most: u64,
 ) -> u64 {
     let Ok(mut list) = unit.ranges(offset) else {
         return 0;
     };
     let mut n = 0u64;
-    while let Ok(Some(_)) = list.next() {
-        n += 1;
+    while n < most {
+        match list.next() {
+            Ok(Some(_)) => n += 1,
+            Ok(None) | Err(_) => break,
+        }
     }
     n
 }
 
-/// What addr2line's line table for a unit takes at most: its rows (one
-/// per change of address within a sequence, as addr2line keeps them), its
-/// sequences, and each file's rendered path.
-fn lines_cost<R: gimli::Reader>(unit: gimli::UnitRef<'_, R>) -> u64 {
+/// Adds what addr2line's line table for a unit takes at most: its rows
+/// (one per change of address within a sequence, as addr2line keeps
+/// them), its sequences, and each file's rendered path.
+fn lines_cost<R: gimli::Reader>(
+    unit: gimli::UnitRef<'_, R>,
+    estimate: &mut Estimate,
+) -> Result<(), Refusal> {
     let Some(program) = unit.line_program.clone() else {
-        return 0;
+        return Ok(());
     };
-    let mut bytes = 0u64;
     let mut rows = program.rows();
     let mut last: Option<u64> = None;
     while let Ok(Some((_, row))) = rows.next_row() {
         if row.end_sequence() {
-            bytes = bytes.saturating_add(SEQUENCE_BYTES);
+            estimate.add(SEQUENCE_BYTES)?;
             last = None;
         } else if last != Some(row.address()) {
-            bytes = bytes.saturating_add(ROW_BYTES);
+            estimate.add(ROW_BYTES)?;
             last = Some(row.address());
         }
     }
@@ -231,10 +264,10 @@ fn lines_cost<R: gimli::Reader>(unit: gimli::UnitRef<'_, R>) -> u64 {
             0
         };
         let path = comp_dir + 1 + dir + 1 + length(file.path_name());
-        bytes = bytes.saturating_add(FILE_BYTES.saturating_add(path));
+        estimate.add(FILE_BYTES.saturating_add(path))?;
         index += 1;
     }
-    bytes
+    Ok(())
 }
 
 #[cfg(test)]
@@ -280,12 +313,16 @@ mod tests {
             ))
         })
         .unwrap();
-        let mut charged = 0;
-        let r = admit(&dwarf, |b| {
-            charged = b;
-            b <= budget
-        });
-        (r, charged)
+        match admit(&dwarf, budget) {
+            Ok(bytes) => (Ok(()), bytes),
+            Err(e) => {
+                let bytes = match e {
+                    Refusal::TooBig { bytes } => bytes,
+                    Refusal::TooDeep { .. } => 0,
+                };
+                (Err(e), bytes)
+            }
+        }
     }
 
     fn check(levels: usize) -> Result<(), Refusal> {
@@ -377,6 +414,53 @@ mod tests {
         // is refused under a 1 GiB budget, not handed to addr2line.
         let (r, bytes) = charged_for(1_000_000, 2000, 0, 1 << 30);
         assert_eq!(r, Err(Refusal::TooBig { bytes }));
-        assert!(bytes >= 2_000_000_000);
+        assert!(bytes > 1 << 30);
+    }
+
+    /// A unit of `functions` functions, the k-th naming the range list
+    /// that starts at the k-th entry of one list of `ranges` entries
+    /// (DWARF 4 `.debug_ranges`), and the sections that hold it.
+    fn overlapping_lists(functions: usize, ranges: usize) -> [(gimli::SectionId, Vec<u8>); 3] {
+        // 1: compile unit, children; 2: subprogram, DW_AT_ranges sec_offset.
+        let abbrev = vec![1, 0x11, 1, 0, 0, 2, 0x2e, 0, 0x55, 0x17, 0, 0, 0];
+        let mut body = vec![1];
+        for k in 0..functions {
+            body.push(2);
+            body.extend_from_slice(&((16 * k) as u32).to_le_bytes());
+        }
+        body.push(0);
+        let mut list = Vec::new();
+        for i in 0..ranges as u64 {
+            list.extend_from_slice(&(0x1000 + i).to_le_bytes());
+            list.extend_from_slice(&(0x1001 + i).to_le_bytes());
+        }
+        list.extend_from_slice(&[0; 16]);
+        [
+            (gimli::SectionId::DebugInfo, unit(&body)),
+            (gimli::SectionId::DebugAbbrev, abbrev),
+            (gimli::SectionId::DebugRanges, list),
+        ]
+    }
+
+    #[test]
+    fn every_function_is_charged_for_each_range_of_the_list_it_names() {
+        let s = overlapping_lists(1000, 1000);
+        let refs: Vec<(gimli::SectionId, &[u8])> = s.iter().map(|(id, b)| (*id, &b[..])).collect();
+        // Function k's list holds 1000 - k ranges.
+        let ranges: u64 = (1..=1000).sum();
+        assert_eq!(
+            admit_sections(&refs, u64::MAX),
+            (
+                Ok(()),
+                UNIT_BYTES + 1000 * FUNCTION_BYTES + ranges * RANGE_BYTES
+            )
+        );
+        // Counting stops once past the budget (the lists together hold
+        // quadratically many entries).
+        let s = overlapping_lists(100_000, 100_000);
+        let refs: Vec<(gimli::SectionId, &[u8])> = s.iter().map(|(id, b)| (*id, &b[..])).collect();
+        let (r, bytes) = admit_sections(&refs, 1 << 20);
+        assert_eq!(r, Err(Refusal::TooBig { bytes }));
+        assert!(bytes > 1 << 20 && bytes < 1 << 23, "{bytes}");
     }
 }

@@ -222,7 +222,10 @@ fn dwarf_context<'d>(
     }) else {
         return Ok(None);
     };
-    dwarf_limits::admit(&dwarf, |bytes| file.charge_extra(bytes))?;
+    let tables = dwarf_limits::admit(&dwarf, file.budget_left())?;
+    if !file.charge_extra(tables) {
+        return Err(Refusal::TooBig { bytes: tables });
+    }
     Ok(Context::from_dwarf(dwarf).ok())
 }
 
@@ -335,7 +338,12 @@ impl Module {
             })
             .as_ref()?;
         let unit = package.find_cu(load.dwo_id, &load.parent).ok()??;
-        if let Err(e) = dwarf_limits::admit(&unit, |bytes| f.charge_extra(bytes)) {
+        let admitted = dwarf_limits::admit(&unit, f.budget_left()).and_then(|tables| {
+            f.charge_extra(tables)
+                .then_some(())
+                .ok_or(Refusal::TooBig { bytes: tables })
+        });
+        if let Err(e) = admitted {
             let _ = self
                 .refused_dwarf
                 .set(format!("a unit of its .dwp package: {e}"));
