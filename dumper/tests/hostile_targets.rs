@@ -569,8 +569,9 @@ enum Crafted {
 
 /// Replaces the DWARF of the shared object `lib` with one unit covering
 /// its function `function`, shaped as `shape` says, its debug sections
-/// compressed (so the file stays small whatever the sections hold).
-fn craft_dwarf(lib: &Path, function: &str, shape: Crafted) {
+/// compressed (so the file stays small whatever the sections hold) if
+/// `compress`.
+fn craft_dwarf(lib: &Path, function: &str, shape: Crafted, compress: bool) {
     let nm = Command::new("nm").arg("-S").arg(lib).output().unwrap();
     let (addr, size) = String::from_utf8_lossy(&nm.stdout)
         .lines()
@@ -672,12 +673,14 @@ fn craft_dwarf(lib: &Path, function: &str, shape: Crafted) {
         .status()
         .unwrap()
         .success());
-    assert!(Command::new("objcopy")
-        .arg("--compress-debug-sections=zlib")
-        .arg(lib)
-        .status()
-        .unwrap()
-        .success());
+    if compress {
+        assert!(Command::new("objcopy")
+            .arg("--compress-debug-sections=zlib")
+            .arg(lib)
+            .status()
+            .unwrap()
+            .success());
+    }
     chown_nobody(lib);
 }
 
@@ -692,7 +695,7 @@ fn a_library_whose_dwarf_nests_a_million_levels_is_named_from_its_symbols() {
     plugin_at(&lib, &[]);
     // addr2line reads inlined calls by recursion: this overflowed
     // heapdump's stack (abort) before the nesting was checked.
-    craft_dwarf(&lib, "site_plugin", Crafted::Nested(1_000_000));
+    craft_dwarf(&lib, "site_plugin", Crafted::Nested(1_000_000), true);
     let mut target = Target::spawn(as_nobody_recorded(&compile_c("hostile")));
     target.send(&format!("plugin {}", lib.display()));
     assert_eq!(target.wait_line(""), "loaded");
@@ -730,6 +733,7 @@ fn a_small_library_whose_line_table_would_fill_memory_is_named_from_its_symbols(
             dir_len: 1 << 20,
             files: 1000,
         },
+        true,
     );
     assert!(std::fs::metadata(&lib).unwrap().len() < 100_000);
     let mut target = Target::spawn(as_nobody_recorded(&compile_c("hostile")));
@@ -749,6 +753,131 @@ fn a_small_library_whose_line_table_would_fill_memory_is_named_from_its_symbols(
     let notes = j["notes"].to_string();
     assert!(
         notes.contains("libfiles.so: its DWARF would take"),
+        "{notes}"
+    );
+    target.send("quit");
+}
+
+/// Moves the section `name` of the ELF file `p` past the file's end and
+/// makes it `size` bytes: its bytes, then zeros up to `size` in a sparse
+/// extension of the file (no disk taken). Returns where it now starts.
+fn inflate_section(p: &Path, name: &str, size: u64) -> u64 {
+    let mut b = std::fs::read(p).unwrap();
+    let u16_at = |b: &[u8], o: usize| u16::from_le_bytes(b[o..o + 2].try_into().unwrap()) as usize;
+    let u32_at = |b: &[u8], o: usize| u32::from_le_bytes(b[o..o + 4].try_into().unwrap()) as usize;
+    let u64_at = |b: &[u8], o: usize| u64::from_le_bytes(b[o..o + 8].try_into().unwrap());
+    let shoff = u64_at(&b, 0x28) as usize;
+    let (shentsize, shnum, shstrndx) = (u16_at(&b, 0x3a), u16_at(&b, 0x3c), u16_at(&b, 0x3e));
+    let names = u64_at(&b, shoff + shstrndx * shentsize + 0x18) as usize;
+    let at = (b.len() as u64).next_multiple_of(4096);
+    let found = (0..shnum).map(|i| shoff + i * shentsize).find(|&h| {
+        let n = names + u32_at(&b, h);
+        b[n..].split(|&c| c == 0).next() == Some(name.as_bytes())
+    });
+    let h = found.expect("the section");
+    let (old, len) = (u64_at(&b, h + 0x18) as usize, u64_at(&b, h + 0x20) as usize);
+    let bytes = b[old..old + len].to_vec();
+    b.resize(at as usize, 0);
+    b.extend_from_slice(&bytes);
+    b[h + 0x18..h + 0x20].copy_from_slice(&at.to_le_bytes());
+    b[h + 0x20..h + 0x28].copy_from_slice(&size.to_le_bytes());
+    std::fs::write(p, &b).unwrap();
+    std::fs::File::options()
+        .write(true)
+        .open(p)
+        .unwrap()
+        .set_len(at + size)
+        .unwrap();
+    at
+}
+
+/// Runs heapdump (within the hang guard) and gives its output and its
+/// own largest resident set, in bytes.
+fn measured(args: &[&str], env: &[(&str, &str)]) -> (std::process::ExitStatus, String, u64) {
+    let out = tempfile_path("measured");
+    let child = Command::new(bin())
+        .args(args)
+        .envs(env.iter().copied())
+        .stdin(Stdio::null())
+        .stdout(std::fs::File::create(&out).unwrap())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("run heapdump");
+    let pid = child.id() as i32;
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut status = 0;
+        // SAFETY: an all-zero rusage is valid; wait4 fills it.
+        let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+        // SAFETY: waits for our own child, writing into locals.
+        unsafe { libc::wait4(pid, &mut status, 0, &mut usage) };
+        let _ = tx.send((status, usage.ru_maxrss as u64 * 1024));
+    });
+    let Ok((status, rss)) = rx.recv_timeout(HANG_GUARD) else {
+        // SAFETY: kill takes a pid and a signal.
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+        panic!("heapdump {args:?} hung (killed after {HANG_GUARD:?})");
+    };
+    std::mem::forget(child); // reaped above
+    let text = std::fs::read_to_string(&out).unwrap_or_default();
+    let _ = std::fs::remove_file(&out);
+    (
+        std::os::unix::process::ExitStatusExt::from_raw(status),
+        text,
+        rss,
+    )
+}
+
+fn tempfile_path(what: &str) -> PathBuf {
+    static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    std::env::temp_dir().join(format!("heapdump-{what}-{}-{n}", std::process::id()))
+}
+
+#[test]
+fn many_sparse_libraries_cost_no_more_than_the_total_read_budget() {
+    if !root_here("sparse libraries") {
+        return;
+    }
+    let t = TempDir::new("hostile-total");
+    let d = nobody_dir(&t, "app");
+    // Eight libraries, each with a 32 MiB .debug_info: one unit, its
+    // entries then null entries (zeros, which take no disk): heapdump read
+    // and kept every one of them (256 MiB here; 2 GiB a file, as many
+    // files as the target maps) before the total.
+    let mut target = Target::spawn(as_nobody_recorded(&compile_c("hostile")));
+    for i in 0..8 {
+        let lib = d.join(format!("libsparse{i}.so"));
+        plugin_at(&lib, &[]);
+        craft_dwarf(&lib, "site_plugin", Crafted::Nested(0), false);
+        let size = 32u64 << 20;
+        let at = inflate_section(&lib, ".debug_info", size);
+        // The unit's length: the whole section.
+        std::os::unix::fs::FileExt::write_all_at(
+            &std::fs::File::options().write(true).open(&lib).unwrap(),
+            &(size as u32 - 4).to_le_bytes(),
+            at,
+        )
+        .unwrap();
+        chown_nobody(&lib);
+        target.send(&format!("plugin {}", lib.display()));
+        assert_eq!(target.wait_line(""), "loaded");
+    }
+    let pid = target.pid().to_string();
+    let json = t.str("s.json");
+    let (status, _, rss) = measured(
+        &["snapshot", &pid, "-o", &json],
+        &[("HEAPDUMP_MAX_TOTAL_READ", &(50u64 << 20).to_string())],
+    );
+    assert!(status.success(), "{status:?}");
+    // One library's 32 MiB (read, then copied out of the file's cache)
+    // and heapdump's own; without the total: all eight, kept.
+    assert!(rss < 250 << 20, "heapdump used {} MiB", rss >> 20);
+    let j = read_json(Path::new(&json));
+    assert_eq!(live_blocks_through(&j, "site_plugin"), 800);
+    let notes = j["notes"].to_string();
+    assert!(
+        notes.contains("not read whole: the files heapdump read reached HEAPDUMP_MAX_TOTAL_READ"),
         "{notes}"
     );
     target.send("quit");

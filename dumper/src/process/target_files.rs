@@ -39,6 +39,8 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::FileExt;
 use std::path::{Component, Path};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 use object::read::{ReadCache, ReadCacheOps, ReadRef};
 
@@ -54,6 +56,29 @@ pub const DEFAULT_MAX_FILE_READ: u64 = 2 << 30;
 /// Most bytes of one note section or segment read while looking for a
 /// build ID (a real `.note.gnu.build-id` is 36 bytes).
 pub const MAX_NOTE_BYTES: u64 = 64 << 10;
+
+/// The total read budget in force for everything one symbolizer reads
+/// of targets' files and keeps (`HEAPDUMP_MAX_TOTAL_READ`, bytes), else a
+/// quarter of this machine's memory, at least [`DEFAULT_MAX_FILE_READ`].
+/// Each file has its own budget besides ([`max_file_read`]): this one
+/// bounds what many files together cost (a target mapping ten sparse
+/// 2 GiB libraries took 2 GiB of root's heapdump for each).
+pub fn max_total_read() -> u64 {
+    std::env::var("HEAPDUMP_MAX_TOTAL_READ")
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| {
+            let quarter = std::fs::read_to_string("/proc/meminfo")
+                .ok()
+                .and_then(|m| {
+                    let line = m.lines().find(|l| l.starts_with("MemTotal:"))?;
+                    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+                    Some(kib.saturating_mul(1024) / 4)
+                })
+                .unwrap_or(0);
+            quarter.max(DEFAULT_MAX_FILE_READ)
+        })
+}
 
 /// The per-file read budget in force (`HEAPDUMP_MAX_FILE_READ`, else
 /// [`DEFAULT_MAX_FILE_READ`]).
@@ -315,10 +340,12 @@ impl TargetRoot {
     }
 }
 
-/// How many bytes may still be read from one file.
+/// How many bytes may still be read from one file (and, with a
+/// [`TotalBudget`], from all the files that share it).
 #[derive(Debug)]
 pub struct ReadBudget {
     left: Cell<u64>,
+    total: Option<TotalBudget>,
 }
 
 impl ReadBudget {
@@ -326,19 +353,71 @@ impl ReadBudget {
     pub fn new(bytes: u64) -> Self {
         ReadBudget {
             left: Cell::new(bytes),
+            total: None,
         }
     }
 
-    /// Takes `n` bytes from the budget; false (and nothing taken) if they
-    /// are not there.
+    /// Takes `n` bytes from the budget (and from the total it shares, if
+    /// any); false (and nothing taken) if they are not there.
     pub fn take(&self, n: u64) -> bool {
-        match self.left.get().checked_sub(n) {
-            Some(rest) => {
-                self.left.set(rest);
-                true
-            }
-            None => false,
+        let Some(rest) = self.left.get().checked_sub(n) else {
+            return false;
+        };
+        if self.total.as_ref().is_some_and(|t| !t.take(n)) {
+            return false;
         }
+        self.left.set(rest);
+        true
+    }
+}
+
+/// Bytes that many files' [`ReadBudget`]s share: what a symbolizer may
+/// read of targets' files and keep, all together (its cache keeps what it
+/// read; see [`max_total_read`]). Clones share the same count.
+#[derive(Debug, Clone)]
+pub struct TotalBudget {
+    left: Arc<AtomicU64>,
+    /// Charges refused so far.
+    refusals: Arc<AtomicU64>,
+}
+
+impl TotalBudget {
+    /// A total of `bytes`.
+    pub fn new(bytes: u64) -> Self {
+        TotalBudget {
+            left: Arc::new(AtomicU64::new(bytes)),
+            refusals: Arc::new(AtomicU64::new(0)),
+        }
+    }
+
+    /// Takes `n` bytes; false (nothing taken, and one more of
+    /// [`Self::refusals`]) if they are not there.
+    pub fn take(&self, n: u64) -> bool {
+        let taken = self
+            .left
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |l| l.checked_sub(n))
+            .is_ok();
+        if !taken {
+            self.refusals.fetch_add(1, Ordering::Relaxed);
+        }
+        taken
+    }
+
+    /// Bytes left.
+    pub fn left(&self) -> u64 {
+        self.left.load(Ordering::Relaxed)
+    }
+
+    /// Charges refused so far.
+    pub fn refusals(&self) -> u64 {
+        self.refusals.load(Ordering::Relaxed)
+    }
+}
+
+impl Default for TotalBudget {
+    /// No limit.
+    fn default() -> Self {
+        TotalBudget::new(u64::MAX)
     }
 }
 
@@ -416,6 +495,13 @@ impl BoundedFile {
         })
     }
 
+    /// [`BoundedFile::new`], every charge also taken from `total`.
+    pub fn within(file: File, budget: u64, total: &TotalBudget) -> io::Result<BoundedFile> {
+        let mut f = BoundedFile::new(file, budget)?;
+        f.budget.total = Some(total.clone());
+        Ok(f)
+    }
+
     /// The file's length when it was opened.
     pub fn len(&self) -> u64 {
         self.len
@@ -432,9 +518,15 @@ impl BoundedFile {
         self.budget.take(n)
     }
 
-    /// What is left of the file's read budget.
+    /// What is left of the file's read budget (the less of its own and
+    /// the total it shares).
     pub fn budget_left(&self) -> u64 {
-        self.budget.left.get()
+        let total = self
+            .budget
+            .total
+            .as_ref()
+            .map_or(u64::MAX, TotalBudget::left);
+        self.budget.left.get().min(total)
     }
 
     fn charge(&self, offset: u64, size: u64) -> Result<(), ()> {
@@ -612,6 +704,36 @@ mod tests {
         assert!((&bf).read_bytes_at(u64::MAX - 1, 2).is_err());
         let f = open_regular(&p, &UserSpaceMounts::none()).unwrap();
         assert!(read_capped(&f, 1 << 20, &p).is_err());
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn files_sharing_a_total_are_refused_past_it_and_a_refusal_takes_nothing() {
+        let d = scratch("total");
+        let p = d.join("sparse");
+        File::create(&p).unwrap().set_len(1 << 30).unwrap();
+        let open = || open_regular(&p, &UserSpaceMounts::none()).unwrap();
+        let total = TotalBudget::new(3 << 20);
+        let a = BoundedFile::within(open(), 2 << 20, &total).unwrap();
+        let b = BoundedFile::within(open(), 2 << 20, &total).unwrap();
+        // Each within its own budget; together past the total.
+        assert!((&a).read_bytes_at(0, 2 << 20).is_ok());
+        assert_eq!(total.left(), 1 << 20);
+        assert_eq!(
+            b.budget_left(),
+            1 << 20,
+            "the less of its own and the total"
+        );
+        assert!((&b).read_bytes_at(0, 2 << 20).is_err());
+        assert_eq!(total.refusals(), 1);
+        // The refusal took nothing from either.
+        assert_eq!((total.left(), b.budget.left.get()), (1 << 20, 2 << 20));
+        assert!((&b).read_bytes_at(0, 1 << 20).is_ok());
+        assert!(!b.charge_extra(1));
+        assert_eq!(total.refusals(), 2);
+        // Its own budget still applies under a larger total.
+        let c = BoundedFile::within(open(), 1 << 10, &TotalBudget::default()).unwrap();
+        assert!((&c).read_bytes_at(0, 1 << 11).is_err());
         std::fs::remove_dir_all(&d).unwrap();
     }
 

@@ -74,8 +74,9 @@ pub enum Refusal {
     },
     /// The tables addr2line would build exceed the file's budget.
     #[error(
-        "its DWARF would take more than {bytes} bytes of tables to read, past the file's \
-         budget (HEAPDUMP_MAX_FILE_READ): read from its symbol table only"
+        "its DWARF would take more than {bytes} bytes of tables to read, past what is left of \
+         the file's budget (HEAPDUMP_MAX_FILE_READ) or of all files' \
+         (HEAPDUMP_MAX_TOTAL_READ): read from its symbol table only"
     )]
     TooBig {
         /// The estimate when it went past the budget (saturating).

@@ -44,7 +44,7 @@ use gimli::read::EndianArcSlice;
 use gimli::RunTimeEndian;
 use object::{Object, ObjectSection, ObjectSegment, ObjectSymbol};
 
-use crate::process::target_files::{self, BoundedFile, TargetRoot};
+use crate::process::target_files::{self, BoundedFile, TargetRoot, TotalBudget};
 use crate::process::user_space_mounts;
 use crate::symbolization::dwarf_limits::{self, Refusal};
 use crate::symbolization::maps::{self, LocalFile, Mapping};
@@ -124,6 +124,9 @@ struct Module {
     /// Why DWARF (the file's, or a unit of its `.dwp`) was not used, for
     /// the snapshot's notes.
     refused_dwarf: OnceLock<String>,
+    /// The symbolizer's total budget, which a `.dwp` read later is
+    /// charged to.
+    total: TotalBudget,
 }
 
 /// A module's function symbols as (address, size, name), sorted by
@@ -229,9 +232,10 @@ fn dwarf_context<'d>(
     Ok(Context::from_dwarf(dwarf).ok())
 }
 
-/// Opens a file of a target within the read budget, or `None`.
-fn bounded(file: File) -> Option<BoundedFile> {
-    BoundedFile::new(file, target_files::max_file_read()).ok()
+/// Opens a file of a target within the read budget, every read also
+/// charged to `total`, or `None`.
+fn bounded(file: File, total: &TotalBudget) -> Option<BoundedFile> {
+    BoundedFile::within(file, target_files::max_file_read(), total).ok()
 }
 
 impl Module {
@@ -240,8 +244,9 @@ impl Module {
         local: &LocalFile,
         debug_dirs: &[PathBuf],
         deadline: Option<Instant>,
+        total: &TotalBudget,
     ) -> Option<Module> {
-        let file = bounded(opened)?;
+        let file = bounded(opened, total)?;
         let obj = object::File::parse(&file).ok()?;
         let segments = obj
             .segments()
@@ -258,11 +263,12 @@ impl Module {
                 .and_then(|id| {
                     let root = own_root.as_ref()?;
                     let p = find_debug_file(&id, debug_dirs, root)?;
-                    bounded(root.open(&p).ok()?)
+                    bounded(root.open(&p).ok()?, total)
                 })
                 .or_else(|| {
                     let (name, crc) = obj.gnu_debuglink().ok()??;
-                    find_debuglink(local, name, crc, debug_dirs, own_root.as_ref()?, deadline)
+                    let root = own_root.as_ref()?;
+                    find_debuglink(local, name, crc, debug_dirs, root, deadline, total)
                         .map(|(_, f)| f)
                 })
         } else {
@@ -305,6 +311,7 @@ impl Module {
             dwp,
             symbols,
             refused_dwarf,
+            total: total.clone(),
         })
     }
 
@@ -317,7 +324,7 @@ impl Module {
         let (file, package) = self.dwp.as_ref()?;
         let (package, f) = package
             .get_or_init(|| {
-                let f = bounded(file.open().ok()?)?;
+                let f = bounded(file.open().ok()?, &self.total)?;
                 let package = {
                     let obj = object::File::parse(&f).ok()?;
                     let endian = endian_of(&obj);
@@ -422,6 +429,9 @@ pub struct Symbolizer {
     /// Files not read for their file system (by [`LocalFile::key`]), with
     /// the note that says so in each symbolization that needs them.
     refused: HashMap<String, String>,
+    /// What all the files it reads may take together
+    /// (`HEAPDUMP_MAX_TOTAL_READ`): its cache keeps what it read.
+    total: TotalBudget,
 }
 
 /// Largest perf map read (node's with `--perf-basic-prof` grows by a line
@@ -486,6 +496,7 @@ pub fn find_debuglink(
     dirs: &[PathBuf],
     own_root: &TargetRoot,
     deadline: Option<Instant>,
+    total: &TotalBudget,
 ) -> Option<(PathBuf, BoundedFile)> {
     let name = std::str::from_utf8(name).ok()?;
     if name.is_empty() || name.contains('/') || name == "." || name == ".." {
@@ -509,7 +520,7 @@ pub fn find_debuglink(
         }
         let f = root.open(&c).ok()?;
         (crc32_of(&f, deadline)? == crc).then_some(())?;
-        Some((c, bounded(f)?))
+        Some((c, bounded(f, total)?))
     })
 }
 
@@ -586,6 +597,7 @@ impl Symbolizer {
         Symbolizer {
             debug_dirs: dirs,
             time_limit,
+            total: TotalBudget::new(target_files::max_total_read()),
             ..Symbolizer::default()
         }
     }
@@ -662,15 +674,17 @@ impl Symbolizer {
     /// The module of a mapping's file, opened and parsed on first use.
     fn module(&mut self, local: &LocalFile) -> Option<&Module> {
         let key = local.key();
-        let Some(identity) = self.identity(local, &key) else {
+        let identity = self.identity(local, &key);
+        let open = identity.is_some_and(|id| self.modules.get(&id).is_some_and(Option::is_some));
+        if !open {
             if let Some(note) = self.refused.get(&key) {
                 if !self.notes.contains(note) {
                     self.notes.push(note.clone());
                 }
             }
             return None;
-        };
-        self.modules.get(&identity)?.as_ref()
+        }
+        self.modules.get(&identity?)?.as_ref()
     }
 
     /// The identity of a mapping's file, opening and parsing it on first
@@ -699,8 +713,33 @@ impl Symbolizer {
                 self.opened.insert(key.to_string(), id);
                 let id = id?;
                 if !self.modules.contains_key(&id) {
-                    let module = opened
-                        .and_then(|f| Module::open(f, local, &self.debug_dirs, self.deadline));
+                    let refusals_before = self.total.refusals();
+                    let module = opened.and_then(|f| {
+                        Module::open(f, local, &self.debug_dirs, self.deadline, &self.total)
+                    });
+                    if self.total.refusals() != refusals_before {
+                        // Something of this file did not fit in what is
+                        // left of the total: say so wherever it is used.
+                        let note = format!(
+                            "not read whole: the files heapdump read reached \
+                             HEAPDUMP_MAX_TOTAL_READ ({} bytes); `snapshot --no-symbolize`, \
+                             then `heapdump symbolize`, names its frames later",
+                            target_files::max_total_read()
+                        );
+                        match &module {
+                            Some(m) => {
+                                let _ = m.refused_dwarf.set(note);
+                            }
+                            None => {
+                                let shown = local
+                                    .path
+                                    .as_ref()
+                                    .map_or(key.to_string(), |p| p.display().to_string());
+                                self.refused
+                                    .insert(key.to_string(), format!("{shown}: {note}"));
+                            }
+                        }
+                    }
                     self.modules.insert(id, module);
                 }
                 id
@@ -846,8 +885,10 @@ mod tests {
         let dirs = vec![root.clone()];
         let own = Arc::new(TargetRoot::own().unwrap());
         let file = LocalFile::own(exe.clone(), own.clone());
-        let find =
-            |name: &[u8], crc| find_debuglink(&file, name, crc, &dirs, &own, None).map(|(p, _)| p);
+        let find = |name: &[u8], crc| {
+            find_debuglink(&file, name, crc, &dirs, &own, None, &TotalBudget::default())
+                .map(|(p, _)| p)
+        };
         // Under a debug root, following the file's own directory.
         std::fs::write(under_root.join("app.debug"), content).unwrap();
         assert_eq!(find(b"app.debug", crc), Some(under_root.join("app.debug")));
