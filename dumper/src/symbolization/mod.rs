@@ -5,5 +5,6 @@
 
 pub mod dwarf_limits;
 pub mod maps;
+pub mod perf_map;
 pub mod plumbing;
 pub mod symbolizer;

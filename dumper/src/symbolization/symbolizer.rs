@@ -48,6 +48,7 @@ use crate::process::target_files::{self, BoundedFile, TargetRoot, TotalBudget};
 use crate::process::user_space_mounts;
 use crate::symbolization::dwarf_limits::{self, Refusal};
 use crate::symbolization::maps::{self, LocalFile, Mapping};
+use crate::symbolization::perf_map::{PerfMap, MAX_PERF_MAP};
 
 /// The reader symbolization uses: sections copied out of the file.
 type Reader = EndianArcSlice<RunTimeEndian>;
@@ -423,38 +424,14 @@ pub struct Symbolizer {
     deadline: Option<Instant>,
     /// What was given up, for the snapshot's notes.
     notes: Vec<String>,
-    /// Code a runtime compiled (JIT), named by its perf map: (start,
-    /// size, name), sorted by start.
-    jit: Vec<(u64, u64, String)>,
+    /// Code a runtime compiled (JIT), named by its perf map.
+    jit: PerfMap,
     /// Files not read for their file system (by [`LocalFile::key`]), with
     /// the note that says so in each symbolization that needs them.
     refused: HashMap<String, String>,
     /// What all the files it reads may take together
     /// (`HEAPDUMP_MAX_TOTAL_READ`): its cache keeps what it read.
     total: TotalBudget,
-}
-
-/// Largest perf map read (node's with `--perf-basic-prof` grows by a line
-/// per compiled function; tens of MiB after days).
-const MAX_PERF_MAP: u64 = 256 << 20;
-
-/// The entries of a perf map (`START SIZE NAME` lines, hex numbers, as
-/// node's `--perf-basic-prof`, the JVM's `jcmd PID Compiler.perfmap` and
-/// perf's own documentation write them), sorted by start; unparsable
-/// lines skipped.
-pub fn parse_perf_map(text: &str) -> Vec<(u64, u64, String)> {
-    let mut out: Vec<(u64, u64, String)> = text
-        .lines()
-        .filter_map(|l| {
-            let mut it = l.splitn(3, ' ');
-            let start = u64::from_str_radix(it.next()?.trim_start_matches("0x"), 16).ok()?;
-            let size = u64::from_str_radix(it.next()?.trim_start_matches("0x"), 16).ok()?;
-            let name = it.next()?.trim();
-            (size > 0 && !name.is_empty()).then(|| (start, size, name.to_string()))
-        })
-        .collect();
-    out.sort_by_key(|e| e.0);
-    out
 }
 
 /// A file's identity: device, inode, size and change time.
@@ -620,7 +597,7 @@ impl Symbolizer {
     /// to a file of root's) nor another user (a file of theirs put there
     /// first) decides what root reads.
     pub fn use_perf_map(&mut self, pid: u32) {
-        self.jit.clear();
+        self.jit = PerfMap::default();
         let own_pid = crate::process::discovery::namespace_pid(pid).unwrap_or(pid);
         let Some(owners) = crate::process::discovery::process_uids(pid) else {
             return;
@@ -636,19 +613,20 @@ impl Symbolizer {
         else {
             return;
         };
-        self.jit = parse_perf_map(&String::from_utf8_lossy(&bytes));
+        self.jit = PerfMap::parse(bytes);
+        if self.jit.dropped() > 0 {
+            self.notes.push(format!(
+                "{}: its first {} lines were not kept (only its last {} are)",
+                path.display(),
+                self.jit.dropped(),
+                crate::symbolization::perf_map::MAX_ENTRIES
+            ));
+        }
     }
 
     /// The perf map's name for `address`, if its code is there.
     fn jit_name(&self, address: u64) -> Option<&str> {
-        let i = self.jit.partition_point(|e| e.0 <= address);
-        // Later entries win (a runtime reuses code space): look back a few.
-        self.jit[..i]
-            .iter()
-            .rev()
-            .take(8)
-            .find(|(start, size, _)| address < start.saturating_add(*size))
-            .map(|(_, _, n)| n.as_str())
+        self.jit.name(address)
     }
 
     /// What this symbolization gave up, in words (once each), emptied.
@@ -828,7 +806,7 @@ mod tests {
         let map = "7f00aa001000 40 LazyCompile:*alloc app.js:3\n\
                    7f00aa000000 100 Builtin:Foo\nnot a line\n7f00aa002000 0 empty\n";
         let mut sym = Symbolizer {
-            jit: parse_perf_map(map),
+            jit: PerfMap::parse(map.as_bytes().to_vec()),
             ..Symbolizer::default()
         };
         assert_eq!(sym.jit.len(), 2);
