@@ -755,6 +755,11 @@ impl Symbolizer {
         let Some(local) = m.local.clone() else {
             return vec![base];
         };
+        // The deadline covers the lookups too, not only the files opened:
+        // a target decides how many distinct addresses its stacks hold.
+        if self.past_deadline() {
+            return vec![base];
+        }
         let Some(module) = self.module(&local) else {
             return vec![base];
         };
@@ -823,6 +828,39 @@ mod tests {
             Some("LazyCompile:*alloc app.js:3")
         );
         assert_eq!(f[0].module.as_deref(), Some("[jit]"));
+    }
+
+    #[inline(never)]
+    fn named_here() -> u64 {
+        std::hint::black_box(named_here as *const () as u64)
+    }
+
+    #[test]
+    fn past_the_deadline_addresses_in_files_already_open_are_left_unnamed() {
+        let maps = crate::symbolization::maps::read_maps(
+            std::process::id(),
+            &mut crate::symbolization::maps::BuildIds::default(),
+        )
+        .unwrap();
+        let here = named_here() + 1; // a return address inside it
+        let mut sym = Symbolizer::new();
+        sym.begin();
+        let f = sym.symbolize(here, &maps);
+        assert!(
+            f.iter().any(|f| f
+                .function
+                .as_deref()
+                .is_some_and(|n| n.contains("named_here"))),
+            "{f:?}"
+        );
+        assert!(sym.take_notes().is_empty());
+        // The file is open and cached now; the deadline passes.
+        sym.deadline = Some(Instant::now() - Duration::from_secs(1));
+        let f = sym.symbolize(here, &maps);
+        assert_eq!((f.len(), f[0].function.as_deref()), (1, None), "{f:?}");
+        assert!(f[0].module.is_some());
+        let notes = sym.take_notes();
+        assert!(notes[0].contains("HEAPDUMP_SYMBOLIZE_TIMEOUT"), "{notes:?}");
     }
 
     #[test]
