@@ -429,6 +429,18 @@ fn plugin_at(out: &Path, extra: &[&str]) {
     chown_nobody(out);
 }
 
+/// The hostile program, run as `nobody` under the agent, once it has
+/// loaded each of `libs` (`plugin PATH`: 100 blocks from each library's
+/// `site_plugin`).
+fn hostile_with_plugins(libs: &[&Path]) -> Target {
+    let mut target = Target::spawn(as_nobody_recorded(&compile_c("hostile")));
+    for lib in libs {
+        target.send(&format!("plugin {}", lib.display()));
+        assert_eq!(target.wait_line(""), "loaded");
+    }
+    target
+}
+
 #[test]
 fn watch_survives_a_truncated_mapped_library_and_writes_the_requested_snapshot() {
     if !root_here("truncated library") {
@@ -438,9 +450,7 @@ fn watch_survives_a_truncated_mapped_library_and_writes_the_requested_snapshot()
     let d = nobody_dir(&t, "app");
     let plugin = d.join("libplugin.so");
     plugin_at(&plugin, &[]);
-    let mut target = Target::spawn(as_nobody_recorded(&compile_c("hostile")));
-    target.send(&format!("plugin {}", plugin.display()));
-    assert_eq!(target.wait_line(""), "loaded");
+    let mut target = hostile_with_plugins(&[&plugin]);
     let pid = target.pid().to_string();
     let (mut watch, lines) = watch_json(&pid, &t.path("snaps"));
     // watch has opened the plugin; now it shrinks to nothing.
@@ -527,11 +537,7 @@ fn a_sparse_4gib_note_and_a_1tib_debuglink_cost_little() {
         .set_len(1 << 40)
         .unwrap();
     chown_nobody(&debug);
-    let mut target = Target::spawn(as_nobody_recorded(&compile_c("hostile")));
-    for lib in [&notes, &linked] {
-        target.send(&format!("plugin {}", lib.display()));
-        assert_eq!(target.wait_line(""), "loaded");
-    }
+    let mut target = hostile_with_plugins(&[&notes, &linked]);
     let pid = target.pid().to_string();
     let started = std::time::Instant::now();
     let json = t.str("s.json");
@@ -696,9 +702,7 @@ fn a_library_whose_dwarf_nests_a_million_levels_is_named_from_its_symbols() {
     // addr2line reads inlined calls by recursion: this overflowed
     // heapdump's stack (abort) before the nesting was checked.
     craft_dwarf(&lib, "site_plugin", Crafted::Nested(1_000_000), true);
-    let mut target = Target::spawn(as_nobody_recorded(&compile_c("hostile")));
-    target.send(&format!("plugin {}", lib.display()));
-    assert_eq!(target.wait_line(""), "loaded");
+    let mut target = hostile_with_plugins(&[&lib]);
     let pid = target.pid().to_string();
     let json = t.str("s.json");
     ok(&bounded(&["snapshot", &pid, "-o", &json]));
@@ -736,9 +740,7 @@ fn a_small_library_whose_line_table_would_fill_memory_is_named_from_its_symbols(
         true,
     );
     assert!(std::fs::metadata(&lib).unwrap().len() < 100_000);
-    let mut target = Target::spawn(as_nobody_recorded(&compile_c("hostile")));
-    target.send(&format!("plugin {}", lib.display()));
-    assert_eq!(target.wait_line(""), "loaded");
+    let mut target = hostile_with_plugins(&[&lib]);
     let pid = target.pid().to_string();
     let json = t.str("s.json");
     // A budget of 256 MiB a file (the default is 2 GiB).
@@ -845,7 +847,7 @@ fn many_sparse_libraries_cost_no_more_than_the_total_read_budget() {
     // entries then null entries (zeros, which take no disk): heapdump read
     // and kept every one of them (256 MiB here; 2 GiB a file, as many
     // files as the target maps) before the total.
-    let mut target = Target::spawn(as_nobody_recorded(&compile_c("hostile")));
+    let mut libs = Vec::new();
     for i in 0..8 {
         let lib = d.join(format!("libsparse{i}.so"));
         plugin_at(&lib, &[]);
@@ -860,9 +862,9 @@ fn many_sparse_libraries_cost_no_more_than_the_total_read_budget() {
         )
         .unwrap();
         chown_nobody(&lib);
-        target.send(&format!("plugin {}", lib.display()));
-        assert_eq!(target.wait_line(""), "loaded");
+        libs.push(lib);
     }
+    let mut target = hostile_with_plugins(&libs.iter().map(PathBuf::as_path).collect::<Vec<_>>());
     let pid = target.pid().to_string();
     let json = t.str("s.json");
     let (status, _, rss) = measured(
