@@ -22,8 +22,8 @@
 //!   `dlclose` hook calls [`closing`] before forwarding and [`closed`]
 //!   after; lookups answer [`Lookup::Transient`] in between (the caller
 //!   must not cache that answer; walks kept meanwhile are forgotten when
-//!   the `dlclose` ends, which bumps the unwinder's generation). Both bump `CLOSES`,
-//!   and a table is used only if the `CLOSES` its rebuild read before
+//!   the `dlclose` ends, which bumps the unwinder's generation). Both
+//!   bump `CLOSES`, and a table is used only if the `CLOSES` its rebuild read before
 //!   asking the loader is the current one: a table whose listing may have
 //!   overlapped a `dlclose` (or predates one) is rebuilt first. So a
 //!   lookup never returns a range of an unloaded module, and a program

@@ -226,11 +226,19 @@ fn dwarf_context<'d>(
     }) else {
         return Ok(None);
     };
-    let tables = dwarf_limits::admit(&dwarf, file.budget_left())?;
-    if !file.charge_extra(tables) {
-        return Err(Refusal::TooBig { bytes: tables });
-    }
+    admit(&dwarf, file)?;
     Ok(Context::from_dwarf(dwarf).ok())
+}
+
+/// Whether addr2line may read `dwarf`, from `file` ([`dwarf_limits`]):
+/// the tables it would build are charged to the file's budget.
+fn admit(dwarf: &gimli::Dwarf<Reader>, file: &BoundedFile) -> Result<(), Refusal> {
+    let tables = dwarf_limits::admit(dwarf, file.budget_left())?;
+    if file.charge_extra(tables) {
+        Ok(())
+    } else {
+        Err(Refusal::TooBig { bytes: tables })
+    }
 }
 
 /// Opens a file of a target within the read budget, every read also
@@ -346,12 +354,7 @@ impl Module {
             })
             .as_ref()?;
         let unit = package.find_cu(load.dwo_id, &load.parent).ok()??;
-        let admitted = dwarf_limits::admit(&unit, f.budget_left()).and_then(|tables| {
-            f.charge_extra(tables)
-                .then_some(())
-                .ok_or(Refusal::TooBig { bytes: tables })
-        });
-        if let Err(e) = admitted {
+        if let Err(e) = admit(&unit, f) {
             let _ = self
                 .refused_dwarf
                 .set(format!("a unit of its .dwp package: {e}"));
