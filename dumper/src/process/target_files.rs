@@ -61,8 +61,9 @@ pub const MAX_NOTE_BYTES: u64 = 64 << 10;
 /// of targets' files and keeps (`HEAPDUMP_MAX_TOTAL_READ`, bytes), else a
 /// quarter of this machine's memory, at least [`DEFAULT_MAX_FILE_READ`].
 /// Each file has its own budget besides ([`max_file_read`]): this one
-/// bounds what many files together cost (a target mapping ten sparse
-/// 2 GiB libraries took 2 GiB of root's heapdump for each).
+/// bounds what many files together cost (eight libraries of 20 KB on
+/// disk, each a sparse 64 MiB `.debug_info` holding one unit, took 633 MB
+/// of root's heapdump, and a target maps as many as it likes).
 pub fn max_total_read() -> u64 {
     std::env::var("HEAPDUMP_MAX_TOTAL_READ")
         .ok()
