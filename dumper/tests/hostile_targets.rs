@@ -886,6 +886,37 @@ fn many_sparse_libraries_cost_no_more_than_the_total_read_budget() {
 }
 
 #[test]
+fn a_process_with_more_mappings_than_kept_is_snapshotted_and_told_so() {
+    if !root_here("many mappings") {
+        return;
+    }
+    let t = TempDir::new("hostile-maps");
+    let d = nobody_dir(&t, "app");
+    let data = d.join("data");
+    std::fs::write(&data, vec![0u8; 4096]).unwrap();
+    chown_nobody(&data);
+    let mut target = hostile_with_plugins(&[]);
+    target.send("alloc");
+    target.wait_line("allocated");
+    let n = heapdump::symbolization::maps::MAX_MAPPINGS + 100;
+    target.send(&format!("mapmany {n} {}", data.display()));
+    assert_eq!(target.wait_line(""), format!("mapped {n}"));
+    let pid = target.pid().to_string();
+    let json = t.str("s.json");
+    ok(&bounded(&["snapshot", &pid, "-o", &json]));
+    let j = read_json(Path::new(&json));
+    // The program's own frames still named (its mapping is executable).
+    assert_eq!(live_blocks_through(&j, "site_hostile"), 100);
+    assert_eq!(
+        j["mappings"].as_array().unwrap().len(),
+        heapdump::symbolization::maps::MAX_MAPPINGS
+    );
+    let notes = j["notes"].to_string();
+    assert!(notes.contains("file mappings or more"), "{notes}");
+    target.send("quit");
+}
+
+#[test]
 fn a_flooding_process_cannot_delete_another_processes_snapshots() {
     if !root_here("flood") {
         return;

@@ -6,6 +6,9 @@
  *   "plugin PATH"      -> dlopen(PATH), calls its plugin_alloc(100); "loaded"
  *                         (or "dlopen failed: ...")
  *   "truncate PATH"    -> truncate(PATH, 0); "truncated"
+ *   "mapmany N PATH"   -> maps the first page of PATH N times, readable
+ *                         (the mappings never merge: each maps offset 0);
+ *                         "mapped M" (how many it could)
  *   "request"          -> raise(SIGUSR2) (a snapshot request); "requested"
  *   "flood N"          -> N requests, one every 20 ms; "flooded"
  *   "name STRING"      -> a thread named STRING (escapes \e and \a written
@@ -132,6 +135,14 @@ int main(void) {
                 if (f) f(100);
                 printf("loaded\n");
             }
+        } else if (!strncmp(line, "mapmany ", 8)) {
+            char *path = NULL;
+            long n = strtol(line + 8, &path, 10), made = 0;
+            int fd = open(path + 1, O_RDONLY);
+            for (long i = 0; fd >= 0 && i < n; i++, made++)
+                if (mmap(NULL, 4096, PROT_READ, MAP_PRIVATE, fd, 0) == MAP_FAILED) break;
+            if (fd >= 0) close(fd);
+            printf("mapped %ld\n", made);
         } else if (!strncmp(line, "truncate ", 9)) {
             printf(truncate(line + 9, 0) == 0 ? "truncated\n" : "truncate failed\n");
         } else if (!strcmp(line, "request")) {

@@ -1123,6 +1123,13 @@ pub fn take(
                 (rate != 0).then_some(rate),
             );
             n.extend(symbolizer_notes);
+            if mappings.len() >= crate::symbolization::maps::MAX_MAPPINGS {
+                n.push(format!(
+                    "the process has {} file mappings or more: only as many are kept, its \
+                     executable ones first; frames in the others are bare addresses",
+                    crate::symbolization::maps::MAX_MAPPINGS
+                ));
+            }
             n
         },
         unwinder: heapdump_table::header::read_unwinder(&target.allocations.view())
