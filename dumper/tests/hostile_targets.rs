@@ -475,16 +475,11 @@ fn watch_survives_a_truncated_mapped_library_and_writes_the_requested_snapshot()
 /// (the file extended, sparse, to hold them).
 fn inflate_notes(p: &Path, size: u64) {
     let mut b = std::fs::read(p).unwrap();
-    let u16_at = |b: &[u8], o: usize| u16::from_le_bytes(b[o..o + 2].try_into().unwrap()) as usize;
-    let u64_at = |b: &[u8], o: usize| u64::from_le_bytes(b[o..o + 8].try_into().unwrap());
-    let shoff = u64_at(&b, 0x28) as usize;
-    let (shentsize, shnum) = (u16_at(&b, 0x3a), u16_at(&b, 0x3c));
     let mut end = 0;
-    for i in 0..shnum {
-        let h = shoff + i * shentsize;
-        if u32::from_le_bytes(b[h + 4..h + 8].try_into().unwrap()) == 7 {
-            b[h + 0x20..h + 0x28].copy_from_slice(&size.to_le_bytes());
-            end = end.max(u64_at(&b, h + 0x18) + size);
+    for h in section_headers(&b) {
+        if h.kind == 7 {
+            b[h.at + 0x20..h.at + 0x28].copy_from_slice(&size.to_le_bytes());
+            end = end.max(h.offset + size);
         }
     }
     assert!(end > 0, "no note section");
@@ -495,6 +490,39 @@ fn inflate_notes(p: &Path, size: u64) {
         .unwrap()
         .set_len(end)
         .unwrap();
+}
+
+/// One section header of a little-endian ELF64 file.
+struct SectionHeader {
+    /// Where the header itself lies in the file.
+    at: usize,
+    name: Vec<u8>,
+    kind: u32,
+    offset: u64,
+    size: u64,
+}
+
+/// The section headers of the ELF64 file `b`.
+fn section_headers(b: &[u8]) -> Vec<SectionHeader> {
+    let u16_at = |o: usize| u16::from_le_bytes(b[o..o + 2].try_into().unwrap()) as usize;
+    let u32_at = |o: usize| u32::from_le_bytes(b[o..o + 4].try_into().unwrap());
+    let u64_at = |o: usize| u64::from_le_bytes(b[o..o + 8].try_into().unwrap());
+    let shoff = u64_at(0x28) as usize;
+    let (shentsize, shnum, shstrndx) = (u16_at(0x3a), u16_at(0x3c), u16_at(0x3e));
+    let names = u64_at(shoff + shstrndx * shentsize + 0x18) as usize;
+    (0..shnum)
+        .map(|i| {
+            let at = shoff + i * shentsize;
+            let n = names + u32_at(at) as usize;
+            SectionHeader {
+                at,
+                name: b[n..].split(|&c| c == 0).next().unwrap_or(&[]).to_vec(),
+                kind: u32_at(at + 4),
+                offset: u64_at(at + 0x18),
+                size: u64_at(at + 0x20),
+            }
+        })
+        .collect()
 }
 
 /// The largest resident set of heapdump's children so far, in bytes.
@@ -765,24 +793,16 @@ fn a_small_library_whose_line_table_would_fill_memory_is_named_from_its_symbols(
 /// extension of the file (no disk taken). Returns where it now starts.
 fn inflate_section(p: &Path, name: &str, size: u64) -> u64 {
     let mut b = std::fs::read(p).unwrap();
-    let u16_at = |b: &[u8], o: usize| u16::from_le_bytes(b[o..o + 2].try_into().unwrap()) as usize;
-    let u32_at = |b: &[u8], o: usize| u32::from_le_bytes(b[o..o + 4].try_into().unwrap()) as usize;
-    let u64_at = |b: &[u8], o: usize| u64::from_le_bytes(b[o..o + 8].try_into().unwrap());
-    let shoff = u64_at(&b, 0x28) as usize;
-    let (shentsize, shnum, shstrndx) = (u16_at(&b, 0x3a), u16_at(&b, 0x3c), u16_at(&b, 0x3e));
-    let names = u64_at(&b, shoff + shstrndx * shentsize + 0x18) as usize;
+    let h = section_headers(&b)
+        .into_iter()
+        .find(|h| h.name == name.as_bytes())
+        .expect("the section");
     let at = (b.len() as u64).next_multiple_of(4096);
-    let found = (0..shnum).map(|i| shoff + i * shentsize).find(|&h| {
-        let n = names + u32_at(&b, h);
-        b[n..].split(|&c| c == 0).next() == Some(name.as_bytes())
-    });
-    let h = found.expect("the section");
-    let (old, len) = (u64_at(&b, h + 0x18) as usize, u64_at(&b, h + 0x20) as usize);
-    let bytes = b[old..old + len].to_vec();
+    let bytes = b[h.offset as usize..(h.offset + h.size) as usize].to_vec();
     b.resize(at as usize, 0);
     b.extend_from_slice(&bytes);
-    b[h + 0x18..h + 0x20].copy_from_slice(&at.to_le_bytes());
-    b[h + 0x20..h + 0x28].copy_from_slice(&size.to_le_bytes());
+    b[h.at + 0x18..h.at + 0x20].copy_from_slice(&at.to_le_bytes());
+    b[h.at + 0x20..h.at + 0x28].copy_from_slice(&size.to_le_bytes());
     std::fs::write(p, &b).unwrap();
     std::fs::File::options()
         .write(true)
@@ -793,15 +813,14 @@ fn inflate_section(p: &Path, name: &str, size: u64) -> u64 {
     at
 }
 
-/// Runs heapdump (within the hang guard) and gives its output and its
+/// Runs heapdump (within the hang guard) and gives how it ended and its
 /// own largest resident set, in bytes.
-fn measured(args: &[&str], env: &[(&str, &str)]) -> (std::process::ExitStatus, String, u64) {
-    let out = tempfile_path("measured");
+fn measured(args: &[&str], env: &[(&str, &str)]) -> (std::process::ExitStatus, u64) {
     let child = Command::new(bin())
         .args(args)
         .envs(env.iter().copied())
         .stdin(Stdio::null())
-        .stdout(std::fs::File::create(&out).unwrap())
+        .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
         .expect("run heapdump");
@@ -821,19 +840,7 @@ fn measured(args: &[&str], env: &[(&str, &str)]) -> (std::process::ExitStatus, S
         panic!("heapdump {args:?} hung (killed after {HANG_GUARD:?})");
     };
     std::mem::forget(child); // reaped above
-    let text = std::fs::read_to_string(&out).unwrap_or_default();
-    let _ = std::fs::remove_file(&out);
-    (
-        std::os::unix::process::ExitStatusExt::from_raw(status),
-        text,
-        rss,
-    )
-}
-
-fn tempfile_path(what: &str) -> PathBuf {
-    static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    std::env::temp_dir().join(format!("heapdump-{what}-{}-{n}", std::process::id()))
+    (std::os::unix::process::ExitStatusExt::from_raw(status), rss)
 }
 
 #[test]
@@ -867,7 +874,7 @@ fn many_sparse_libraries_cost_no_more_than_the_total_read_budget() {
     let mut target = hostile_with_plugins(&libs.iter().map(PathBuf::as_path).collect::<Vec<_>>());
     let pid = target.pid().to_string();
     let json = t.str("s.json");
-    let (status, _, rss) = measured(
+    let (status, rss) = measured(
         &["snapshot", &pid, "-o", &json],
         &[("HEAPDUMP_MAX_TOTAL_READ", &(50u64 << 20).to_string())],
     );
