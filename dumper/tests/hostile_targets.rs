@@ -843,6 +843,30 @@ fn measured(args: &[&str], env: &[(&str, &str)]) -> (std::process::ExitStatus, u
     (std::os::unix::process::ExitStatusExt::from_raw(status), rss)
 }
 
+/// Held by the tests whose targets make heapdump read tens of MiB (and
+/// by the collector's test that counts on what its total holds): a
+/// collector adopts every instrumented process of the machine, other
+/// tests' too.
+static BIG_READS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// A plugin of the hostile program at `lib` (owned by nobody) whose
+/// `.debug_info` is `size` bytes: one unit, its entries then null entries
+/// (zeros, which take no disk), so a 20 KB file costs `size` to read.
+fn sparse_dwarf_library(lib: &Path, size: u64) -> PathBuf {
+    plugin_at(lib, &[]);
+    craft_dwarf(lib, "site_plugin", Crafted::Nested(0), false);
+    let at = inflate_section(lib, ".debug_info", size);
+    // The unit's length: the whole section.
+    std::os::unix::fs::FileExt::write_all_at(
+        &std::fs::File::options().write(true).open(lib).unwrap(),
+        &(size as u32 - 4).to_le_bytes(),
+        at,
+    )
+    .unwrap();
+    chown_nobody(lib);
+    lib.to_path_buf()
+}
+
 #[test]
 fn many_sparse_libraries_cost_no_more_than_the_total_read_budget() {
     if !root_here("sparse libraries") {
@@ -854,23 +878,10 @@ fn many_sparse_libraries_cost_no_more_than_the_total_read_budget() {
     // entries then null entries (zeros, which take no disk): heapdump read
     // and kept every one of them (256 MiB here; 2 GiB a file, as many
     // files as the target maps) before the total.
-    let mut libs = Vec::new();
-    for i in 0..8 {
-        let lib = d.join(format!("libsparse{i}.so"));
-        plugin_at(&lib, &[]);
-        craft_dwarf(&lib, "site_plugin", Crafted::Nested(0), false);
-        let size = 32u64 << 20;
-        let at = inflate_section(&lib, ".debug_info", size);
-        // The unit's length: the whole section.
-        std::os::unix::fs::FileExt::write_all_at(
-            &std::fs::File::options().write(true).open(&lib).unwrap(),
-            &(size as u32 - 4).to_le_bytes(),
-            at,
-        )
-        .unwrap();
-        chown_nobody(&lib);
-        libs.push(lib);
-    }
+    let _big = BIG_READS.lock();
+    let libs: Vec<PathBuf> = (0..8)
+        .map(|i| sparse_dwarf_library(&d.join(format!("libsparse{i}.so")), 32 << 20))
+        .collect();
     let mut target = hostile_with_plugins(&libs.iter().map(PathBuf::as_path).collect::<Vec<_>>());
     let pid = target.pid().to_string();
     let json = t.str("s.json");
@@ -890,6 +901,129 @@ fn many_sparse_libraries_cost_no_more_than_the_total_read_budget() {
         "{notes}"
     );
     target.send("quit");
+}
+
+#[test]
+fn a_collector_gives_back_what_it_read_for_a_process_once_it_exited() {
+    if !root_here("collector's total") {
+        return;
+    }
+    let _big = BIG_READS.lock();
+    let t = TempDir::new("hostile-collector-total");
+    let d = nobody_dir(&t, "app");
+    // Room for one of the two libraries (and the files every process
+    // maps: 20-30 MiB with glibc's debug file), not for both: a target can
+    // use up the total a collector shares; once it exited, what was read
+    // for it must come back.
+    let first = sparse_dwarf_library(&d.join("libfirst.so"), 64 << 20);
+    let second = sparse_dwarf_library(&d.join("libsecond.so"), 64 << 20);
+    let out_dir = t.path("collected");
+    let mut watch = Command::new(bin())
+        .args([
+            "watch", "--all", "--scan", "20ms", "--poll", "5ms", "-f", "json", "-d",
+        ])
+        .arg(&out_dir)
+        .env("HEAPDUMP_MAX_TOTAL_READ", (128u64 << 20).to_string())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let lines = Lines::new(watch.stdout.take().unwrap());
+    let collected = |lib: &Path| {
+        let mut target = hostile_with_plugins(&[lib]);
+        let pid = target.pid();
+        while !lines.next().starts_with(&format!("watching {pid} ")) {}
+        target.send("request");
+        target.wait_line("requested");
+        // (Other tests' processes are collected too: their lines are
+        // skipped.)
+        let prefix = format!("wrote {}/heapdump-{pid}-", out_dir.display());
+        let requested = loop {
+            let l = lines.next();
+            if l.starts_with(&prefix) {
+                break PathBuf::from(&l["wrote ".len()..]);
+            }
+        };
+        target.send("quit");
+        assert!(target.finish().success());
+        // Its final snapshot, after which the collector forgets it.
+        while !lines.next().starts_with(&prefix) {}
+        read_json(&requested)
+    };
+    for (lib, j) in [(&first, collected(&first)), (&second, collected(&second))] {
+        assert_eq!(
+            live_blocks_through(&j, "site_plugin"),
+            100,
+            "{}",
+            lib.display()
+        );
+        let notes = j["notes"].to_string();
+        assert!(
+            !notes.contains("HEAPDUMP_MAX_TOTAL_READ"),
+            "{}: {notes}",
+            lib.display()
+        );
+    }
+    // SAFETY: kill takes a pid and a signal.
+    unsafe { libc::kill(watch.id() as i32, libc::SIGTERM) };
+    assert!(watch.wait().unwrap().success());
+}
+
+#[test]
+fn a_server_gives_back_what_it_read_for_a_process_once_it_exited() {
+    if !root_here("server's total") {
+        return;
+    }
+    let _big = BIG_READS.lock();
+    let t = TempDir::new("hostile-server-total");
+    let d = nobody_dir(&t, "app");
+    // As for the collector above: room for one library, not two.
+    let first = sparse_dwarf_library(&d.join("libfirst.so"), 64 << 20);
+    let second = sparse_dwarf_library(&d.join("libsecond.so"), 64 << 20);
+    let mut server = Command::new(bin())
+        .args(["serve", "--listen", "127.0.0.1:0"])
+        .env("HEAPDUMP_MAX_TOTAL_READ", (128u64 << 20).to_string())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let lines = Lines::new(server.stdout.take().unwrap());
+    let addr = listening_addr(&lines.next());
+    let served = |lib: &Path| {
+        let mut target = hostile_with_plugins(&[lib]);
+        let (head, body) = http_get_with(
+            &addr,
+            &format!("/debug/pprof/heap?pid={}", target.pid()),
+            "",
+        );
+        assert!(head.contains(" 200 "), "{head}");
+        // The target exits and is not asked for again: the server must
+        // still let go of what it read for it.
+        target.send("quit");
+        assert!(target.finish().success());
+        heapdump::formats::pprof::decode(&body).expect("pprof body")
+    };
+    for (lib, p) in [(&first, served(&first)), (&second, served(&second))] {
+        let comments: Vec<&str> = p
+            .comment
+            .iter()
+            .map(|&i| p.string_table[i as usize].as_str())
+            .collect();
+        assert!(
+            !comments
+                .iter()
+                .any(|c| c.contains("HEAPDUMP_MAX_TOTAL_READ")),
+            "{}: {comments:?}",
+            lib.display()
+        );
+        let plugin = p
+            .function
+            .iter()
+            .any(|f| p.string_table[f.name as usize] == "site_plugin");
+        assert!(plugin, "{}: site_plugin not named", lib.display());
+    }
+    let _ = server.kill();
+    let _ = server.wait();
 }
 
 #[test]

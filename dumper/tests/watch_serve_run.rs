@@ -2,8 +2,6 @@
 
 mod common;
 
-use std::io::{Read, Write};
-use std::net::TcpStream;
 use std::process::{Command, Stdio};
 
 use common::*;
@@ -517,21 +515,6 @@ fn size_flags_are_parsed_before_the_program_starts() {
         assert_eq!(out.status.code(), Some(2), "{args:?}");
         assert!(stderr(&out).contains("unknown unit"), "{}", stderr(&out));
     }
-}
-
-/// GET with extra request headers: (status line and headers, body).
-fn http_get_with(addr: &str, path: &str, headers: &str) -> (String, Vec<u8>) {
-    let mut s = TcpStream::connect(addr).expect("connect");
-    s.set_read_timeout(Some(HANG_GUARD)).unwrap();
-    write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n{headers}\r\n").unwrap();
-    let mut resp = Vec::new();
-    s.read_to_end(&mut resp).unwrap();
-    let split = resp
-        .windows(4)
-        .position(|w| w == b"\r\n\r\n")
-        .expect("header end");
-    let head = String::from_utf8_lossy(&resp[..split]).into_owned();
-    (head, resp[split + 4..].to_vec())
 }
 
 /// The value of the first sample of `metric` whose labels contain every

@@ -84,6 +84,9 @@ pub enum ServeError {
 struct State {
     opts: ServeOptions,
     targets: HashMap<u32, Target>,
+    /// Each served target's mappings when last read: the files the
+    /// caches below keep.
+    mapped: HashMap<u32, Vec<crate::symbolization::maps::Mapping>>,
     symbolizer: Symbolizer,
     build_ids: BuildIds,
 }
@@ -171,10 +174,21 @@ impl State {
         symbolize: bool,
         addresses_only: bool,
     ) -> Result<(snapshot::Snapshot, Vec<crate::symbolization::maps::Mapping>), TakeError> {
+        self.forget_exited();
         if let std::collections::hash_map::Entry::Vacant(e) = self.targets.entry(pid) {
             e.insert(open_target(pid).map_err(TakeError::Open)?);
         }
         let maps = read_maps(pid, &mut self.build_ids).unwrap_or_default();
+        if !maps.is_empty() {
+            let same = self
+                .mapped
+                .get(&pid)
+                .is_some_and(|m| crate::symbolization::maps::same_files(m, &maps));
+            if !same {
+                self.mapped.insert(pid, maps.clone());
+                self.forget_unserved_files();
+            }
+        }
         let target = &self.targets[&pid];
         let r = snapshot::take(
             target,
@@ -192,9 +206,41 @@ impl State {
         // A target that exited is forgotten once served (its pid may be
         // reused later).
         if crate::commands::watch::ExitWatch::new(pid).exited() {
-            self.targets.remove(&pid);
+            self.forget(pid);
         }
         r.map(|s| (s, maps)).map_err(TakeError::Read)
+    }
+
+    /// Forgets every target that exited since it was last served (whether
+    /// or not it is asked for again).
+    fn forget_exited(&mut self) {
+        let exited: Vec<u32> = self
+            .targets
+            .keys()
+            .copied()
+            .filter(|&p| crate::commands::watch::ExitWatch::new(p).exited())
+            .collect();
+        for pid in exited {
+            self.forget(pid);
+        }
+    }
+
+    /// Forgets a target that exited: its regions, and the files only it
+    /// mapped.
+    fn forget(&mut self, pid: u32) {
+        self.targets.remove(&pid);
+        if self.mapped.remove(&pid).is_some() {
+            self.forget_unserved_files();
+        }
+    }
+
+    /// Forgets the files (parsed symbols, build IDs) no served target maps
+    /// any more, so the server's memory and `HEAPDUMP_MAX_TOTAL_READ`
+    /// follow the processes it serves now, not every one it served.
+    fn forget_unserved_files(&mut self) {
+        let maps = || self.mapped.values().flatten();
+        self.symbolizer.retain_mapped(maps());
+        self.build_ids.retain_mapped(maps());
     }
 
     fn snapshot(&mut self, pid: u32, ages: AgeFilter) -> Result<snapshot::Snapshot, Reply> {
@@ -221,7 +267,7 @@ impl State {
             // A process that exited has no series (its regions may still be
             // open here, from an earlier request: forgotten now).
             if crate::commands::watch::ExitWatch::new(pid).exited() {
-                self.targets.remove(&pid);
+                self.forget(pid);
                 errors.push((pid, "exited".to_string()));
                 continue;
             }
@@ -414,6 +460,7 @@ pub fn serve(server: Server, opts: ServeOptions) {
     let mut state = State {
         opts,
         targets: HashMap::new(),
+        mapped: HashMap::new(),
         symbolizer: Symbolizer::new(),
         build_ids: BuildIds::default(),
     };

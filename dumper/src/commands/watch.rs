@@ -31,7 +31,7 @@ use crate::formats::{self, Format, RenderOptions};
 use crate::process::age::AgeFilter;
 use crate::process::discovery::{open_target, DiscoveryError, Target};
 use crate::process::snapshot::{self, Request, Snapshot};
-use crate::symbolization::maps::{read_maps, BuildIds, Mapping};
+use crate::symbolization::maps::{self, read_maps, BuildIds, Mapping};
 use crate::symbolization::symbolizer::Symbolizer;
 
 use crate::commands::args::{AgeArgs, SymArgs};
@@ -234,6 +234,9 @@ struct Watched {
     last_answer: Option<Instant>,
     /// Whether the log said this target asks too often.
     told_rate: bool,
+    /// Whether its mappings changed since the collector last forgot the
+    /// files nobody maps.
+    maps_changed: bool,
 }
 
 impl Watched {
@@ -331,6 +334,7 @@ fn shoot(
     if !w.done {
         if let Ok(m) = read_maps(pid, build_ids) {
             if !m.is_empty() {
+                w.maps_changed |= !maps::same_files(&m, &w.maps);
                 w.maps = m;
                 if opts.symbolize {
                     symbolizer.open_modules(&w.maps);
@@ -478,6 +482,19 @@ impl Watcher {
         Ok(())
     }
 
+    /// Forgets the files (parsed symbols, build IDs) that no watched
+    /// process maps any more: a collector's caches hold what its live
+    /// targets map, not what every process it saw in weeks mapped, and
+    /// what they read goes back to `HEAPDUMP_MAX_TOTAL_READ`.
+    fn forget_unwatched_files(&mut self) {
+        let maps = || self.watched.iter().flat_map(|w| w.maps.iter());
+        self.symbolizer.retain_mapped(maps());
+        self.build_ids.retain_mapped(maps());
+        for w in &mut self.watched {
+            w.maps_changed = false;
+        }
+    }
+
     /// The pids watched.
     pub fn pids(&self) -> Vec<u32> {
         self.watched.iter().map(|w| w.target.pid).collect()
@@ -576,8 +593,14 @@ impl Watcher {
             }
             if opts.all {
                 // Forget the targets that are done (memory stays bounded
-                // over days of processes coming and going).
+                // over days of processes coming and going), and the files
+                // only they mapped.
+                let before = self.watched.len();
                 self.watched.retain(|w| !w.done);
+                let changed = self.watched.iter().any(|w| w.maps_changed);
+                if self.watched.len() != before || changed {
+                    self.forget_unwatched_files();
+                }
                 if stopping {
                     return Ok(());
                 }
@@ -616,6 +639,7 @@ fn open_one(
         answered: Default::default(),
         last_answer: None,
         told_rate: false,
+        maps_changed: false,
     })
 }
 

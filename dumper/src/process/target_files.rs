@@ -375,11 +375,41 @@ impl ReadBudget {
 /// Bytes that many files' [`ReadBudget`]s share: what a symbolizer may
 /// read of targets' files and keep, all together (its cache keeps what it
 /// read; see [`max_total_read`]). Clones share the same count.
+///
+/// What is kept is given back when it is dropped: charges go to an
+/// [`account`](Self::account), one per thing kept (a module with its
+/// files), and return to the total when the last clone of that account
+/// goes. So a long-running collector that forgets the files of processes
+/// it no longer watches can read new ones (library upgrades, new
+/// programs) for as long as it runs.
 #[derive(Debug, Clone)]
 pub struct TotalBudget {
     left: Arc<AtomicU64>,
     /// Charges refused so far.
     refusals: Arc<AtomicU64>,
+    /// Where this clone's charges are counted, to be given back.
+    account: Option<Arc<Account>>,
+}
+
+/// Charges to a [`TotalBudget`] that go back to it when the account (its
+/// last clone) is dropped.
+#[derive(Debug)]
+struct Account {
+    left: Arc<AtomicU64>,
+    taken: AtomicU64,
+}
+
+impl Drop for Account {
+    fn drop(&mut self) {
+        let taken = *self.taken.get_mut();
+        // Saturating: a total made with `u64::MAX` ("no limit") never
+        // overflows, and nothing is ever given back that was not taken.
+        let _ = self
+            .left
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |l| {
+                Some(l.saturating_add(taken))
+            });
+    }
 }
 
 impl TotalBudget {
@@ -388,6 +418,19 @@ impl TotalBudget {
         TotalBudget {
             left: Arc::new(AtomicU64::new(bytes)),
             refusals: Arc::new(AtomicU64::new(0)),
+            account: None,
+        }
+    }
+
+    /// The same total, charges made through the result (and its clones)
+    /// counted apart and given back when the last of them is dropped.
+    pub fn account(&self) -> TotalBudget {
+        TotalBudget {
+            account: Some(Arc::new(Account {
+                left: self.left.clone(),
+                taken: AtomicU64::new(0),
+            })),
+            ..self.clone()
         }
     }
 
@@ -400,6 +443,8 @@ impl TotalBudget {
             .is_ok();
         if !taken {
             self.refusals.fetch_add(1, Ordering::Relaxed);
+        } else if let Some(a) = &self.account {
+            a.taken.fetch_add(n, Ordering::Relaxed);
         }
         taken
     }
@@ -735,6 +780,44 @@ mod tests {
         // Its own budget still applies under a larger total.
         let c = BoundedFile::within(open(), 1 << 10, &TotalBudget::default()).unwrap();
         assert!((&c).read_bytes_at(0, 1 << 11).is_err());
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn an_accounts_charges_return_to_the_total_when_its_last_clone_is_dropped() {
+        let d = scratch("account");
+        let p = d.join("sparse");
+        File::create(&p).unwrap().set_len(1 << 30).unwrap();
+        let open = || open_regular(&p, &UserSpaceMounts::none()).unwrap();
+        let total = TotalBudget::new(3 << 20);
+        let kept = total.account();
+        let a = BoundedFile::within(open(), 2 << 20, &kept).unwrap();
+        assert!((&a).read_bytes_at(0, 2 << 20).is_ok());
+        // A refusal is charged to nobody.
+        let other = total.account();
+        let b = BoundedFile::within(open(), 2 << 20, &other).unwrap();
+        assert!((&b).read_bytes_at(0, 2 << 20).is_err());
+        assert!((&b).read_bytes_at(0, 1 << 19).is_ok());
+        assert_eq!(total.left(), 1 << 19);
+        // The file goes, its account stays (what it read is kept): no
+        // bytes come back yet.
+        drop(a);
+        assert_eq!(total.left(), 1 << 19);
+        drop(kept);
+        assert_eq!(total.left(), (2 << 20) + (1 << 19));
+        drop((b, other));
+        assert_eq!(total.left(), 3 << 20);
+        // Charges made on the total itself are kept for good.
+        let c = BoundedFile::within(open(), 2 << 20, &total).unwrap();
+        assert!((&c).read_bytes_at(0, 1 << 20).is_ok());
+        drop(c);
+        assert_eq!(total.left(), 2 << 20);
+        // "No limit" stays no limit.
+        let unlimited = TotalBudget::default();
+        let e = unlimited.account();
+        assert!(e.take(1 << 40));
+        drop(e);
+        assert_eq!(unlimited.left(), u64::MAX);
         std::fs::remove_dir_all(&d).unwrap();
     }
 

@@ -2,7 +2,7 @@
 //! ID of each mapped file, recorded in every snapshot so that it can also
 //! be symbolized later, elsewhere.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::fs::File;
 use std::io;
 use std::path::{Path, PathBuf};
@@ -120,6 +120,23 @@ pub fn find(maps: &[Mapping], addr: u64) -> Option<&Mapping> {
     maps.iter().find(|m| m.contains(addr))
 }
 
+/// The cache keys ([`LocalFile::key`]) of the files behind `maps`: what
+/// a long-running dumper's caches keep when it forgets the rest.
+pub fn mapped_keys<'a>(maps: impl IntoIterator<Item = &'a Mapping>) -> HashSet<String> {
+    maps.into_iter()
+        .filter_map(|m| m.local.as_ref().map(LocalFile::key))
+        .collect()
+}
+
+/// Whether two readings of a process's mappings name the same files at
+/// the same places.
+pub fn same_files(a: &[Mapping], b: &[Mapping]) -> bool {
+    a.len() == b.len()
+        && a.iter()
+            .zip(b)
+            .all(|(a, b)| (a.start, a.end, &a.path) == (b.start, b.end, &b.path))
+}
+
 /// Caches build IDs by file, so a long-running dumper reads each file's
 /// notes once.
 #[derive(Debug, Default)]
@@ -128,6 +145,26 @@ pub struct BuildIds {
 }
 
 impl BuildIds {
+    /// Forgets every file not behind one of `maps` (a collector's
+    /// watched processes): the cache then holds what live targets map,
+    /// not every file of every process seen since it started, and a
+    /// process id used again never meets the build ID of the file its
+    /// previous owner mapped at the same place.
+    pub fn retain_mapped<'a>(&mut self, maps: impl IntoIterator<Item = &'a Mapping>) {
+        let keys = mapped_keys(maps);
+        self.cache.retain(|k, _| keys.contains(k));
+    }
+
+    /// How many files the cache holds.
+    pub fn len(&self) -> usize {
+        self.cache.len()
+    }
+
+    /// Whether the cache holds no file.
+    pub fn is_empty(&self) -> bool {
+        self.cache.is_empty()
+    }
+
     /// The build ID of the ELF file `file` (hex), if any.
     pub fn get(&mut self, file: &LocalFile) -> Option<String> {
         self.cache

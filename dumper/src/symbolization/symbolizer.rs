@@ -695,8 +695,12 @@ impl Symbolizer {
                 let id = id?;
                 if !self.modules.contains_key(&id) {
                     let refusals_before = self.total.refusals();
+                    // The module's reads are charged to an account of its
+                    // own: given back to the total when it is forgotten
+                    // (`retain_mapped`).
+                    let account = self.total.account();
                     let module = opened.and_then(|f| {
-                        Module::open(f, local, &self.debug_dirs, self.deadline, &self.total)
+                        Module::open(f, local, &self.debug_dirs, self.deadline, &account)
                     });
                     if self.total.refusals() != refusals_before {
                         // Something of this file did not fit in what is
@@ -738,6 +742,33 @@ impl Symbolizer {
                 self.module(local);
             }
         }
+    }
+
+    /// Forgets every file not behind one of `maps` (the mappings of the
+    /// processes a long-running collector still watches): which file a
+    /// mapping is, the file's parsed symbols and DWARF (what was read of
+    /// it goes back to `HEAPDUMP_MAX_TOTAL_READ`'s total), its refusal
+    /// note. Without it a collector's memory grows with every file of
+    /// every process it ever saw, a target that used up the total keeps
+    /// it after it exited, and a process id used again meets the file its
+    /// previous owner mapped at the same place.
+    pub fn retain_mapped<'a>(&mut self, maps: impl IntoIterator<Item = &'a Mapping>) {
+        let keys = maps::mapped_keys(maps);
+        self.opened.retain(|k, _| keys.contains(k));
+        self.refused.retain(|k, _| keys.contains(k));
+        let kept: std::collections::HashSet<FileIdentity> =
+            self.opened.values().flatten().copied().collect();
+        self.modules.retain(|id, _| kept.contains(id));
+    }
+
+    /// How many distinct files (modules) the cache holds, parsed or not.
+    pub fn files_kept(&self) -> usize {
+        self.modules.len()
+    }
+
+    /// Bytes left of the total read budget (`HEAPDUMP_MAX_TOTAL_READ`).
+    pub fn total_left(&self) -> u64 {
+        self.total.left()
     }
 
     /// Frames for the return address `address` (innermost inlined first).
@@ -864,6 +895,48 @@ mod tests {
         assert!(f[0].module.is_some());
         let notes = sym.take_notes();
         assert!(notes[0].contains("HEAPDUMP_SYMBOLIZE_TIMEOUT"), "{notes:?}");
+    }
+
+    #[test]
+    fn files_no_longer_mapped_are_forgotten_and_their_reads_given_back() {
+        let maps = crate::symbolization::maps::read_maps(
+            std::process::id(),
+            &mut crate::symbolization::maps::BuildIds::default(),
+        )
+        .unwrap();
+        let here = named_here() + 1;
+        let mut sym = Symbolizer::new();
+        let start = sym.total_left();
+        sym.begin();
+        let named = |f: &[Frame]| {
+            f.iter().any(|f| {
+                f.function
+                    .as_deref()
+                    .is_some_and(|n| n.contains("named_here"))
+            })
+        };
+        assert!(named(&sym.symbolize(here, &maps)));
+        let read = start - sym.total_left();
+        assert!(read > 0 && sym.files_kept() > 0);
+        // Still mapped: kept, nothing given back.
+        sym.retain_mapped(&maps);
+        assert_eq!(
+            (start - sym.total_left(), sym.files_kept() > 0),
+            (read, true)
+        );
+        // Only the other files mapped: the test binary's module goes, and
+        // what was read of it comes back.
+        let own = maps::find(&maps, here - 1).unwrap().path.clone();
+        let others: Vec<&Mapping> = maps.iter().filter(|m| m.path != own).collect();
+        sym.retain_mapped(others);
+        assert!(start - sym.total_left() < read);
+        // Nothing mapped: everything forgotten, the whole total back.
+        sym.retain_mapped(&[]);
+        assert_eq!((sym.total_left(), sym.files_kept()), (start, 0));
+        assert!(sym.opened.is_empty());
+        // And read again when asked again.
+        assert!(named(&sym.symbolize(here, &maps)));
+        assert_eq!(start - sym.total_left(), read);
     }
 
     #[test]

@@ -263,3 +263,20 @@ pub fn listening_addr(line: &str) -> String {
         .unwrap()
         .to_string()
 }
+
+/// An HTTP/1.0 `GET` of `path` at `addr` with extra `headers` (each line
+/// ending in CRLF): the response's head and body.
+pub fn http_get_with(addr: &str, path: &str, headers: &str) -> (String, Vec<u8>) {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).expect("connect");
+    s.set_read_timeout(Some(HANG_GUARD)).unwrap();
+    write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n{headers}\r\n").unwrap();
+    let mut resp = Vec::new();
+    s.read_to_end(&mut resp).unwrap();
+    let split = resp
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .expect("header end");
+    let head = String::from_utf8_lossy(&resp[..split]).into_owned();
+    (head, resp[split + 4..].to_vec())
+}
