@@ -843,10 +843,10 @@ fn measured(args: &[&str], env: &[(&str, &str)]) -> (std::process::ExitStatus, u
     (std::os::unix::process::ExitStatusExt::from_raw(status), rss)
 }
 
-/// Held by the tests whose targets make heapdump read tens of MiB (and
-/// by the collector's test that counts on what its total holds): a
-/// collector adopts every instrumented process of the machine, other
-/// tests' too.
+/// Held by the tests whose targets make heapdump read tens of MiB, and by
+/// those that run a collector (`watch --all`): a collector adopts every
+/// instrumented process of the machine, other tests' too, and reads their
+/// files (which takes its time, and its total).
 static BIG_READS: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 /// A plugin of the hostile program at `lib` (owned by nobody) whose
@@ -1062,6 +1062,10 @@ fn a_flooding_process_cannot_delete_another_processes_snapshots() {
     if !root_here("flood") {
         return;
     }
+    // Its collector adopts every process of the machine: one whose
+    // libraries hold 64 MiB of DWARF each keeps it busy for seconds (a
+    // debug build), and the test's lines would wait for that.
+    let _big = BIG_READS.lock();
     let t = TempDir::new("hostile-flood");
     let out_dir = t.path("collected");
     let exe = compile_c("hostile");
@@ -1240,6 +1244,51 @@ fn control_characters_in_names_are_escaped_in_text_and_the_svg_is_well_formed() 
     );
     let svg_text = String::from_utf8(bytes).unwrap();
     assert!(svg_text.contains("site_named"), "the flamegraph is empty");
+    target.send("quit");
+}
+
+/// `name` in `dir`, with bytes that are not UTF-8.
+fn not_utf8(dir: &Path, name: &[u8]) -> PathBuf {
+    use std::os::unix::ffi::OsStrExt;
+    dir.join(std::ffi::OsStr::from_bytes(name))
+}
+
+#[test]
+fn a_target_named_in_bytes_that_are_not_utf8_is_listed_and_snapshotted() {
+    if !root_here("names not UTF-8") {
+        return;
+    }
+    // A file's name and a process's name are any bytes. One mapped file so
+    // named hid the process from `list` and `watch --all` and failed its
+    // snapshot ("reading /proc/PID/fd: stream did not contain valid
+    // UTF-8"): the maps text was read as a string, whole or not at all.
+    let t = TempDir::new("hostile-not-utf8");
+    let d = nobody_dir(&t, "app");
+    let data = not_utf8(&d, b"data\xff\xfe");
+    std::fs::write(&data, vec![0u8; 4096]).unwrap();
+    chown_nobody(&data);
+    let link = d.join("link");
+    std::os::unix::fs::symlink(&data, &link).unwrap();
+    let mut target = hostile_with_plugins(&[]);
+    target.send("alloc");
+    target.wait_line("allocated");
+    target.send(&format!("mapmany 1 {}", link.display()));
+    assert_eq!(target.wait_line(""), "mapped 1");
+    target.send("name n\\xffm");
+    target.wait_line("named");
+    let pid = target.pid().to_string();
+    let list = ok(&bounded(&["list"]));
+    assert!(
+        list.lines()
+            .any(|l| l.split_whitespace().next() == Some(&pid)),
+        "{list}"
+    );
+    let json = t.str("s.json");
+    ok(&bounded(&["snapshot", &pid, "-o", &json]));
+    let j = read_json(Path::new(&json));
+    assert_eq!(live_blocks_through(&j, "site_hostile"), 100);
+    assert_eq!(live_blocks_through(&j, "site_named"), 10);
+    assert_eq!(j["process"], "n\u{fffd}m", "{}", j["process"]);
     target.send("quit");
 }
 
@@ -1686,6 +1735,46 @@ fn a_library_on_a_fuse_mount_whose_server_stalls_root_is_not_read() {
     let status = watch.wait().unwrap();
     assert!(status.success(), "watch died: {status:?}");
     drop(mount);
+}
+
+#[test]
+fn a_fuse_mount_whose_point_is_not_utf8_is_known_as_one() {
+    if !root_here("fuse, point not UTF-8") {
+        return;
+    }
+    // The mount point is the user's to name: one byte that is not UTF-8
+    // made the whole mount table unreadable as a string, so heapdump knew
+    // of no FUSE mount and opened the served library (and hung, as in the
+    // test above).
+    let t = TempDir::new("hostile-fuse-utf8");
+    let lib = two_place_library(&t, &nobody_dir(&t, "src"));
+    let parent = nobody_dir(&t, "mnt");
+    let point = not_utf8(&parent, b"point\xff");
+    std::fs::create_dir(&point).unwrap();
+    chown_nobody(&point);
+    let Some(mount) = stalling_mount(&point, &lib) else {
+        return;
+    };
+    let link = parent.join("link");
+    std::os::unix::fs::symlink(&point, &link).unwrap();
+    let mut target = Target::spawn(as_nobody_recorded(&compile_c("hostile")));
+    target.send(&format!("plugin {}", link.join("libtwo.so").display()));
+    assert_eq!(target.wait_line(""), "loaded");
+    let pid = target.pid().to_string();
+    let json = t.str("s.json");
+    ok(&bounded(&["snapshot", &pid, "-o", &json]));
+    let j = read_json(Path::new(&json));
+    let unread = live_blocks_with_frame(&j, |f| {
+        f["module"]
+            .as_str()
+            .is_some_and(|m| m.ends_with("/libtwo.so"))
+            && f["function"].is_null()
+    });
+    assert_eq!(unread, 10, "{j}");
+    let notes = j["notes"].to_string();
+    assert!(notes.contains("fuse.fuse_stall"), "{notes}");
+    drop(mount);
+    target.send("quit");
 }
 
 #[test]

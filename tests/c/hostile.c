@@ -11,7 +11,7 @@
  *                         "mapped M" (how many it could)
  *   "request"          -> raise(SIGUSR2) (a snapshot request); "requested"
  *   "flood N"          -> N requests, one every 20 ms; "flooded"
- *   "name STRING"      -> a thread named STRING (escapes \e and \a written
+ *   "name STRING"      -> a thread named STRING (escapes \e, \a and \xHH written
  *                         as such) allocates 10 x 555 at site_named and
  *                         stays, and the main thread takes the name too
  *                         (the process's name); "named"
@@ -36,6 +36,7 @@
  *   "crash"            -> a null dereference; the process must die of it
  *   "quit"             -> exit 0 */
 #define _GNU_SOURCE
+#include <ctype.h>
 #include <dlfcn.h>
 #include <fcntl.h>
 #include <pthread.h>
@@ -112,6 +113,12 @@ static void unescape(const char *in, char *out, size_t cap) {
     for (size_t i = 0; in[i] && o + 1 < cap; i++) {
         if (in[i] == '\\' && in[i + 1] == 'e') { out[o++] = 27; i++; }
         else if (in[i] == '\\' && in[i + 1] == 'a') { out[o++] = 7; i++; }
+        else if (in[i] == '\\' && in[i + 1] == 'x' && isxdigit((unsigned char)in[i + 2])
+                 && isxdigit((unsigned char)in[i + 3])) {
+            char hex[3] = {in[i + 2], in[i + 3], 0};
+            out[o++] = (char)strtol(hex, NULL, 16);
+            i += 3;
+        }
         else out[o++] = in[i];
     }
     out[o] = 0;

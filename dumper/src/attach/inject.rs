@@ -130,7 +130,8 @@ fn set_xstate(tid: Pid, state: &[u8]) {
 
 /// Signals of its own pending for thread `tid` and not blocked by it.
 fn own_signal_pending(pid: u32, tid: Pid) -> bool {
-    let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/status")) else {
+    let Ok(status) = crate::process::proc_text::read(format!("/proc/{pid}/task/{tid}/status"))
+    else {
         return true;
     };
     let mask = |key: &str| {
@@ -287,7 +288,7 @@ fn threads(pid: u32) -> Vec<Pid> {
             let Some(tid) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
                 continue;
             };
-            let state = std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/stat"))
+            let state = crate::process::proc_text::read(format!("/proc/{pid}/task/{tid}/stat"))
                 .ok()
                 .and_then(|s| {
                     s.rsplit_once(')')
@@ -518,7 +519,7 @@ pub fn inject(pid: u32, library: &str, action: &Action) -> Result<Injected, Inje
     let mut others_stopped = Duration::ZERO;
     for round in 0..ROUNDS {
         let maps =
-            std::fs::read_to_string(format!("/proc/{pid}/maps")).map_err(|_| InjectError::Gone)?;
+            crate::process::maps_lines::read_maps_text(pid).map_err(|_| InjectError::Gone)?;
         mem.refresh(&maps);
         let tids = threads(pid);
         if tids.is_empty() {

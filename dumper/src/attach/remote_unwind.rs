@@ -86,7 +86,7 @@ impl Memory {
             mounts: UserSpaceMounts::of_process(pid),
             served: Vec::new(),
         };
-        if let Ok(maps) = std::fs::read_to_string(format!("/proc/{pid}/maps")) {
+        if let Ok(maps) = crate::process::maps_lines::read_maps_text(pid) {
             mem.refresh(&maps);
         }
         Ok(mem)

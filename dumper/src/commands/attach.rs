@@ -87,7 +87,7 @@ fn agent_state(pid: u32) -> AgentState {
             // refused either way).
             let preload = match heapdump_table::header::read_agent_kind(&view) {
                 Some(kind) => kind == heapdump_table::header::AgentKind::Preload,
-                None => std::fs::read_to_string(format!("/proc/{pid}/maps"))
+                None => crate::process::maps_lines::read_maps_text(pid)
                     .unwrap_or_default()
                     .contains("libheapdump_preload"),
             };
@@ -128,7 +128,7 @@ fn check_process(pid: u32) -> Result<()> {
         bail!("pid {pid} is heapdump itself");
     }
     let name = crate::process::discovery::process_name(pid);
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+    let stat = crate::process::proc_text::read(format!("/proc/{pid}/stat"))
         .with_context(|| format!("no process {pid}"))?;
     let state = stat
         .rsplit_once(')')
@@ -142,7 +142,7 @@ fn check_process(pid: u32) -> Result<()> {
         ),
         _ => {}
     }
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))
+    let status = crate::process::proc_text::read(format!("/proc/{pid}/status"))
         .with_context(|| format!("reading /proc/{pid}/status"))?;
     let tracer = status
         .lines()
@@ -172,7 +172,7 @@ fn seccomp_mode(pid: u32) -> u32 {
     tasks
         .flatten()
         .filter_map(|task| {
-            let status = std::fs::read_to_string(task.path().join("status")).ok()?;
+            let status = crate::process::proc_text::read(task.path().join("status")).ok()?;
             status
                 .lines()
                 .find_map(|l| l.strip_prefix("Seccomp:"))
@@ -240,7 +240,7 @@ fn check_visibility(pid: u32) -> Result<()> {
 /// it: a target in another root shows in our `/proc/PID/maps` under that
 /// root's path, which is taken off.
 fn loaded_library(pid: u32) -> Option<String> {
-    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).ok()?;
+    let maps = crate::process::maps_lines::read_maps_text(pid).ok()?;
     let mounts = crate::process::user_space_mounts::UserSpaceMounts::of_process(pid);
     let root = std::fs::read_link(format!("/proc/{pid}/root")).ok();
     // Bound, not returned at once: the lines borrow `maps`, which the
@@ -289,7 +289,7 @@ fn explain(e: InjectError, pid: u32) -> anyhow::Error {
 
 /// Whether `pid` catches signal `sig` (`SigCgt` of /proc/PID/status).
 fn catches(pid: u32, sig: i32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
+    crate::process::proc_text::read(format!("/proc/{pid}/status"))
         .ok()
         .and_then(|s| {
             s.lines()

@@ -208,7 +208,7 @@ impl ExitWatch {
         if !alive {
             return true;
         }
-        match std::fs::read_to_string(format!("/proc/{}/stat", self.pid)) {
+        match crate::process::proc_text::read(format!("/proc/{}/stat", self.pid)) {
             Ok(stat) => stat
                 .rsplit_once(") ")
                 .is_some_and(|(_, rest)| rest.starts_with('Z') || rest.starts_with('X')),

@@ -111,7 +111,7 @@ pub struct Scraped {
 /// The cgroup label of `pid`: the last component of its cgroup (v2, or
 /// the first v1 hierarchy listed), empty when unknown.
 pub fn cgroup_of(pid: u32) -> String {
-    std::fs::read_to_string(format!("/proc/{pid}/cgroup"))
+    crate::process::proc_text::read(format!("/proc/{pid}/cgroup"))
         .ok()
         .and_then(|s| {
             let line = s

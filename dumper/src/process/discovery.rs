@@ -89,7 +89,7 @@ impl Target {
             let Some(tid) = e.file_name().to_str().and_then(|t| t.parse::<u64>().ok()) else {
                 continue;
             };
-            if let Ok(n) = fs::read_to_string(e.path().join("comm")) {
+            if let Ok(n) = crate::process::proc_text::read(e.path().join("comm")) {
                 names.insert(tid, n.trim_end_matches('\n').to_string());
             }
         }
@@ -103,7 +103,7 @@ impl Target {
 /// a newline is escaped there); `None` where the line is missing (before
 /// Linux 4.1) or unreadable.
 pub fn namespace_pid(pid: u32) -> Option<u32> {
-    let status = fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let status = crate::process::proc_text::read(format!("/proc/{pid}/status")).ok()?;
     parse_namespace_pid(&status)
 }
 
@@ -122,7 +122,7 @@ fn parse_namespace_pid(status: &str) -> Option<u32> {
 /// `Uid:` line of `/proc/PID/status`), the owners a file the process
 /// wrote can have; `None` where unreadable.
 pub fn process_uids(pid: u32) -> Option<[u32; 4]> {
-    let status = fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let status = crate::process::proc_text::read(format!("/proc/{pid}/status")).ok()?;
     parse_uids(&status)
 }
 
@@ -142,7 +142,7 @@ fn parse_uids(status: &str) -> Option<[u32; 4]> {
 
 /// Start time of `pid` (field 22 of `/proc/PID/stat`), if it runs.
 pub fn start_time(pid: u32) -> Option<u64> {
-    stat_start_time(&fs::read_to_string(format!("/proc/{pid}/stat")).ok()?)
+    stat_start_time(&crate::process::proc_text::read(format!("/proc/{pid}/stat")).ok()?)
 }
 
 /// Field 22 (start time) of a `/proc/PID/stat` line.
@@ -320,9 +320,8 @@ struct RegionMapping {
     inode: u64,
 }
 
-/// Parses one `/proc/PID/maps` line if it maps a heapdump region shared.
-fn parse_region_mapping(line: &str) -> Option<RegionMapping> {
-    let l = super::maps_lines::MapsLine::parse(line)?;
+/// The heapdump region a `/proc/PID/maps` line maps shared, if any.
+fn region_mapping(l: &super::maps_lines::MapsLine<'_>) -> Option<RegionMapping> {
     let kind = RegionKind::from_link_target(l.path)?;
     let perms = l.perms.as_bytes();
     if perms.len() != 4 || perms[3] != b's' {
@@ -350,12 +349,21 @@ fn proc_error(pid: u32, e: io::Error) -> DiscoveryError {
 /// Empty when `pid` is not instrumented (a dumper's read-only mappings do
 /// not count).
 pub fn region_sources(pid: u32) -> Result<Vec<RegionSource>, DiscoveryError> {
-    let maps = fs::read_to_string(format!("/proc/{pid}/maps")).map_err(|e| proc_error(pid, e))?;
-    let mut mappings: Vec<RegionMapping> = maps
-        .lines()
-        .filter_map(parse_region_mapping)
-        .filter(|m| m.writable)
-        .collect();
+    // Only shared writable file mappings are asked for (the kernel skips
+    // the others itself where it can): a target's 60 000 other mappings
+    // cost this scan, which `watch --all` makes of every process, nothing.
+    let wanted = super::mappings::Wanted {
+        file_backed: true,
+        writable: true,
+        shared: true,
+        ..Default::default()
+    };
+    let mut mappings: Vec<RegionMapping> = Vec::new();
+    super::mappings::for_each(pid, wanted, |l| {
+        mappings.extend(region_mapping(l).filter(|m| m.writable));
+        std::ops::ControlFlow::Continue(())
+    })
+    .map_err(|e| proc_error(pid, e))?;
     mappings.sort_by_key(|m| m.inode);
     mappings.dedup_by_key(|m| m.inode);
     if mappings.is_empty() {
@@ -650,6 +658,10 @@ mod tests {
     }
 
     use super::*;
+
+    fn parse_region_mapping(line: &str) -> Option<RegionMapping> {
+        region_mapping(&crate::process::maps_lines::MapsLine::parse(line)?)
+    }
 
     #[test]
     fn only_shared_region_mappings_are_read_and_writability_is_kept() {

@@ -54,6 +54,16 @@ impl<'a> MapsLine<'a> {
     }
 }
 
+/// The whole maps text of process `pid`, for the readers that need it at
+/// once (attach's; the others go through [`super::mappings`], a mapping
+/// at a time). A path that is not UTF-8 (a file's name is any bytes, and
+/// the target names its files) is shown with replacement characters:
+/// `read_to_string` refused the whole text for one such path, which hid
+/// the process from `list` and failed its attach as "gone".
+pub fn read_maps_text(pid: u32) -> std::io::Result<String> {
+    super::proc_text::read(format!("/proc/{pid}/maps"))
+}
+
 /// Every well-formed line of a maps text.
 pub fn maps_lines(text: &str) -> impl Iterator<Item = MapsLine<'_>> {
     text.lines().filter_map(MapsLine::parse)

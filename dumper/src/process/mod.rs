@@ -4,7 +4,9 @@
 
 pub mod age;
 pub mod discovery;
+pub mod mappings;
 pub mod maps_lines;
+pub mod proc_text;
 pub mod snapshot;
 pub mod target_files;
 pub mod user_space_mounts;

@@ -208,7 +208,7 @@ fn parse_all(text: &str) -> Vec<Mount> {
 }
 
 fn read_mountinfo(of: &str) -> Vec<Mount> {
-    std::fs::read_to_string(format!("/proc/{of}/mountinfo"))
+    crate::process::proc_text::read(format!("/proc/{of}/mountinfo"))
         .map(|t| parse_all(&t))
         .unwrap_or_default()
 }

@@ -153,9 +153,20 @@ fn inspect_elf(path: &Path, follow_needed: bool, mounts: &UserSpaceMounts) -> Pr
 pub fn inspect_process(pid: u32) -> ProgramInfo {
     let exe = PathBuf::from(format!("/proc/{pid}/exe"));
     let mut info = inspect_elf(&exe, false, &UserSpaceMounts::of_process(pid));
-    if let Ok(maps) = std::fs::read_to_string(format!("/proc/{pid}/maps")) {
-        info.links_jemalloc = maps.lines().any(|l| l.contains("/libjemalloc.so"));
-    }
+    // The library's code mapping; the walk stops at it.
+    let code = super::mappings::Wanted {
+        file_backed: true,
+        executable: true,
+        ..Default::default()
+    };
+    let _ = super::mappings::for_each(pid, code, |l| {
+        if l.path.contains("/libjemalloc.so") {
+            info.links_jemalloc = true;
+            std::ops::ControlFlow::Break(())
+        } else {
+            std::ops::ControlFlow::Continue(())
+        }
+    });
     if let Ok(env) = std::fs::read(format!("/proc/{pid}/environ")) {
         if let Some(first) = preloaded_before_agent(&env) {
             info.blind_spots.push(BlindSpot::PreloadedBefore(first));

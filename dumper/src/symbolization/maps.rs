@@ -349,24 +349,47 @@ pub const MAX_MAPPINGS: usize = 16 << 10;
 /// Parses the text of a `/proc/PID/maps` file, keeping executable,
 /// file-backed mappings (at most [`MAX_MAPPINGS`] in all).
 pub fn parse_maps(text: &str) -> Vec<Mapping> {
-    let mut out = Vec::new();
-    // Files with no executable mapping at all, and their readable private
-    // mappings: what qemu-user shows for an emulated program's code (it
-    // maps the guest's files `r--p` and runs its own translation), whose
-    // return addresses the agent inside it records.
-    let mut executable_paths = std::collections::HashSet::new();
-    let mut readable_only = Vec::new();
+    let mut kept = CodeMappings::default();
     for line in crate::process::maps_lines::maps_lines(text) {
+        kept.offer(&line);
+    }
+    kept.into_mappings()
+}
+
+/// The mappings symbolization keeps, as they are offered in address
+/// order: executable ones, and the readable private mappings of files
+/// with no executable mapping at all (what qemu-user shows for an
+/// emulated program's code: it maps the guest's files `r--p` and runs its
+/// own translation, and the agent inside records the guest's return
+/// addresses); at most [`MAX_MAPPINGS`] of each until the end.
+#[derive(Default)]
+struct CodeMappings {
+    executable: Vec<Mapping>,
+    executable_paths: HashSet<String>,
+    readable_only: Vec<Mapping>,
+}
+
+impl CodeMappings {
+    /// Takes `line` if symbolization keeps it.
+    fn offer(&mut self, line: &crate::process::maps_lines::MapsLine<'_>) {
         let (start, end, offset, path) = (line.start, line.end, line.offset, line.path);
         if !path.starts_with('/') {
-            continue;
+            return;
         }
         let executable = line.perms.contains('x');
         if !executable && line.perms != "r--p" {
-            continue;
+            return;
         }
         if start >= end {
-            continue;
+            return;
+        }
+        let full = if executable {
+            self.executable.len() == MAX_MAPPINGS
+        } else {
+            self.readable_only.len() == MAX_MAPPINGS
+        };
+        if full {
+            return;
         }
         let m = Mapping {
             start,
@@ -377,35 +400,52 @@ pub fn parse_maps(text: &str) -> Vec<Mapping> {
             local: None,
         };
         if executable {
-            if out.len() == MAX_MAPPINGS {
-                continue;
-            }
-            executable_paths.insert(m.path.clone());
-            out.push(m);
-        } else if readable_only.len() < MAX_MAPPINGS {
-            readable_only.push(m);
+            self.executable_paths.insert(m.path.clone());
+            self.executable.push(m);
+        } else {
+            self.readable_only.push(m);
         }
     }
-    // A data file a native program maps (a locale archive, a font) has no
-    // executable mapping either and is kept too: harmless, since frames
-    // are matched by address and no return address lands in data (its
-    // build ID read, if ever, is bounded like every read of a target's
-    // file).
-    let room = MAX_MAPPINGS - out.len();
-    out.extend(
-        readable_only
-            .into_iter()
-            .filter(|m| !executable_paths.contains(&m.path))
-            .take(room),
-    );
-    out.sort_by_key(|m| m.start);
-    out
+
+    /// What is kept, executable mappings first, at most [`MAX_MAPPINGS`],
+    /// sorted by address.
+    fn into_mappings(self) -> Vec<Mapping> {
+        let CodeMappings {
+            executable: mut out,
+            executable_paths,
+            readable_only,
+        } = self;
+        // A data file a native program maps (a locale archive, a font) has no
+        // executable mapping either and is kept too: harmless, since frames
+        // are matched by address and no return address lands in data (its
+        // build ID read, if ever, is bounded like every read of a target's
+        // file).
+        let room = MAX_MAPPINGS - out.len();
+        out.extend(
+            readable_only
+                .into_iter()
+                .filter(|m| !executable_paths.contains(&m.path))
+                .take(room),
+        );
+        out.sort_by_key(|m| m.start);
+        out
+    }
 }
 
 /// Reads the executable mappings of `pid`, with build IDs.
 pub fn read_maps(pid: u32, build_ids: &mut BuildIds) -> io::Result<Vec<Mapping>> {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/maps"))?;
-    let mut maps = parse_maps(&text);
+    // File mappings only, one at a time (`process::mappings`): never the
+    // whole maps text, which the target may grow to 250 MB.
+    let files = crate::process::mappings::Wanted {
+        file_backed: true,
+        ..Default::default()
+    };
+    let mut kept = CodeMappings::default();
+    crate::process::mappings::for_each(pid, files, |l| {
+        kept.offer(l);
+        std::ops::ControlFlow::Continue(())
+    })?;
+    let mut maps = kept.into_mappings();
     let root = TargetRoot::of_process(pid).ok().map(Arc::new);
     let root_seen_at = std::fs::read_link(format!("/proc/{pid}/root")).ok();
     for m in &mut maps {
