@@ -98,8 +98,10 @@ fn for_each_in(
 ) -> io::Result<()> {
     if ask_kernel {
         match query::walk(file, wanted, &mut each) {
-            Err(e) if e.raw_os_error() == Some(libc::ENOTTY) => {} // before 6.11
-            done => return done,
+            // Before 6.11 (ENOTTY), or under an emulator that does not pass
+            // the question on (qemu-user): the text, from its start.
+            Err(query::Unanswered) => {}
+            Ok(done) => return done,
         }
     }
     let mut reader = BufReader::with_capacity(64 << 10, file);
@@ -159,9 +161,31 @@ mod query {
     /// (4 096) bytes with its NUL, ` (deleted)` included.
     const NAME_ROOM: usize = 4096 + 64;
 
-    /// Asks for every wanted mapping in turn; `ENOTTY` from the first
-    /// question when the kernel has no `PROCMAP_QUERY`.
+    /// The first question found no answer but "no such mapping": nothing
+    /// was passed to the reader, which may read the text instead.
+    #[derive(Debug)]
+    pub struct Unanswered;
+
+    /// Asks for every wanted mapping in turn: `Err(Unanswered)` when the
+    /// first question fails (a kernel without `PROCMAP_QUERY` answers
+    /// ENOTTY), else how the walk ended.
     pub fn walk(
+        file: &File,
+        wanted: Wanted,
+        each: &mut impl FnMut(&MapsLine<'_>) -> ControlFlow<()>,
+    ) -> Result<io::Result<()>, Unanswered> {
+        let mut first = true;
+        let r = walk_from(file, wanted, &mut |l| {
+            first = false;
+            each(l)
+        });
+        match r {
+            Err(e) if first && e.raw_os_error() != Some(libc::ENOENT) => Err(Unanswered),
+            r => Ok(r),
+        }
+    }
+
+    fn walk_from(
         file: &File,
         wanted: Wanted,
         each: &mut impl FnMut(&MapsLine<'_>) -> ControlFlow<()>,
@@ -290,8 +314,8 @@ mod tests {
         };
         let mut asked = Vec::new();
         let asked = match query::walk(&file, wanted, &mut |l| keep(&mut asked, l)) {
-            Err(e) if e.raw_os_error() == Some(libc::ENOTTY) => None,
-            r => {
+            Err(query::Unanswered) => None,
+            Ok(r) => {
                 r.unwrap();
                 Some(asked)
             }
