@@ -58,8 +58,9 @@ pub const DEFAULT_MAX_FILE_READ: u64 = 2 << 30;
 pub const MAX_NOTE_BYTES: u64 = 64 << 10;
 
 /// The total read budget in force for everything one symbolizer reads
-/// of targets' files and keeps (`HEAPDUMP_MAX_TOTAL_READ`, bytes), else a
-/// quarter of this machine's memory, at least [`DEFAULT_MAX_FILE_READ`].
+/// of targets' files and keeps (`HEAPDUMP_MAX_TOTAL_READ`, bytes), else
+/// [`default_total_read`] of the memory heapdump may use: this machine's,
+/// or less where heapdump's own control group is limited (a container).
 /// Each file has its own budget besides ([`max_file_read`]): this one
 /// bounds what many files together cost (eight libraries of 20 KB on
 /// disk, each a sparse 64 MiB `.debug_info` holding one unit, took 633 MB
@@ -69,16 +70,62 @@ pub fn max_total_read() -> u64 {
         .ok()
         .and_then(|v| v.trim().parse().ok())
         .unwrap_or_else(|| {
-            let quarter = std::fs::read_to_string("/proc/meminfo")
+            let total = std::fs::read_to_string("/proc/meminfo").ok().and_then(|m| {
+                let line = m.lines().find(|l| l.starts_with("MemTotal:"))?;
+                let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+                Some(kib.saturating_mul(1024))
+            });
+            let own = std::fs::read_to_string("/proc/self/cgroup")
                 .ok()
-                .and_then(|m| {
-                    let line = m.lines().find(|l| l.starts_with("MemTotal:"))?;
-                    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-                    Some(kib.saturating_mul(1024) / 4)
-                })
-                .unwrap_or(0);
-            quarter.max(DEFAULT_MAX_FILE_READ)
+                .and_then(|c| cgroup_memory_limit(&c, Path::new("/sys/fs/cgroup")));
+            let usable = match (total, own) {
+                (Some(t), Some(c)) => Some(t.min(c)),
+                (t, c) => t.or(c),
+            };
+            usable.map_or(DEFAULT_MAX_FILE_READ, default_total_read)
         })
+}
+
+/// The total read budget for `usable` bytes of memory: a quarter of it,
+/// but at least [`DEFAULT_MAX_FILE_READ`] (one big debug file) or half of
+/// it, whichever is less (a 1 GiB container: 512 MiB; 8 GiB: 2 GiB; 64
+/// GiB: 16 GiB).
+pub fn default_total_read(usable: u64) -> u64 {
+    (usable / 4).max(DEFAULT_MAX_FILE_READ.min(usable / 2))
+}
+
+/// The least memory limit of a control group and its parents (cgroup v2's
+/// `memory.max`, v1's `memory.limit_in_bytes`), for the process whose
+/// `/proc/PID/cgroup` text is `membership`, under the hierarchy mounted at
+/// `root`; `None` where none is set or none can be read.
+fn cgroup_memory_limit(membership: &str, root: &Path) -> Option<u64> {
+    let mut least: Option<u64> = None;
+    for line in membership.lines() {
+        let mut f = line.splitn(3, ':');
+        let (_id, controllers, path) = (f.next()?, f.next()?, f.next()?);
+        let (dir, file) = if controllers.is_empty() {
+            (root.to_path_buf(), "memory.max")
+        } else if controllers.split(',').any(|c| c == "memory") {
+            (root.join("memory"), "memory.limit_in_bytes")
+        } else {
+            continue;
+        };
+        // The group and each parent up to the hierarchy's root (a group's
+        // limit holds for everything under it). Paths are the kernel's,
+        // `..` never among them; at most as deep as they are long.
+        let mut at = Some(Path::new(path.trim_end()));
+        while let Some(p) = at {
+            let here = dir.join(p.strip_prefix("/").unwrap_or(p)).join(file);
+            if let Some(v) = std::fs::read_to_string(here)
+                .ok()
+                .and_then(|v| v.trim().parse::<u64>().ok())
+            {
+                least = Some(least.map_or(v, |l| l.min(v)));
+            }
+            at = p.parent();
+        }
+    }
+    least
 }
 
 /// The per-file read budget in force (`HEAPDUMP_MAX_FILE_READ`, else
@@ -780,6 +827,35 @@ mod tests {
         // Its own budget still applies under a larger total.
         let c = BoundedFile::within(open(), 1 << 10, &TotalBudget::default()).unwrap();
         assert!((&c).read_bytes_at(0, 1 << 11).is_err());
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn the_default_total_follows_the_least_memory_limit_of_heapdumps_cgroups() {
+        let d = scratch("cgroup");
+        // v2: a container's group under a limited slice; v1: a limit on
+        // the memory hierarchy only.
+        let v2 = d.join("v2");
+        std::fs::create_dir_all(v2.join("slice/app")).unwrap();
+        std::fs::write(v2.join("memory.max"), "max\n").unwrap();
+        std::fs::write(v2.join("slice/memory.max"), "1073741824\n").unwrap();
+        std::fs::write(v2.join("slice/app/memory.max"), "max\n").unwrap();
+        assert_eq!(cgroup_memory_limit("0::/slice/app\n", &v2), Some(1 << 30));
+        assert_eq!(cgroup_memory_limit("0::/\n", &v2), None);
+        let v1 = d.join("v1");
+        std::fs::create_dir_all(v1.join("memory/job")).unwrap();
+        std::fs::write(
+            v1.join("memory/memory.limit_in_bytes"),
+            "9223372036854771712\n",
+        )
+        .unwrap();
+        std::fs::write(v1.join("memory/job/memory.limit_in_bytes"), "536870912\n").unwrap();
+        let membership = "9:name=systemd:/\n5:cpu,cpuacct:/job\n4:memory:/job\n0::/\n";
+        assert_eq!(cgroup_memory_limit(membership, &v1), Some(512 << 20));
+        // A quarter, at least 2 GiB or half, whichever is less.
+        assert_eq!(default_total_read(1 << 30), 512 << 20);
+        assert_eq!(default_total_read(8 << 30), 2 << 30);
+        assert_eq!(default_total_read(64 << 30), 16 << 30);
         std::fs::remove_dir_all(&d).unwrap();
     }
 
