@@ -15,6 +15,12 @@ use heapdump_tests::{compile_c, preload_lib, real_dependency, Target};
 
 const NOBODY: u32 = 65534;
 
+/// A user no other test runs a process as (`bin` on Debian): the tests of
+/// a collector's read budget run their targets as it, so that what the
+/// collector reads of other tests' processes (all `nobody`'s) is charged
+/// to another user's share.
+const ALONE: u32 = 2;
+
 fn is_root() -> bool {
     // SAFETY: geteuid has no preconditions.
     unsafe { libc::geteuid() == 0 }
@@ -54,6 +60,17 @@ fn as_nobody(exe: &Path) -> Command {
     ])
     .arg(exe);
     c.env_remove("LD_PRELOAD");
+    c
+}
+
+/// `exe` run as user `uid` (group too) under the preload agent.
+fn as_user_recorded(exe: &Path, uid: u32) -> Command {
+    let mut c = Command::new("/usr/bin/setpriv");
+    c.arg(format!("--reuid={uid}"))
+        .arg(format!("--regid={uid}"))
+        .args(["--clear-groups", "--inh-caps=-all", "--"])
+        .arg(exe);
+    c.env("LD_PRELOAD", preload_lib());
     c
 }
 
@@ -433,7 +450,12 @@ fn plugin_at(out: &Path, extra: &[&str]) {
 /// loaded each of `libs` (`plugin PATH`: 100 blocks from each library's
 /// `site_plugin`).
 fn hostile_with_plugins(libs: &[&Path]) -> Target {
-    let mut target = Target::spawn(as_nobody_recorded(&compile_c("hostile")));
+    hostile_of_user_with_plugins(NOBODY, libs)
+}
+
+/// [`hostile_with_plugins`], run as user `uid`.
+fn hostile_of_user_with_plugins(uid: u32, libs: &[&Path]) -> Target {
+    let mut target = Target::spawn(as_user_recorded(&compile_c("hostile"), uid));
     for lib in libs {
         target.send(&format!("plugin {}", lib.display()));
         assert_eq!(target.wait_line(""), "loaded");
@@ -912,25 +934,28 @@ fn a_collector_gives_back_what_it_read_for_a_process_once_it_exited() {
     let t = TempDir::new("hostile-collector-total");
     let d = nobody_dir(&t, "app");
     // Room for one of the two libraries (and the files every process
-    // maps: 20-30 MiB with glibc's debug file), not for both: a target can
-    // use up the total a collector shares; once it exited, what was read
-    // for it must come back.
-    let first = sparse_dwarf_library(&d.join("libfirst.so"), 64 << 20);
-    let second = sparse_dwarf_library(&d.join("libsecond.so"), 64 << 20);
+    // maps: 20-30 MiB with glibc's debug file) in a user's share (half the
+    // total), not for both: a user's targets can use up what a collector
+    // lets them read; once they exited, what was read for them must come
+    // back. The targets run as a user of their own ([`ALONE`]): the
+    // collector also reads other tests' processes (nobody's), whose files
+    // are charged to nobody's share.
+    let first = sparse_dwarf_library(&d.join("libfirst.so"), 80 << 20);
+    let second = sparse_dwarf_library(&d.join("libsecond.so"), 80 << 20);
     let out_dir = t.path("collected");
     let mut watch = Command::new(bin())
         .args([
             "watch", "--all", "--scan", "20ms", "--poll", "5ms", "-f", "json", "-d",
         ])
         .arg(&out_dir)
-        .env("HEAPDUMP_MAX_TOTAL_READ", (128u64 << 20).to_string())
+        .env("HEAPDUMP_MAX_TOTAL_READ", (256u64 << 20).to_string())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
     let lines = Lines::new(watch.stdout.take().unwrap());
     let collected = |lib: &Path| {
-        let mut target = hostile_with_plugins(&[lib]);
+        let mut target = hostile_of_user_with_plugins(ALONE, &[lib]);
         let pid = target.pid();
         while !lines.next().starts_with(&format!("watching {pid} ")) {}
         target.send("request");
@@ -970,6 +995,71 @@ fn a_collector_gives_back_what_it_read_for_a_process_once_it_exited() {
 }
 
 #[test]
+fn one_users_processes_cannot_take_all_of_a_collectors_total_read() {
+    if !root_here("users' shares") {
+        return;
+    }
+    let _big = BIG_READS.lock();
+    let t = TempDir::new("hostile-shares");
+    let d = nobody_dir(&t, "app");
+    // nobody's process maps four libraries of 32 MiB of DWARF (sparse:
+    // nothing on disk), read before the files every process maps (20-30
+    // MiB, glibc's debug file the most): together past a 200 MiB total.
+    // Another user's process (uid 1, `daemon`) maps one such library.
+    let hog: Vec<PathBuf> = (0..4)
+        .map(|i| sparse_dwarf_library(&d.join(format!("libhog{i}.so")), 32 << 20))
+        .collect();
+    let other = sparse_dwarf_library(&d.join("libother.so"), 32 << 20);
+    let mut hogging = hostile_with_plugins(&hog.iter().map(PathBuf::as_path).collect::<Vec<_>>());
+    let mut victim = Target::spawn(as_user_recorded(&compile_c("hostile"), 1));
+    victim.send(&format!("plugin {}", other.display()));
+    assert_eq!(victim.wait_line(""), "loaded");
+    // One collector for both, the hog's files read first.
+    let (hpid, vpid) = (hogging.pid().to_string(), victim.pid().to_string());
+    let out_dir = t.path("snaps");
+    let mut watch = Command::new(bin())
+        .args(["watch", &hpid, &vpid, "-f", "json", "-d"])
+        .arg(&out_dir)
+        .env("HEAPDUMP_MAX_TOTAL_READ", (200u64 << 20).to_string())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let lines = Lines::new(watch.stdout.take().unwrap());
+    assert!(lines.next().starts_with("watching "));
+    let snapshot_of = |target: &mut Target| {
+        target.send("request");
+        target.wait_line("requested");
+        let prefix = format!("wrote {}/heapdump-{}-", out_dir.display(), target.pid());
+        loop {
+            let l = lines.next();
+            if l.starts_with(&prefix) {
+                break read_json(Path::new(&l["wrote ".len()..]));
+            }
+        }
+    };
+    let v = snapshot_of(&mut victim);
+    let h = snapshot_of(&mut hogging);
+    // The other user's library is read whole: the hog took only its
+    // user's half. So is libc, whose frames every stack holds: read first
+    // for the hog, it did not fit in the hog's half, and is read again for
+    // the other user.
+    let notes = v["notes"].to_string();
+    assert!(!notes.contains("HEAPDUMP_MAX_TOTAL_READ"), "{notes}");
+    assert_eq!(live_blocks_through(&v, "site_plugin"), 100);
+    // The hog's libraries past its half were not, and its snapshot says so.
+    let notes = h["notes"].to_string();
+    assert!(
+        notes.contains("libhog") && notes.contains("HEAPDUMP_MAX_TOTAL_READ"),
+        "{notes}"
+    );
+    assert_eq!(live_blocks_through(&h, "site_plugin"), 400);
+    victim.send("quit");
+    hogging.send("quit");
+    assert!(watch.wait().unwrap().success());
+}
+
+#[test]
 fn a_server_gives_back_what_it_read_for_a_process_once_it_exited() {
     if !root_here("server's total") {
         return;
@@ -978,11 +1068,11 @@ fn a_server_gives_back_what_it_read_for_a_process_once_it_exited() {
     let t = TempDir::new("hostile-server-total");
     let d = nobody_dir(&t, "app");
     // As for the collector above: room for one library, not two.
-    let first = sparse_dwarf_library(&d.join("libfirst.so"), 64 << 20);
-    let second = sparse_dwarf_library(&d.join("libsecond.so"), 64 << 20);
+    let first = sparse_dwarf_library(&d.join("libfirst.so"), 80 << 20);
+    let second = sparse_dwarf_library(&d.join("libsecond.so"), 80 << 20);
     let mut server = Command::new(bin())
         .args(["serve", "--listen", "127.0.0.1:0"])
-        .env("HEAPDUMP_MAX_TOTAL_READ", (128u64 << 20).to_string())
+        .env("HEAPDUMP_MAX_TOTAL_READ", (256u64 << 20).to_string())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -990,7 +1080,7 @@ fn a_server_gives_back_what_it_read_for_a_process_once_it_exited() {
     let lines = Lines::new(server.stdout.take().unwrap());
     let addr = listening_addr(&lines.next());
     let served = |lib: &Path| {
-        let mut target = hostile_with_plugins(&[lib]);
+        let mut target = hostile_of_user_with_plugins(ALONE, &[lib]);
         let (head, body) = http_get_with(
             &addr,
             &format!("/debug/pprof/heap?pid={}", target.pid()),

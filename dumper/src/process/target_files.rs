@@ -429,33 +429,43 @@ impl ReadBudget {
 /// goes. So a long-running collector that forgets the files of processes
 /// it no longer watches can read new ones (library upgrades, new
 /// programs) for as long as it runs.
+///
+/// A [`share`](Self::share) of the total is a smaller count inside it: a
+/// charge through the share must fit both, and goes back to both.
 #[derive(Debug, Clone)]
 pub struct TotalBudget {
-    left: Arc<AtomicU64>,
-    /// Charges refused so far.
+    /// The counts a charge is taken from: the total first, then each
+    /// share inside it, innermost last.
+    counts: Vec<Arc<AtomicU64>>,
+    /// Charges refused so far (of the total and all its shares).
     refusals: Arc<AtomicU64>,
     /// Where this clone's charges are counted, to be given back.
     account: Option<Arc<Account>>,
 }
 
-/// Charges to a [`TotalBudget`] that go back to it when the account (its
-/// last clone) is dropped.
+/// Charges to a [`TotalBudget`] that go back to it (to each of its
+/// counts) when the account (its last clone) is dropped.
 #[derive(Debug)]
 struct Account {
-    left: Arc<AtomicU64>,
+    counts: Vec<Arc<AtomicU64>>,
     taken: AtomicU64,
+}
+
+/// Gives `n` bytes back to `count`. Saturating: a total made with
+/// `u64::MAX` ("no limit") never overflows, and nothing is ever given
+/// back that was not taken.
+fn give(count: &AtomicU64, n: u64) {
+    let _ = count.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |l| {
+        Some(l.saturating_add(n))
+    });
 }
 
 impl Drop for Account {
     fn drop(&mut self) {
         let taken = *self.taken.get_mut();
-        // Saturating: a total made with `u64::MAX` ("no limit") never
-        // overflows, and nothing is ever given back that was not taken.
-        let _ = self
-            .left
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |l| {
-                Some(l.saturating_add(taken))
-            });
+        for c in &self.counts {
+            give(c, taken);
+        }
     }
 }
 
@@ -463,42 +473,73 @@ impl TotalBudget {
     /// A total of `bytes`.
     pub fn new(bytes: u64) -> Self {
         TotalBudget {
-            left: Arc::new(AtomicU64::new(bytes)),
+            counts: vec![Arc::new(AtomicU64::new(bytes))],
             refusals: Arc::new(AtomicU64::new(0)),
             account: None,
         }
     }
 
-    /// The same total, charges made through the result (and its clones)
+    /// A share of at most `bytes` of this budget: charges through it (and
+    /// its clones and accounts) are taken from both, so what one user's
+    /// targets read cannot take all of a collector's total from another's.
+    pub fn share(&self, bytes: u64) -> TotalBudget {
+        let mut counts = self.counts.clone();
+        counts.push(Arc::new(AtomicU64::new(bytes)));
+        TotalBudget {
+            counts,
+            refusals: self.refusals.clone(),
+            account: None,
+        }
+    }
+
+    /// The same budget, charges made through the result (and its clones)
     /// counted apart and given back when the last of them is dropped.
     pub fn account(&self) -> TotalBudget {
         TotalBudget {
             account: Some(Arc::new(Account {
-                left: self.left.clone(),
+                counts: self.counts.clone(),
                 taken: AtomicU64::new(0),
             })),
             ..self.clone()
         }
     }
 
-    /// Takes `n` bytes; false (nothing taken, and one more of
-    /// [`Self::refusals`]) if they are not there.
+    /// Takes `n` bytes from every count; false (nothing taken from any,
+    /// and one more of [`Self::refusals`]) if one has not got them.
     pub fn take(&self, n: u64) -> bool {
-        let taken = self
-            .left
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |l| l.checked_sub(n))
-            .is_ok();
-        if !taken {
-            self.refusals.fetch_add(1, Ordering::Relaxed);
-        } else if let Some(a) = &self.account {
+        for (i, c) in self.counts.iter().enumerate() {
+            let ok = c
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |l| l.checked_sub(n))
+                .is_ok();
+            if !ok {
+                for taken in &self.counts[..i] {
+                    give(taken, n);
+                }
+                self.refusals.fetch_add(1, Ordering::Relaxed);
+                return false;
+            }
+        }
+        if let Some(a) = &self.account {
             a.taken.fetch_add(n, Ordering::Relaxed);
         }
-        taken
+        true
     }
 
-    /// Bytes left.
+    /// Bytes left (the least of its counts).
     pub fn left(&self) -> u64 {
-        self.left.load(Ordering::Relaxed)
+        self.counts
+            .iter()
+            .map(|c| c.load(Ordering::Relaxed))
+            .min()
+            .unwrap_or(0)
+    }
+
+    /// Whether nothing is taken from this share now (its own count is
+    /// back to `bytes`): a share nobody holds anything of can be dropped.
+    pub fn is_untouched(&self, bytes: u64) -> bool {
+        self.counts
+            .last()
+            .is_some_and(|c| c.load(Ordering::Relaxed) == bytes)
     }
 
     /// Charges refused so far.
@@ -888,6 +929,21 @@ mod tests {
         assert!((&c).read_bytes_at(0, 1 << 20).is_ok());
         drop(c);
         assert_eq!(total.left(), 2 << 20);
+        // A share: charges through it fit both it and the total, and come
+        // back to both.
+        let total = TotalBudget::new(3 << 20);
+        let share = total.share(2 << 20);
+        let kept = share.account();
+        assert!(kept.take(1 << 20));
+        assert!(!kept.take(3 << 19), "past the share, within the total");
+        assert_eq!((total.left(), share.left()), (2 << 20, 1 << 20));
+        assert!(total.take(3 << 19));
+        assert!(!kept.take(1 << 20) && kept.take(1 << 19), "past the total");
+        assert_eq!((total.left(), share.left()), (0, 0));
+        assert!(!share.is_untouched(2 << 20));
+        drop(kept);
+        assert_eq!((total.left(), share.left()), (3 << 19, 3 << 19));
+        assert!(share.is_untouched(2 << 20));
         // "No limit" stays no limit.
         let unlimited = TotalBudget::default();
         let e = unlimited.account();

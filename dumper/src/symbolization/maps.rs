@@ -47,6 +47,10 @@ pub struct LocalFile {
     /// The file's path inside `root` (`None` for a deleted file: its name
     /// now names something else, or nothing).
     pub path: Option<PathBuf>,
+    /// The real user id of the process that maps it, whose share of the
+    /// total read budget its reading is charged to (`None`: heapdump's
+    /// own file, charged to the total only).
+    pub owner: Option<u32>,
 }
 
 impl PartialEq for LocalFile {
@@ -64,6 +68,7 @@ impl LocalFile {
             map_file: None,
             root,
             path: Some(path),
+            owner: None,
         }
     }
 
@@ -297,6 +302,7 @@ fn local_file(
     m: &Mapping,
     root: Option<&Arc<TargetRoot>>,
     root_seen_at: Option<&Path>,
+    owner: Option<u32>,
 ) -> Option<LocalFile> {
     let root = root?.clone();
     let map_file = PathBuf::from(format!("/proc/{pid}/map_files/{:x}-{:x}", m.start, m.end));
@@ -314,6 +320,7 @@ fn local_file(
         map_file,
         root,
         path: (!deleted).then(|| path_in_root(&m.path, root_seen_at)),
+        owner,
     })
 }
 
@@ -448,8 +455,9 @@ pub fn read_maps(pid: u32, build_ids: &mut BuildIds) -> io::Result<Vec<Mapping>>
     let mut maps = kept.into_mappings();
     let root = TargetRoot::of_process(pid).ok().map(Arc::new);
     let root_seen_at = std::fs::read_link(format!("/proc/{pid}/root")).ok();
+    let owner = crate::process::discovery::process_uids(pid).map(|ids| ids[0]);
     for m in &mut maps {
-        m.local = local_file(pid, m, root.as_ref(), root_seen_at.as_deref());
+        m.local = local_file(pid, m, root.as_ref(), root_seen_at.as_deref(), owner);
         m.build_id = m.local.as_ref().and_then(|f| build_ids.get(f));
     }
     Ok(maps)

@@ -310,6 +310,7 @@ impl Module {
                     map_file: None,
                     root: local.root.clone(),
                     path: Some(PathBuf::from(name)),
+                    owner: local.owner,
                 },
                 OnceLock::new(),
             )
@@ -435,6 +436,15 @@ pub struct Symbolizer {
     /// What all the files it reads may take together
     /// (`HEAPDUMP_MAX_TOTAL_READ`): its cache keeps what it read.
     total: TotalBudget,
+    /// Each user's share of `total` (by the real user id of the process a
+    /// file was first read for), so that one user's processes cannot take
+    /// all of a collector's total from the others'.
+    shares: HashMap<u32, TotalBudget>,
+    /// The bytes of each share: half the total (`None`: no shares).
+    share_bytes: Option<u64>,
+    /// Modules that did not fit whole, with the user whose share they were
+    /// read in (read again for another user's process).
+    short: HashMap<FileIdentity, Option<u32>>,
 }
 
 /// A file's identity: device, inode, size and change time.
@@ -574,10 +584,12 @@ impl Symbolizer {
             .and_then(|v| v.trim().parse().ok())
             .map(Duration::from_secs)
             .unwrap_or(DEFAULT_SYMBOLIZE_TIMEOUT);
+        let total = target_files::max_total_read();
         Symbolizer {
             debug_dirs: dirs,
             time_limit,
-            total: TotalBudget::new(target_files::max_total_read()),
+            total: TotalBudget::new(total),
+            share_bytes: Some(total / 2),
             ..Symbolizer::default()
         }
     }
@@ -693,43 +705,74 @@ impl Symbolizer {
                 });
                 self.opened.insert(key.to_string(), id);
                 let id = id?;
-                if !self.modules.contains_key(&id) {
-                    let refusals_before = self.total.refusals();
-                    // The module's reads are charged to an account of its
-                    // own: given back to the total when it is forgotten
-                    // (`retain_mapped`).
-                    let account = self.total.account();
-                    let module = opened.and_then(|f| {
-                        Module::open(f, local, &self.debug_dirs, self.deadline, &account)
-                    });
-                    if self.total.refusals() != refusals_before {
-                        // Something of this file did not fit in what is
-                        // left of the total: say so wherever it is used.
-                        let note = format!(
-                            "not read whole: the files heapdump read reached \
-                             HEAPDUMP_MAX_TOTAL_READ ({} bytes); `snapshot --no-symbolize`, \
-                             then `heapdump symbolize`, names its frames later",
-                            target_files::max_total_read()
-                        );
-                        match &module {
-                            Some(m) => {
-                                let _ = m.refused_dwarf.set(note);
-                            }
-                            None => {
-                                let shown = local
-                                    .path
-                                    .as_ref()
-                                    .map_or(key.to_string(), |p| p.display().to_string());
-                                self.refused
-                                    .insert(key.to_string(), format!("{shown}: {note}"));
-                            }
+                // A module that did not fit in the share of the user it was
+                // first read for is read again for another user's process,
+                // and kept if it fits there: one user that used up its
+                // share must not leave the files every process maps (the
+                // dynamic loader, libc) unread for all the others.
+                let first = !self.modules.contains_key(&id);
+                let again = self.short.get(&id).is_some_and(|o| *o != local.owner);
+                if first || again {
+                    let (module, short) = self.load_module(opened, local, key);
+                    if first || !short {
+                        self.modules.insert(id, module);
+                        if short {
+                            self.short.insert(id, local.owner);
+                        } else {
+                            self.short.remove(&id);
                         }
                     }
-                    self.modules.insert(id, module);
                 }
                 id
             }
         })
+    }
+
+    /// Reads a file's module, charged to an account of its own in the
+    /// share of the user whose process maps it (given back to the total
+    /// when the module is forgotten, `retain_mapped`), and whether some of
+    /// it did not fit (what did not fit is said wherever it is used).
+    fn load_module(
+        &mut self,
+        opened: Option<File>,
+        local: &LocalFile,
+        key: &str,
+    ) -> (Option<Module>, bool) {
+        let refusals_before = self.total.refusals();
+        let budget = match (local.owner, self.share_bytes) {
+            (Some(uid), Some(bytes)) => self
+                .shares
+                .entry(uid)
+                .or_insert_with(|| self.total.share(bytes)),
+            _ => &self.total,
+        };
+        let account = budget.account();
+        let module =
+            opened.and_then(|f| Module::open(f, local, &self.debug_dirs, self.deadline, &account));
+        let short = self.total.refusals() != refusals_before;
+        if short {
+            let note = format!(
+                "not read whole: the files heapdump read reached \
+                 HEAPDUMP_MAX_TOTAL_READ ({} bytes), or the half of it that \
+                 one user's processes may take; `snapshot --no-symbolize`, \
+                 then `heapdump symbolize`, names its frames later",
+                target_files::max_total_read()
+            );
+            match &module {
+                Some(m) => {
+                    let _ = m.refused_dwarf.set(note);
+                }
+                None => {
+                    let shown = local
+                        .path
+                        .as_ref()
+                        .map_or(key.to_string(), |p| p.display().to_string());
+                    self.refused
+                        .insert(key.to_string(), format!("{shown}: {note}"));
+                }
+            }
+        }
+        (module, short)
     }
 
     /// Opens (and caches) the file of every mapping now, so that addresses
@@ -737,11 +780,16 @@ impl Symbolizer {
     /// its files.
     pub fn open_modules(&mut self, maps: &[Mapping]) {
         self.begin();
+        // What opening says belongs to no snapshot yet: a file's refusal is
+        // said again by the snapshot whose frames need it (before, it was
+        // left for the next snapshot taken, whichever process that was).
+        let notes = self.notes.len();
         for m in maps {
             if let Some(local) = &m.local {
                 self.module(local);
             }
         }
+        self.notes.truncate(notes);
     }
 
     /// Forgets every file not behind one of `maps` (the mappings of the
@@ -759,6 +807,10 @@ impl Symbolizer {
         let kept: std::collections::HashSet<FileIdentity> =
             self.opened.values().flatten().copied().collect();
         self.modules.retain(|id, _| kept.contains(id));
+        self.short.retain(|id, _| kept.contains(id));
+        if let Some(bytes) = self.share_bytes {
+            self.shares.retain(|_, share| !share.is_untouched(bytes));
+        }
     }
 
     /// How many distinct files (modules) the cache holds, parsed or not.
