@@ -925,6 +925,29 @@ fn many_sparse_libraries_cost_no_more_than_the_total_read_budget() {
     target.send("quit");
 }
 
+/// Two libraries (48 MiB of DWARF each) of which one, with the files
+/// every process maps (10-15 MiB without glibc's debug file), fits in a
+/// user's share of a [`ONE_OF_TWO_TOTAL`] total (half of it), and both do
+/// not: a user's targets can use up what a collector lets them read; once
+/// they exited, what was read for them must come back. Their targets run
+/// as a user of their own ([`ALONE`]): a collector also reads other
+/// tests' processes (nobody's), whose files are charged to nobody's share.
+fn one_of_two_fits(t: &TempDir) -> (PathBuf, PathBuf) {
+    let d = nobody_dir(t, "app");
+    (
+        sparse_dwarf_library(&d.join("libfirst.so"), 48 << 20),
+        sparse_dwarf_library(&d.join("libsecond.so"), 48 << 20),
+    )
+}
+
+/// The total read budget of the tests of [`one_of_two_fits`], and where
+/// their heapdump looks for debug files (nowhere: glibc's is read slowly
+/// by a debug build, and the tests are about the libraries).
+const ONE_OF_TWO_TOTAL: [(&str, &str); 2] = [
+    ("HEAPDUMP_MAX_TOTAL_READ", "167772160"),
+    ("HEAPDUMP_DEBUG_DIRS", "/nonexistent"),
+];
+
 #[test]
 fn a_collector_gives_back_what_it_read_for_a_process_once_it_exited() {
     if !root_here("collector's total") {
@@ -932,23 +955,14 @@ fn a_collector_gives_back_what_it_read_for_a_process_once_it_exited() {
     }
     let _big = BIG_READS.lock();
     let t = TempDir::new("hostile-collector-total");
-    let d = nobody_dir(&t, "app");
-    // Room for one of the two libraries (and the files every process
-    // maps: 20-30 MiB with glibc's debug file) in a user's share (half the
-    // total), not for both: a user's targets can use up what a collector
-    // lets them read; once they exited, what was read for them must come
-    // back. The targets run as a user of their own ([`ALONE`]): the
-    // collector also reads other tests' processes (nobody's), whose files
-    // are charged to nobody's share.
-    let first = sparse_dwarf_library(&d.join("libfirst.so"), 80 << 20);
-    let second = sparse_dwarf_library(&d.join("libsecond.so"), 80 << 20);
+    let (first, second) = one_of_two_fits(&t);
     let out_dir = t.path("collected");
     let mut watch = Command::new(bin())
         .args([
             "watch", "--all", "--scan", "20ms", "--poll", "5ms", "-f", "json", "-d",
         ])
         .arg(&out_dir)
-        .env("HEAPDUMP_MAX_TOTAL_READ", (256u64 << 20).to_string())
+        .envs(ONE_OF_TWO_TOTAL)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -1066,13 +1080,10 @@ fn a_server_gives_back_what_it_read_for_a_process_once_it_exited() {
     }
     let _big = BIG_READS.lock();
     let t = TempDir::new("hostile-server-total");
-    let d = nobody_dir(&t, "app");
-    // As for the collector above: room for one library, not two.
-    let first = sparse_dwarf_library(&d.join("libfirst.so"), 80 << 20);
-    let second = sparse_dwarf_library(&d.join("libsecond.so"), 80 << 20);
+    let (first, second) = one_of_two_fits(&t);
     let mut server = Command::new(bin())
         .args(["serve", "--listen", "127.0.0.1:0"])
-        .env("HEAPDUMP_MAX_TOTAL_READ", (256u64 << 20).to_string())
+        .envs(ONE_OF_TWO_TOTAL)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()

@@ -228,27 +228,18 @@ mod query {
             if q.vma_end <= addr || q.vma_start >= q.vma_end {
                 return Ok(()); // not forward: ends the walk (invariant)
             }
+            let flag = |bit: u64, set: u8, unset: u8| {
+                if q.vma_flags & bit != 0 {
+                    set
+                } else {
+                    unset
+                }
+            };
             let perms = [
-                if q.vma_flags & VMA_READABLE != 0 {
-                    b'r'
-                } else {
-                    b'-'
-                },
-                if q.vma_flags & VMA_WRITABLE != 0 {
-                    b'w'
-                } else {
-                    b'-'
-                },
-                if q.vma_flags & VMA_EXECUTABLE != 0 {
-                    b'x'
-                } else {
-                    b'-'
-                },
-                if q.vma_flags & VMA_SHARED != 0 {
-                    b's'
-                } else {
-                    b'p'
-                },
+                flag(VMA_READABLE, b'r', b'-'),
+                flag(VMA_WRITABLE, b'w', b'-'),
+                flag(VMA_EXECUTABLE, b'x', b'-'),
+                flag(VMA_SHARED, b's', b'p'),
             ];
             // The size counts the NUL; 0 when the mapping has no name.
             let len = (q.vma_name_size as usize).saturating_sub(1).min(name.len());
