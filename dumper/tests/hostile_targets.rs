@@ -1127,6 +1127,78 @@ fn a_server_gives_back_what_it_read_for_a_process_once_it_exited() {
     let _ = server.wait();
 }
 
+/// Spawns `cmd` as process `pid` (free now): the kernel's last pid is set
+/// just below it before each try (`/proc/sys/kernel/ns_last_pid`, root's),
+/// and a try that another fork of the machine beat is undone and made
+/// again; `None` after 50 tries.
+fn spawn_at_pid(pid: u32, mut cmd: impl FnMut() -> Command) -> Option<Target> {
+    for _ in 0..50 {
+        std::fs::write("/proc/sys/kernel/ns_last_pid", (pid - 1).to_string()).ok()?;
+        let mut target = Target::spawn(cmd());
+        if target.pid() == pid {
+            return Some(target);
+        }
+        target.send("quit");
+        let _ = target.finish();
+    }
+    None
+}
+
+#[test]
+fn a_server_never_answers_for_a_process_from_the_regions_of_one_that_had_its_pid() {
+    if !root_here("pid used again") {
+        return;
+    }
+    let last_pid = Path::new("/proc/sys/kernel/ns_last_pid");
+    let settable = std::fs::OpenOptions::new()
+        .write(true)
+        .open(last_pid)
+        .is_ok();
+    if !real_dependency("a writable /proc/sys/kernel/ns_last_pid", settable) {
+        return;
+    }
+    // serve keeps each target's regions open; it checked whether the pid
+    // had exited with a pidfd opened there and then, which a process that
+    // was given the same pid since passes: it was answered for from the
+    // dead process's regions.
+    let exe = compile_c("hostile");
+    let mut first = Target::spawn(as_nobody_recorded(&exe));
+    first.send("alloc");
+    first.wait_line("allocated");
+    let pid = first.pid();
+    let mut server = Command::new(bin())
+        .args(["serve", "--listen", "127.0.0.1:0", "--no-symbolize"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let lines = Lines::new(server.stdout.take().unwrap());
+    let addr = listening_addr(&lines.next());
+    let live_blocks = || {
+        let (head, body) = http_get_with(&addr, &format!("/debug/pprof/heap?pid={pid}"), "");
+        assert!(head.contains(" 200 "), "{head}");
+        let p = heapdump::formats::pprof::decode(&body).expect("pprof body");
+        p.sample.iter().map(|s| s.value[2]).sum::<i64>()
+    };
+    let before = live_blocks();
+    assert!(before >= 100, "{before}");
+    first.send("quit");
+    assert!(first.finish().success());
+    // Another process, given the same pid, that allocated nothing of its
+    // own yet.
+    let Some(mut second) = spawn_at_pid(pid, || as_nobody_recorded(&exe)) else {
+        panic!("pid {pid} could not be had again in 50 tries");
+    };
+    let after = live_blocks();
+    assert!(
+        after < before - 50,
+        "served from the dead process: {after} of {before} blocks"
+    );
+    second.send("quit");
+    let _ = server.kill();
+    let _ = server.wait();
+}
+
 #[test]
 fn a_process_with_more_mappings_than_kept_is_snapshotted_and_told_so() {
     if !root_here("many mappings") {

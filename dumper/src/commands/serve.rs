@@ -212,13 +212,19 @@ impl State {
     }
 
     /// Forgets every target that exited since it was last served (whether
-    /// or not it is asked for again).
+    /// or not it is asked for again), or whose pid another process now
+    /// has (its start time is not the one the target was opened with):
+    /// that process is opened afresh, never served from the dead one's
+    /// regions.
     fn forget_exited(&mut self) {
         let exited: Vec<u32> = self
             .targets
-            .keys()
-            .copied()
-            .filter(|&p| crate::commands::watch::ExitWatch::new(p).exited())
+            .iter()
+            .filter(|(&p, t)| {
+                crate::commands::watch::ExitWatch::new(p).exited()
+                    || crate::process::discovery::start_time(p) != t.start_time
+            })
+            .map(|(&p, _)| p)
             .collect();
         for pid in exited {
             self.forget(pid);
