@@ -127,6 +127,18 @@ fn watch_json(pid: &str, dir: &Path) -> (std::process::Child, Lines) {
     (watch, lines)
 }
 
+/// The next snapshot file a `watch` writing into `dir` wrote of process
+/// `pid` (its `wrote PATH` line). A collector (`--all`) also adopts other
+/// tests' processes: their lines are skipped.
+fn next_written(lines: &Lines, dir: &Path, pid: u32) -> PathBuf {
+    let prefix = format!("wrote {}/heapdump-{pid}-", dir.display());
+    loop {
+        if let Some(path) = lines.next().strip_prefix(&prefix) {
+            return PathBuf::from(format!("{}/heapdump-{pid}-{path}", dir.display()));
+        }
+    }
+}
+
 fn ok(out: &Output) -> String {
     assert!(
         out.status.success(),
@@ -974,19 +986,11 @@ fn a_collector_gives_back_what_it_read_for_a_process_once_it_exited() {
         while !lines.next().starts_with(&format!("watching {pid} ")) {}
         target.send("request");
         target.wait_line("requested");
-        // (Other tests' processes are collected too: their lines are
-        // skipped.)
-        let prefix = format!("wrote {}/heapdump-{pid}-", out_dir.display());
-        let requested = loop {
-            let l = lines.next();
-            if l.starts_with(&prefix) {
-                break PathBuf::from(&l["wrote ".len()..]);
-            }
-        };
+        let requested = next_written(&lines, &out_dir, pid);
         target.send("quit");
         assert!(target.finish().success());
         // Its final snapshot, after which the collector forgets it.
-        while !lines.next().starts_with(&prefix) {}
+        next_written(&lines, &out_dir, pid);
         read_json(&requested)
     };
     for (lib, j) in [(&first, collected(&first)), (&second, collected(&second))] {
@@ -1044,13 +1048,7 @@ fn one_users_processes_cannot_take_all_of_a_collectors_total_read() {
     let snapshot_of = |target: &mut Target| {
         target.send("request");
         target.wait_line("requested");
-        let prefix = format!("wrote {}/heapdump-{}-", out_dir.display(), target.pid());
-        loop {
-            let l = lines.next();
-            if l.starts_with(&prefix) {
-                break read_json(Path::new(&l["wrote ".len()..]));
-            }
-        }
+        read_json(&next_written(&lines, &out_dir, target.pid()))
     };
     let v = snapshot_of(&mut victim);
     let h = snapshot_of(&mut hogging);
@@ -1273,15 +1271,7 @@ fn a_flooding_process_cannot_delete_another_processes_snapshots() {
     }
     victim.send("request");
     victim.wait_line("requested");
-    // (The collector also adopts other tests' processes: only the
-    // victim's and the flooder's files matter here.)
-    let victim_prefix = format!("wrote {}/heapdump-{vpid}-", out_dir.display());
-    let evidence = loop {
-        let l = lines.next();
-        if l.starts_with(&victim_prefix) {
-            break PathBuf::from(&l["wrote ".len()..]);
-        }
-    };
+    let evidence = next_written(&lines, &out_dir, vpid);
     flooder.send("flood 150");
     flooder.wait_line("flooded");
     // The flooder's last request is answered within the rate limit; wait
@@ -1290,12 +1280,8 @@ fn a_flooding_process_cannot_delete_another_processes_snapshots() {
     flooder.wait_line("requested");
     // At least two answers: the first request, and the last (made after
     // the flood ended, so answered once the interval has passed).
-    let mut flooder_files = 0;
-    while flooder_files < 2 {
-        let l = lines.next();
-        if l.starts_with(&format!("wrote {}/heapdump-{fpid}-", out_dir.display())) {
-            flooder_files += 1;
-        }
+    for _ in 0..2 {
+        next_written(&lines, &out_dir, fpid);
     }
     assert!(evidence.exists(), "the victim's snapshot was deleted");
     // SAFETY: kill takes a pid and a signal.

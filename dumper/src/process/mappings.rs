@@ -193,38 +193,24 @@ mod query {
         let mut name = vec![0u8; NAME_ROOM];
         let mut addr = 0u64;
         loop {
-            let mut q = ProcmapQuery {
-                size: size_of::<ProcmapQuery>() as u64,
-                query_flags: wanted.query_flags(),
-                query_addr: addr,
-                vma_name_size: name.len() as u32,
-                vma_name_addr: name.as_mut_ptr() as u64,
-                ..ProcmapQuery::default()
-            };
-            // SAFETY: `q` is a valid `struct procmap_query` whose `size`
-            // says so; the kernel writes at most `vma_name_size` bytes at
-            // `vma_name_addr`, which points at `name`, alive and that long
-            // for the call's duration; no build ID is asked for (size 0,
-            // address 0). A kernel without the ioctl answers ENOTTY.
-            let r = unsafe { libc::ioctl(file.as_raw_fd(), PROCMAP_QUERY as _, &mut q) };
-            if r < 0 {
-                let e = io::Error::last_os_error();
-                return match e.raw_os_error() {
-                    // No mapping past `addr` is wanted.
-                    Some(libc::ENOENT) => Ok(()),
-                    // A path longer than the room: nothing is named so;
-                    // the mappings after it are asked for again without
-                    // their names first.
-                    Some(libc::ENAMETOOLONG) => match skip_unnamed(file, wanted, addr)? {
-                        Some(end) => {
-                            addr = end;
+            let q = match ask(file, wanted, addr, Some(&mut name)) {
+                Ok(Some(q)) => q,
+                // No mapping past `addr` is wanted.
+                Ok(None) => return Ok(()),
+                // A path longer than the room: nothing is named so; the
+                // mapping is passed over (asked for again without its
+                // name, for its end).
+                Err(e) if e.raw_os_error() == Some(libc::ENAMETOOLONG) => {
+                    match ask(file, wanted, addr, None)? {
+                        Some(q) if q.vma_end > addr => {
+                            addr = q.vma_end;
                             continue;
                         }
-                        None => Ok(()),
-                    },
-                    _ => Err(e),
-                };
-            }
+                        _ => return Ok(()),
+                    }
+                }
+                Err(e) => return Err(e),
+            };
             if q.vma_end <= addr || q.vma_start >= q.vma_end {
                 return Ok(()); // not forward: ends the walk (invariant)
             }
@@ -260,16 +246,29 @@ mod query {
         }
     }
 
-    /// The end of the wanted mapping at or after `addr` (whose path did not
-    /// fit), asked for without its name; `None` when there is none.
-    fn skip_unnamed(file: &File, wanted: Wanted, addr: u64) -> io::Result<Option<u64>> {
+    /// One question: the first wanted mapping at or after `addr`, its path
+    /// written into `name` when given; `None` when there is none.
+    fn ask(
+        file: &File,
+        wanted: Wanted,
+        addr: u64,
+        name: Option<&mut [u8]>,
+    ) -> io::Result<Option<ProcmapQuery>> {
+        let (name_addr, name_size) = name.map_or((0, 0), |n| (n.as_mut_ptr() as u64, n.len()));
         let mut q = ProcmapQuery {
             size: size_of::<ProcmapQuery>() as u64,
             query_flags: wanted.query_flags(),
             query_addr: addr,
+            vma_name_size: name_size as u32,
+            vma_name_addr: name_addr,
             ..ProcmapQuery::default()
         };
-        // SAFETY: as in `walk`, with no name and no build ID asked for.
+        // SAFETY: `q` is a valid `struct procmap_query` whose `size` says
+        // so; the kernel writes at most `vma_name_size` bytes at
+        // `vma_name_addr`, which is 0 (no name asked) or points at `name`,
+        // borrowed mutably, alive and that long for the call's duration;
+        // no build ID is asked for (size 0, address 0). A kernel without
+        // the ioctl answers ENOTTY.
         let r = unsafe { libc::ioctl(file.as_raw_fd(), PROCMAP_QUERY as _, &mut q) };
         if r < 0 {
             let e = io::Error::last_os_error();
@@ -278,7 +277,7 @@ mod query {
                 _ => Err(e),
             };
         }
-        Ok((q.vma_end > addr).then_some(q.vma_end))
+        Ok(Some(q))
     }
 
     /// A path as the maps text shows it: a newline as `\012` (the only

@@ -102,7 +102,9 @@ fn cgroup_memory_limit(membership: &str, root: &Path) -> Option<u64> {
     let mut least: Option<u64> = None;
     for line in membership.lines() {
         let mut f = line.splitn(3, ':');
-        let (_id, controllers, path) = (f.next()?, f.next()?, f.next()?);
+        let (Some(_id), Some(controllers), Some(path)) = (f.next(), f.next(), f.next()) else {
+            continue;
+        };
         let (dir, file) = if controllers.is_empty() {
             (root.to_path_buf(), "memory.max")
         } else if controllers.split(',').any(|c| c == "memory") {

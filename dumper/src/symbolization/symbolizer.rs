@@ -440,8 +440,9 @@ pub struct Symbolizer {
     /// file was first read for), so that one user's processes cannot take
     /// all of a collector's total from the others'.
     shares: HashMap<u32, TotalBudget>,
-    /// The bytes of each share: half the total (`None`: no shares).
-    share_bytes: Option<u64>,
+    /// The bytes of `total` (`None`: no limit, and no shares); each
+    /// user's share is half of them.
+    total_bytes: Option<u64>,
     /// Modules that did not fit whole, with the user whose share they were
     /// read in (read again for another user's process).
     short: HashMap<FileIdentity, Option<u32>>,
@@ -589,7 +590,7 @@ impl Symbolizer {
             debug_dirs: dirs,
             time_limit,
             total: TotalBudget::new(total),
-            share_bytes: Some(total / 2),
+            total_bytes: Some(total),
             ..Symbolizer::default()
         }
     }
@@ -739,11 +740,11 @@ impl Symbolizer {
         key: &str,
     ) -> (Option<Module>, bool) {
         let refusals_before = self.total.refusals();
-        let budget = match (local.owner, self.share_bytes) {
+        let budget = match (local.owner, self.total_bytes) {
             (Some(uid), Some(bytes)) => self
                 .shares
                 .entry(uid)
-                .or_insert_with(|| self.total.share(bytes)),
+                .or_insert_with(|| self.total.share(bytes / 2)),
             _ => &self.total,
         };
         let account = budget.account();
@@ -756,7 +757,7 @@ impl Symbolizer {
                  HEAPDUMP_MAX_TOTAL_READ ({} bytes), or the half of it that \
                  one user's processes may take; `snapshot --no-symbolize`, \
                  then `heapdump symbolize`, names its frames later",
-                target_files::max_total_read()
+                self.total_bytes.unwrap_or(u64::MAX)
             );
             match &module {
                 Some(m) => {
@@ -808,8 +809,9 @@ impl Symbolizer {
             self.opened.values().flatten().copied().collect();
         self.modules.retain(|id, _| kept.contains(id));
         self.short.retain(|id, _| kept.contains(id));
-        if let Some(bytes) = self.share_bytes {
-            self.shares.retain(|_, share| !share.is_untouched(bytes));
+        if let Some(bytes) = self.total_bytes {
+            self.shares
+                .retain(|_, share| !share.is_untouched(bytes / 2));
         }
     }
 
