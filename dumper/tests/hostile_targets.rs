@@ -112,17 +112,27 @@ fn bounded_with(args: &[&str], env: &[(&str, &str)]) -> Output {
     }
 }
 
+/// A long-running heapdump (`watch`, `serve`) with `args` and `env`: the
+/// process and its stdout's lines (its stderr is the test's).
+fn running(args: &[&str], env: &[(&str, &str)]) -> (std::process::Child, Lines) {
+    let mut child = Command::new(bin())
+        .args(args)
+        .envs(env.iter().copied())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let lines = Lines::new(child.stdout.take().unwrap());
+    (child, lines)
+}
+
 /// `heapdump watch PID -f json -d DIR`, started and past its "watching"
 /// line: the process and its stdout's lines (each "wrote PATH").
 fn watch_json(pid: &str, dir: &Path) -> (std::process::Child, Lines) {
-    let mut watch = Command::new(bin())
-        .args(["watch", pid, "-f", "json", "-d"])
-        .arg(dir)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let lines = Lines::new(watch.stdout.take().unwrap());
+    let (watch, lines) = running(
+        &["watch", pid, "-f", "json", "-d", &dir.to_string_lossy()],
+        &[],
+    );
     assert!(lines.next().starts_with("watching "));
     (watch, lines)
 }
@@ -969,17 +979,21 @@ fn a_collector_gives_back_what_it_read_for_a_process_once_it_exited() {
     let t = TempDir::new("hostile-collector-total");
     let (first, second) = one_of_two_fits(&t);
     let out_dir = t.path("collected");
-    let mut watch = Command::new(bin())
-        .args([
-            "watch", "--all", "--scan", "20ms", "--poll", "5ms", "-f", "json", "-d",
-        ])
-        .arg(&out_dir)
-        .envs(ONE_OF_TWO_TOTAL)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let lines = Lines::new(watch.stdout.take().unwrap());
+    let (mut watch, lines) = running(
+        &[
+            "watch",
+            "--all",
+            "--scan",
+            "20ms",
+            "--poll",
+            "5ms",
+            "-f",
+            "json",
+            "-d",
+            &out_dir.to_string_lossy(),
+        ],
+        &ONE_OF_TWO_TOTAL,
+    );
     let collected = |lib: &Path| {
         let mut target = hostile_of_user_with_plugins(ALONE, &[lib]);
         let pid = target.pid();
@@ -1035,15 +1049,18 @@ fn one_users_processes_cannot_take_all_of_a_collectors_total_read() {
     // One collector for both, the hog's files read first.
     let (hpid, vpid) = (hogging.pid().to_string(), victim.pid().to_string());
     let out_dir = t.path("snaps");
-    let mut watch = Command::new(bin())
-        .args(["watch", &hpid, &vpid, "-f", "json", "-d"])
-        .arg(&out_dir)
-        .env("HEAPDUMP_MAX_TOTAL_READ", (200u64 << 20).to_string())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let lines = Lines::new(watch.stdout.take().unwrap());
+    let (mut watch, lines) = running(
+        &[
+            "watch",
+            &hpid,
+            &vpid,
+            "-f",
+            "json",
+            "-d",
+            &out_dir.to_string_lossy(),
+        ],
+        &[("HEAPDUMP_MAX_TOTAL_READ", &(200u64 << 20).to_string())],
+    );
     assert!(lines.next().starts_with("watching "));
     let snapshot_of = |target: &mut Target| {
         target.send("request");
@@ -1079,14 +1096,7 @@ fn a_server_gives_back_what_it_read_for_a_process_once_it_exited() {
     let _big = BIG_READS.lock();
     let t = TempDir::new("hostile-server-total");
     let (first, second) = one_of_two_fits(&t);
-    let mut server = Command::new(bin())
-        .args(["serve", "--listen", "127.0.0.1:0"])
-        .envs(ONE_OF_TWO_TOTAL)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let lines = Lines::new(server.stdout.take().unwrap());
+    let (mut server, lines) = running(&["serve", "--listen", "127.0.0.1:0"], &ONE_OF_TWO_TOTAL);
     let addr = listening_addr(&lines.next());
     let served = |lib: &Path| {
         let mut target = hostile_of_user_with_plugins(ALONE, &[lib]);
@@ -1164,13 +1174,7 @@ fn a_server_never_answers_for_a_process_from_the_regions_of_one_that_had_its_pid
     first.send("alloc");
     first.wait_line("allocated");
     let pid = first.pid();
-    let mut server = Command::new(bin())
-        .args(["serve", "--listen", "127.0.0.1:0", "--no-symbolize"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let lines = Lines::new(server.stdout.take().unwrap());
+    let (mut server, lines) = running(&["serve", "--listen", "127.0.0.1:0", "--no-symbolize"], &[]);
     let addr = listening_addr(&lines.next());
     let live_blocks = || {
         let (head, body) = http_get_with(&addr, &format!("/debug/pprof/heap?pid={pid}"), "");
