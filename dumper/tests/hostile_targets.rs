@@ -858,7 +858,9 @@ fn inflate_section(p: &Path, name: &str, size: u64) -> u64 {
 }
 
 /// Runs heapdump (within the hang guard) and gives how it ended and its
-/// own largest resident set, in bytes.
+/// own largest resident set, in bytes. That starts at the test process's
+/// own largest resident set (the kernel carries it over the spawn's
+/// `exec`): a test that measures never holds much memory itself.
 fn measured(args: &[&str], env: &[(&str, &str)]) -> (std::process::ExitStatus, u64) {
     let child = Command::new(bin())
         .args(args)
@@ -1229,6 +1231,81 @@ fn a_process_with_more_mappings_than_kept_is_snapshotted_and_told_so() {
     );
     let notes = j["notes"].to_string();
     assert!(notes.contains("file mappings or more"), "{notes}");
+    target.send("quit");
+}
+
+/// A directory under `dir` whose path is about 3.5 KiB long (14 levels of
+/// 250-byte names), owned by nobody.
+fn long_path_dir(dir: &Path) -> PathBuf {
+    let mut d = dir.to_path_buf();
+    for _ in 0..14 {
+        d.push("x".repeat(250));
+        std::fs::create_dir(&d).unwrap();
+        chown_nobody(&d);
+    }
+    d
+}
+
+#[test]
+fn a_target_with_a_quarter_gigabyte_of_maps_text_costs_attach_and_snapshot_little() {
+    if !root_here("long maps text") {
+        return;
+    }
+    // 50 000 mappings of one file under a 3.5 KiB path: 180 MB of
+    // /proc/PID/maps, which attach read whole at each of its rounds, and
+    // of which root's attach and snapshot each kept the paths of the 16 Ki
+    // mappings symbolization keeps, one copy per mapping (attach 454 MB,
+    // snapshot 275 MB with 60 000, by hand; now 14 MB and 50 MB).
+    let _big = BIG_READS.lock().unwrap_or_else(|e| e.into_inner());
+    let t = TempDir::new("hostile-maps-text");
+    let data = long_path_dir(&nobody_dir(&t, "app")).join("data");
+    std::fs::write(&data, vec![0u8; 4096]).unwrap();
+    chown_nobody(&data);
+    let mut target = Target::spawn(as_nobody(&compile_c("hostile")));
+    let pid = target.pid().to_string();
+    target.send(&format!("mapmany 50000 {}", data.display()));
+    assert_eq!(target.wait_line(""), "mapped 50000");
+    // Counted a piece at a time: a spawned program's largest resident set
+    // starts at its parent's (the test process's) at the spawn.
+    let mut maps = std::fs::File::open(format!("/proc/{pid}/maps")).unwrap();
+    let text = std::io::copy(&mut maps, &mut std::io::sink()).unwrap();
+    assert!(text > 150 << 20, "{text} bytes of maps text");
+    let lib = preload_lib();
+    let quiet = [("HEAPDUMP_DEBUG_DIRS", "/nonexistent")];
+    let (status, attach_rss) = measured(
+        &["attach", &pid, "--library", lib.to_str().unwrap()],
+        &quiet,
+    );
+    assert!(status.success(), "attach: {status:?}");
+    target.send("alloc");
+    target.wait_line("allocated");
+    // Folded stacks, not JSON: the JSON lists the 16 Ki kept mappings with
+    // their paths, and reading it here would raise the test process's own
+    // largest resident set, which every program it spawns after starts at.
+    let folded = t.str("s.folded");
+    let (status, snapshot_rss) = measured(
+        &["snapshot", &pid, "--format", "folded", "-o", &folded],
+        &quiet,
+    );
+    assert!(status.success(), "snapshot: {status:?}");
+    let stacks = std::fs::read_to_string(&folded).unwrap();
+    let site: Vec<&str> = stacks
+        .lines()
+        .filter(|l| l.contains("site_hostile"))
+        .collect();
+    assert_eq!(site.len(), 1, "{stacks}");
+    assert!(site[0].ends_with(" 30000"), "{stacks}");
+    let (status, detach_rss) = measured(&["detach", &pid], &quiet);
+    assert!(status.success(), "detach: {status:?}");
+    // Each well under one copy of the text, or of the kept mappings' paths
+    // (16 Ki x 3.5 KiB = 57 MiB a copy).
+    for (what, rss) in [
+        ("attach", attach_rss),
+        ("snapshot", snapshot_rss),
+        ("detach", detach_rss),
+    ] {
+        assert!(rss < 48 << 20, "{what}: {} MiB resident", rss >> 20);
+    }
     target.send("quit");
 }
 

@@ -34,7 +34,7 @@ use nix::sys::signal::Signal;
 use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
 use nix::unistd::Pid;
 
-use crate::attach::remote_unwind::{Memory, Modules, Regs};
+use crate::attach::remote_unwind::{Memory, Modules, Regs, TargetMappings};
 use crate::attach::safe_point::{self, Danger, Verdict};
 
 pub use crate::attach::injection::{Action, InjectError, Injected};
@@ -309,14 +309,6 @@ fn threads(pid: u32) -> Vec<Pid> {
     out.into_iter().map(|(_, t)| Pid::from_raw(t)).collect()
 }
 
-/// The mapping holding `addr` in `/proc/PID/maps` text: (start, end,
-/// whether it is the main thread's growable `[stack]`).
-fn mapping_of(maps: &str, addr: u64) -> Option<(u64, u64, bool)> {
-    crate::process::maps_lines::maps_lines(maps)
-        .find(|l| (l.start..l.end).contains(&addr))
-        .map(|l| (l.start, l.end, l.path == "[stack]"))
-}
-
 /// The address of `name` defined in a mapped glibc library of one of
 /// `libs` (stems, see [`super::is_glibc_library`]; the first found).
 fn function_in(modules: &mut Modules, libs: &[&str], name: &str) -> Option<u64> {
@@ -518,8 +510,7 @@ pub fn inject(pid: u32, library: &str, action: &Action) -> Result<Injected, Inje
     let mut passed_over: Vec<(u32, String)> = Vec::new();
     let mut others_stopped = Duration::ZERO;
     for round in 0..ROUNDS {
-        let maps =
-            crate::process::maps_lines::read_maps_text(pid).map_err(|_| InjectError::Gone)?;
+        let maps = TargetMappings::read(pid, mem.mounts()).map_err(|_| InjectError::Gone)?;
         mem.refresh(&maps);
         let tids = threads(pid);
         if tids.is_empty() {
@@ -543,13 +534,7 @@ pub fn inject(pid: u32, library: &str, action: &Action) -> Result<Injected, Inje
                 Verdict::Unsafe("in a sleep the kernel resumes through its restart block".into())
             } else {
                 mem.judging(|mem| {
-                    safe_point::judge(
-                        mem,
-                        &mut modules,
-                        &danger,
-                        regs,
-                        mapping_of(&maps, regs.rsp),
-                    )
+                    safe_point::judge(mem, &mut modules, &danger, regs, maps.holding(regs.rsp))
                 })
             };
             if in_restart_block && matches!(verdict, Verdict::Safe) {

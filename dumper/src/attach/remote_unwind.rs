@@ -56,16 +56,55 @@ pub struct Memory {
     served: Vec<(u64, u64)>,
 }
 
-/// The ranges of a `/proc/PID/maps` text mapped from files on the
-/// user-space file systems `mounts` (the device field is hex there).
-fn served_ranges(maps: &str, mounts: &UserSpaceMounts) -> Vec<(u64, u64)> {
-    if mounts.is_empty() {
-        return Vec::new();
+/// The target's mappings as an attach round needs them: each one's range
+/// (and whether it is the main thread's growable `[stack]`), and those
+/// mapped from files on user-space file systems.
+///
+/// Read a mapping at a time ([`crate::process::mappings`]), never as the
+/// whole maps text: the target decides how long that text is (up to
+/// `vm.max_map_count` lines of 4 KiB paths, 250 MB that the kernel formats
+/// at every read), and attach reads the mappings again at each of its up
+/// to 40 rounds. What is kept is 24 bytes a mapping.
+#[derive(Debug, Default)]
+pub struct TargetMappings {
+    /// (start, end, is the `[stack]`), in address order.
+    ranges: Vec<(u64, u64, bool)>,
+    /// Ranges mapped from files on the user-space file systems.
+    served: Vec<(u64, u64)>,
+}
+
+impl TargetMappings {
+    /// The mappings of process `pid` now; `mounts` are its user-space file
+    /// systems. The error is the maps file's (a process that is gone).
+    pub fn read(pid: u32, mounts: &UserSpaceMounts) -> std::io::Result<TargetMappings> {
+        let mut m = TargetMappings::default();
+        crate::process::mappings::for_each(
+            pid,
+            crate::process::mappings::Wanted::default(),
+            |l| {
+                m.add(l, mounts);
+                std::ops::ControlFlow::Continue(())
+            },
+        )?;
+        Ok(m)
     }
-    crate::process::maps_lines::maps_lines(maps)
-        .filter(|l| l.inode != 0 && mounts.has_device(l.dev))
-        .map(|l| (l.start, l.end))
-        .collect()
+
+    fn add(&mut self, l: &crate::process::maps_lines::MapsLine<'_>, mounts: &UserSpaceMounts) {
+        self.ranges.push((l.start, l.end, l.path == "[stack]"));
+        if l.inode != 0 && mounts.has_device(l.dev) {
+            self.served.push((l.start, l.end));
+        }
+    }
+
+    /// The mapping holding `addr`: (start, end, whether it is the main
+    /// thread's growable `[stack]`).
+    pub fn holding(&self, addr: u64) -> Option<(u64, u64, bool)> {
+        let i = self.ranges.partition_point(|&(_, end, _)| end <= addr);
+        self.ranges
+            .get(i)
+            .copied()
+            .filter(|&(start, end, _)| (start..end).contains(&addr))
+    }
 }
 
 /// Pages of the target's memory by address, `None` where unreadable.
@@ -86,15 +125,20 @@ impl Memory {
             mounts: UserSpaceMounts::of_process(pid),
             served: Vec::new(),
         };
-        if let Ok(maps) = crate::process::maps_lines::read_maps_text(pid) {
+        if let Ok(maps) = TargetMappings::read(pid, &mem.mounts) {
             mem.refresh(&maps);
         }
         Ok(mem)
     }
 
-    /// Takes the target's mappings anew from its maps text `maps`.
-    pub fn refresh(&mut self, maps: &str) {
-        self.served = served_ranges(maps, &self.mounts);
+    /// The target's user-space file systems (to read its mappings with).
+    pub fn mounts(&self) -> &UserSpaceMounts {
+        &self.mounts
+    }
+
+    /// Takes the target's mappings anew.
+    pub fn refresh(&mut self, maps: &TargetMappings) {
+        self.served.clone_from(&maps.served);
     }
 
     /// Whether `[addr, addr + len)` touches no mapping of a file on a
@@ -366,7 +410,7 @@ pub type Located = (Arc<ModuleFile>, u64);
 pub struct Modules {
     /// Executable, file-backed mappings.
     pub maps: Vec<Mapping>,
-    files: HashMap<String, Option<Arc<ModuleFile>>>,
+    files: HashMap<Arc<str>, Option<Arc<ModuleFile>>>,
 }
 
 impl Modules {
@@ -562,20 +606,37 @@ mod tests {
 7f0000200000-7f0000300000 r-xp 00000000 08:01 12 /usr/lib/libc.so.6
 7f0000300000-7f0000400000 rw-p 00000000 00:2d 0
 ";
+        let of = |mounts: &UserSpaceMounts| {
+            let mut m = TargetMappings::default();
+            for l in crate::process::maps_lines::maps_lines(maps) {
+                m.add(&l, mounts);
+            }
+            m
+        };
+        let m = of(&mounts);
+        assert_eq!(m.served, [(0x7f00_0000_0000, 0x7f00_0010_0000)]);
+        assert!(of(&UserSpaceMounts::none()).served.is_empty());
+        // The mapping holding an address, the stack told as such.
         assert_eq!(
-            served_ranges(maps, &mounts),
-            [(0x7f00_0000_0000, 0x7f00_0010_0000)]
+            m.holding(0x7f00_0010_0008),
+            Some((0x7f00_0010_0000, 0x7f00_0020_0000, true))
         );
-        assert!(served_ranges(maps, &UserSpaceMounts::none()).is_empty());
-        let mem = Memory {
+        assert_eq!(
+            m.holding(0x7f00_0000_0000),
+            Some((0x7f00_0000_0000, 0x7f00_0010_0000, false))
+        );
+        assert_eq!(m.holding(0x7eff_ffff_ffff), None);
+        assert_eq!(m.holding(0x7f00_0040_0000), None);
+        let mut mem = Memory {
             access: crate::attach::memory_access::MemoryAccess::start(
                 std::fs::File::open("/dev/null").unwrap(),
             )
             .unwrap(),
             pages: Default::default(),
-            served: served_ranges(maps, &mounts),
+            served: Vec::new(),
             mounts,
         };
+        mem.refresh(&m);
         let mut b = [0u8; 16];
         assert!(!mem.touchable(0x7f00_000f_fff8, 16));
         assert!(!mem.touchable(0x7eff_ffff_fff8, 16));

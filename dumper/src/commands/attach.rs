@@ -6,6 +6,7 @@
 //! links an allocator under its own names); then [`crate::attach::inject`]
 //! runs the agent library's entry point in one of its threads.
 
+use std::ops::ControlFlow;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -87,9 +88,7 @@ fn agent_state(pid: u32) -> AgentState {
             // refused either way).
             let preload = match heapdump_table::header::read_agent_kind(&view) {
                 Some(kind) => kind == heapdump_table::header::AgentKind::Preload,
-                None => crate::process::maps_lines::read_maps_text(pid)
-                    .unwrap_or_default()
-                    .contains("libheapdump_preload"),
+                None => maps_any_file(pid, |path| path.contains("libheapdump_preload")),
             };
             match (preload, w.attached_at != 0, w.detached_at != 0) {
                 (false, _, _) => AgentState::RustAgent,
@@ -240,26 +239,56 @@ fn check_visibility(pid: u32) -> Result<()> {
 /// it: a target in another root shows in our `/proc/PID/maps` under that
 /// root's path, which is taken off.
 fn loaded_library(pid: u32) -> Option<String> {
-    let maps = crate::process::maps_lines::read_maps_text(pid).ok()?;
     let mounts = crate::process::user_space_mounts::UserSpaceMounts::of_process(pid);
     let root = std::fs::read_link(format!("/proc/{pid}/root")).ok();
-    // Bound, not returned at once: the lines borrow `maps`, which the
-    // block's tail expression would outlive.
-    let found = crate::process::maps_lines::maps_lines(&maps)
-        .map(|l| (l, crate::symbolization::maps::unescape_path(l.path)))
-        .filter(|(_, path)| {
-            std::path::Path::new(path)
-                .file_name()
-                .and_then(|n| n.to_str())
-                .is_some_and(|n| n.starts_with("libheapdump_preload"))
-        })
-        .find(|(l, _)| {
-            let via = format!("/proc/{pid}/map_files/{:x}-{:x}", l.start, l.end);
+    let mut found = None;
+    crate::process::mappings::for_each(pid, file_mappings(), |l| {
+        let path = crate::symbolization::maps::unescape_path(l.path);
+        let named = std::path::Path::new(&path)
+            .file_name()
+            .and_then(|n| n.to_str())
+            .is_some_and(|n| n.starts_with("libheapdump_preload"));
+        if !named {
+            return ControlFlow::Continue(());
+        }
+        let via = format!("/proc/{pid}/map_files/{:x}-{:x}", l.start, l.end);
+        let trusted =
             crate::process::target_files::open_regular(std::path::Path::new(&via), &mounts)
                 .and_then(|f| crate::process::target_files::fstat(&f))
-                .is_ok_and(|st| crate::attach::library_placement::trusted(&st))
-        });
-    found.map(|(_, path)| as_seen_inside(&path, root.as_deref()))
+                .is_ok_and(|st| crate::attach::library_placement::trusted(&st));
+        if !trusted {
+            return ControlFlow::Continue(());
+        }
+        found = Some(path);
+        ControlFlow::Break(())
+    })
+    .ok()?;
+    found.map(|path| as_seen_inside(&path, root.as_deref()))
+}
+
+/// The filter for mappings of files (read a mapping at a time: the
+/// target decides how long its maps text is, see
+/// [`crate::process::mappings`]).
+fn file_mappings() -> crate::process::mappings::Wanted {
+    crate::process::mappings::Wanted {
+        file_backed: true,
+        ..Default::default()
+    }
+}
+
+/// Whether process `pid` maps a file whose path (as the maps text shows
+/// it) passes `test`.
+fn maps_any_file(pid: u32, test: impl Fn(&str) -> bool) -> bool {
+    let mut any = false;
+    let _ = crate::process::mappings::for_each(pid, file_mappings(), |l| {
+        any = test(l.path);
+        if any {
+            ControlFlow::Break(())
+        } else {
+            ControlFlow::Continue(())
+        }
+    });
+    any
 }
 
 /// `path`, as our `/proc/PID/maps` shows it, as a process whose root

@@ -379,8 +379,8 @@ pub struct JsonMapping {
     pub end: String,
     /// File offset, hex.
     pub offset: String,
-    /// File path.
-    pub path: String,
+    /// File path (shared with the snapshot's mapping).
+    pub path: std::sync::Arc<str>,
     /// GNU build ID, hex.
     pub build_id: Option<String>,
 }

@@ -365,6 +365,19 @@ mod tests {
                 None => eprintln!("no PROCMAP_QUERY here (Linux before 6.11): text only"),
             }
         }
+        // The main thread's stack by its pseudo-name (attach knows it so),
+        // both ways; its start moves as it grows, not its end.
+        let (asked, read) = both_ways(me, Wanted::default());
+        let stack = |v: &[String]| -> Vec<String> {
+            v.iter()
+                .filter(|l| l.ends_with(" [stack]"))
+                .map(|l| l.split_once('-').unwrap().1.to_string())
+                .collect()
+        };
+        assert_eq!(stack(&read).len(), 1, "{read:?}");
+        if let Some(asked) = asked {
+            assert_eq!(stack(&asked), stack(&read));
+        }
         let (asked, read) = both_ways(me, shared);
         let ours = format!("{:x}-", at as u64);
         for lines in asked.iter().chain([&read]) {

@@ -1,7 +1,7 @@
-//! The lines of a `/proc/PID/maps` text, split once for every reader
-//! (symbolization's mappings, region discovery through mappings, attach's
-//! stack ranges and its refusal of ranges served by a user's file system,
-//! detach's search for the agent library).
+//! The lines of a `/proc/PID/maps` text, split once for every reader.
+//! No reader holds a process's whole text: [`super::mappings`] reads it a
+//! line at a time (or asks the kernel a mapping at a time) and hands each
+//! line here; a whole text is parsed only by tests.
 //!
 //! A line is `START-END PERMS OFFSET MAJOR:MINOR INODE [PATH]`, numbers in
 //! hex but the inode (decimal), fields separated by single spaces, the path
@@ -52,16 +52,6 @@ impl<'a> MapsLine<'a> {
             path: f.next().unwrap_or("").trim_start(),
         })
     }
-}
-
-/// The whole maps text of process `pid`, for the readers that need it at
-/// once (attach's; the others go through [`super::mappings`], a mapping
-/// at a time). A path that is not UTF-8 (a file's name is any bytes, and
-/// the target names its files) is shown with replacement characters:
-/// `read_to_string` refused the whole text for one such path, which hid
-/// the process from `list` and failed its attach as "gone".
-pub fn read_maps_text(pid: u32) -> std::io::Result<String> {
-    super::proc_text::read(format!("/proc/{pid}/maps"))
 }
 
 /// Every well-formed line of a maps text.

@@ -23,8 +23,10 @@ pub struct Mapping {
     pub end: u64,
     /// File offset mapped at `start`.
     pub offset: u64,
-    /// Path of the mapped file, as the target sees it.
-    pub path: String,
+    /// Path of the mapped file, as the target sees it (shared by the
+    /// mappings of one file: a target can map one file under a 4 KiB path
+    /// tens of thousands of times).
+    pub path: Arc<str>,
     /// GNU build ID of the file (lower-case hex), when it has one.
     pub build_id: Option<String>,
     /// How heapdump opens the file (see [`LocalFile`]). Not serialized.
@@ -46,7 +48,7 @@ pub struct LocalFile {
     pub root: Arc<TargetRoot>,
     /// The file's path inside `root` (`None` for a deleted file: its name
     /// now names something else, or nothing).
-    pub path: Option<PathBuf>,
+    pub path: Option<Arc<Path>>,
     /// The real user id of the process that maps it, whose share of the
     /// total read budget its reading is charged to (`None`: heapdump's
     /// own file, charged to the total only).
@@ -67,7 +69,7 @@ impl LocalFile {
         LocalFile {
             map_file: None,
             root,
-            path: Some(path),
+            path: Some(path.into()),
             owner: None,
         }
     }
@@ -259,7 +261,7 @@ pub fn locate_by_build_id(maps: &mut [Mapping], dirs: &[PathBuf]) -> Vec<String>
     }
     for m in maps.iter_mut() {
         m.local = None;
-        let own = PathBuf::from(&m.path);
+        let own = PathBuf::from(&*m.path);
         // Resolved from our root: a relative --binaries directory is made
         // absolute against the working directory first.
         let file = |p: PathBuf| {
@@ -297,11 +299,13 @@ pub fn locate_by_build_id(maps: &mut [Mapping], dirs: &[PathBuf]) -> Vec<String>
 /// `/proc/PID/map_files`, which still names the mapped inode; when that
 /// cannot be opened, it is left unsymbolized rather than symbolized
 /// against whatever now has its name.
+/// `in_root` is the mapping's path inside the target's root (see
+/// [`path_in_root`]), shared by the mappings of one file.
 fn local_file(
     pid: u32,
     m: &Mapping,
     root: Option<&Arc<TargetRoot>>,
-    root_seen_at: Option<&Path>,
+    in_root: impl FnOnce() -> Arc<Path>,
     owner: Option<u32>,
 ) -> Option<LocalFile> {
     let root = root?.clone();
@@ -319,7 +323,7 @@ fn local_file(
     Some(LocalFile {
         map_file,
         root,
-        path: (!deleted).then(|| path_in_root(&m.path, root_seen_at)),
+        path: (!deleted).then(in_root),
         owner,
     })
 }
@@ -372,8 +376,10 @@ pub fn parse_maps(text: &str) -> Vec<Mapping> {
 #[derive(Default)]
 struct CodeMappings {
     executable: Vec<Mapping>,
-    executable_paths: HashSet<String>,
+    executable_paths: HashSet<Arc<str>>,
     readable_only: Vec<Mapping>,
+    /// Each path once, shared by its mappings.
+    paths: HashSet<Arc<str>>,
 }
 
 impl CodeMappings {
@@ -402,7 +408,7 @@ impl CodeMappings {
             start,
             end,
             offset,
-            path: unescape_path(path),
+            path: self.interned(unescape_path(path)),
             build_id: None,
             local: None,
         };
@@ -414,6 +420,16 @@ impl CodeMappings {
         }
     }
 
+    /// `path`, shared with the mappings kept before of the same file.
+    fn interned(&mut self, path: String) -> Arc<str> {
+        if let Some(p) = self.paths.get(path.as_str()) {
+            return p.clone();
+        }
+        let p: Arc<str> = path.into();
+        self.paths.insert(p.clone());
+        p
+    }
+
     /// What is kept, executable mappings first, at most [`MAX_MAPPINGS`],
     /// sorted by address.
     fn into_mappings(self) -> Vec<Mapping> {
@@ -421,6 +437,7 @@ impl CodeMappings {
             executable: mut out,
             executable_paths,
             readable_only,
+            ..
         } = self;
         // A data file a native program maps (a locale archive, a font) has no
         // executable mapping either and is kept too: harmless, since frames
@@ -431,7 +448,7 @@ impl CodeMappings {
         out.extend(
             readable_only
                 .into_iter()
-                .filter(|m| !executable_paths.contains(&m.path))
+                .filter(|m| !executable_paths.contains(&*m.path))
                 .take(room),
         );
         out.sort_by_key(|m| m.start);
@@ -456,8 +473,16 @@ pub fn read_maps(pid: u32, build_ids: &mut BuildIds) -> io::Result<Vec<Mapping>>
     let root = TargetRoot::of_process(pid).ok().map(Arc::new);
     let root_seen_at = std::fs::read_link(format!("/proc/{pid}/root")).ok();
     let owner = crate::process::discovery::process_uids(pid).map(|ids| ids[0]);
+    let mut in_root: HashMap<Arc<str>, Arc<Path>> = HashMap::new();
     for m in &mut maps {
-        m.local = local_file(pid, m, root.as_ref(), root_seen_at.as_deref(), owner);
+        let path = m.path.clone();
+        let shared = || {
+            in_root
+                .entry(path.clone())
+                .or_insert_with(|| path_in_root(&path, root_seen_at.as_deref()).into())
+                .clone()
+        };
+        m.local = local_file(pid, m, root.as_ref(), shared, owner);
         m.build_id = m.local.as_ref().and_then(|f| build_ids.get(f));
     }
     Ok(maps)
@@ -479,8 +504,8 @@ mod tests {
         assert_eq!(m.len(), 2);
         assert_eq!(m[0].start, 0x55d0c0a20000);
         assert_eq!(m[0].offset, 0x20000);
-        assert_eq!(m[0].path, "/usr/bin/prog");
-        assert_eq!(m[1].path, "/lib/with space.so (deleted)");
+        assert_eq!(&*m[0].path, "/usr/bin/prog");
+        assert_eq!(&*m[1].path, "/lib/with space.so (deleted)");
         assert!(find(&m, 0x55d0c0a20010).is_some());
         assert!(find(&m, 0x55d0c0a00010).is_none());
     }
@@ -497,7 +522,7 @@ mod tests {
 7ff5e119a000-7ff5e11ed000 r--p 0017c000 fe:00 9 /usr/lib/x86_64-linux-gnu/libc.so.6
 ";
         let m = parse_maps(text);
-        let paths: Vec<_> = m.iter().map(|m| (m.start, m.path.as_str())).collect();
+        let paths: Vec<_> = m.iter().map(|m| (m.start, &*m.path)).collect();
         assert_eq!(
             paths,
             [
@@ -548,7 +573,7 @@ mod tests {
         }
         let m = parse_maps(&text);
         assert_eq!(m.len(), MAX_MAPPINGS);
-        assert_eq!(m.iter().filter(|m| m.path == "/lib/x.so").count(), 3);
+        assert_eq!(m.iter().filter(|m| &*m.path == "/lib/x.so").count(), 3);
         assert!(find(&m, 0x7f0000000010).is_some());
     }
 
@@ -556,7 +581,7 @@ mod tests {
     fn newlines_in_names_are_unescaped_as_the_kernel_escapes_them() {
         let text = "7f0000002000-7f0000003000 r-xp 00001000 08:01 9 /tmp/lib\\012x.so\n";
         let m = parse_maps(text);
-        assert_eq!(m[0].path, "/tmp/lib\nx.so");
+        assert_eq!(&*m[0].path, "/tmp/lib\nx.so");
         // Garbage lines and empty ranges are skipped, never a panic.
         assert!(parse_maps("x-y r-xp 0 0 0 /a\n5-5 r-xp 0 0 0 /b\n -\n\n").is_empty());
     }

@@ -303,13 +303,13 @@ impl Module {
         .or_else(|| dwarf_context(&obj, &file).unwrap_or_else(&mut refuse));
         // A `.dwp` package sits beside the file, by the file's own name.
         let dwp = local.path.as_ref().map(|p| {
-            let mut name = p.clone().into_os_string();
+            let mut name = p.as_os_str().to_os_string();
             name.push(".dwp");
             (
                 LocalFile {
                     map_file: None,
                     root: local.root.clone(),
-                    path: Some(PathBuf::from(name)),
+                    path: Some(PathBuf::from(name).into()),
                     owner: local.owner,
                 },
                 OnceLock::new(),
@@ -506,7 +506,7 @@ pub fn find_debuglink(
         ));
     }
     candidates.into_iter().find_map(|(root, c)| {
-        if c == *path {
+        if *c == **path {
             return None;
         }
         let f = root.open(&c).ok()?;
@@ -556,7 +556,7 @@ pub fn unsymbolized(address: u64, maps: &[Mapping]) -> Frame {
     let m = maps::find(maps, address.wrapping_sub(1));
     Frame {
         address,
-        module: m.map(|m| m.path.clone()),
+        module: m.map(|m| m.path.to_string()),
         module_offset: m.map(|m| address - m.start + m.offset),
         ..Frame::default()
     }
