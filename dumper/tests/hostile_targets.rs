@@ -1029,6 +1029,66 @@ fn a_collector_gives_back_what_it_read_for_a_process_once_it_exited() {
 }
 
 #[test]
+fn a_file_cut_short_by_another_process_of_its_user_is_read_whole_once_that_one_exited() {
+    if !root_here("collector's re-reading") {
+        return;
+    }
+    let _big = BIG_READS.lock();
+    let t = TempDir::new("hostile-collector-again");
+    let (first, second) = one_of_two_fits(&t);
+    let out_dir = t.path("collected");
+    let (mut watch, lines) = running(
+        &[
+            "watch",
+            "--all",
+            "--scan",
+            "20ms",
+            "--poll",
+            "5ms",
+            "-f",
+            "json",
+            "-d",
+            &out_dir.to_string_lossy(),
+        ],
+        &ONE_OF_TWO_TOTAL,
+    );
+    let requested = |target: &mut Target| {
+        target.send("request");
+        target.wait_line("requested");
+        read_json(&next_written(&lines, &out_dir, target.pid()))
+    };
+    let short = |j: &serde_json::Value| j["notes"].to_string().contains("HEAPDUMP_MAX_TOTAL_READ");
+    // Two processes of one user, both alive: the second's library does not
+    // fit in what the first left of their user's share.
+    let mut crowding = hostile_of_user_with_plugins(ALONE, &[&first]);
+    while !lines
+        .next()
+        .starts_with(&format!("watching {} ", crowding.pid()))
+    {}
+    assert!(!short(&requested(&mut crowding)));
+    let mut crowded = hostile_of_user_with_plugins(ALONE, &[&second]);
+    while !lines
+        .next()
+        .starts_with(&format!("watching {} ", crowded.pid()))
+    {}
+    let j = requested(&mut crowded);
+    assert!(short(&j), "{}", j["notes"]);
+    // The first exits: what was read for it goes back to the share.
+    let pid = crowding.pid();
+    crowding.send("quit");
+    assert!(crowding.finish().success());
+    next_written(&lines, &out_dir, pid);
+    // Before: the library stayed cut short for as long as its process ran.
+    let j = requested(&mut crowded);
+    assert!(!short(&j), "{}", j["notes"]);
+    assert_eq!(live_blocks_through(&j, "site_plugin"), 100);
+    crowded.send("quit");
+    // SAFETY: kill takes a pid and a signal.
+    unsafe { libc::kill(watch.id() as i32, libc::SIGTERM) };
+    assert!(watch.wait().unwrap().success());
+}
+
+#[test]
 fn one_users_processes_cannot_take_all_of_a_collectors_total_read() {
     if !root_here("users' shares") {
         return;

@@ -443,9 +443,19 @@ pub struct Symbolizer {
     /// The bytes of `total` (`None`: no limit, and no shares); each
     /// user's share is half of them.
     total_bytes: Option<u64>,
-    /// Modules that did not fit whole, with the user whose share they were
-    /// read in (read again for another user's process).
-    short: HashMap<FileIdentity, Option<u32>>,
+    /// Modules that did not fit whole (read again for another user's
+    /// process, or once their user's share has more room).
+    short: HashMap<FileIdentity, CutShort>,
+}
+
+/// A module that did not fit whole in the share it was read in.
+#[derive(Clone, Copy, Debug)]
+struct CutShort {
+    /// The user whose share it was read in (`None`: the total's).
+    owner: Option<u32>,
+    /// What that share had left just after (see
+    /// [`Symbolizer::worth_reading_again`]).
+    left_after: u64,
 }
 
 /// A file's identity: device, inode, size and change time.
@@ -682,51 +692,115 @@ impl Symbolizer {
     }
 
     /// The identity of a mapping's file, opening and parsing it on first
-    /// use.
+    /// use (and again when it was cut short and may fit now, see
+    /// [`Self::worth_reading_again`]).
     fn identity(&mut self, local: &LocalFile, key: &str) -> Option<FileIdentity> {
-        Some(match self.opened.get(key) {
-            Some(id) => (*id)?,
-            None => {
-                if self.past_deadline() {
-                    return None;
-                }
-                let opened = match local.open() {
-                    Ok(f) => Some(f),
-                    Err(e) => {
-                        if user_space_mounts::is_refusal(&e) {
-                            self.refused
-                                .insert(key.to_string(), format!("{e}: its frames are addresses"));
-                        }
-                        None
-                    }
-                };
-                let id = opened.as_ref().and_then(|f| {
-                    let st = target_files::fstat(f).ok()?;
-                    Some((st.st_dev, st.st_ino, st.st_size, st.st_ctime))
+        if let Some(id) = self.opened.get(key) {
+            let id = (*id)?;
+            if !self.short.is_empty() && self.worth_reading_again(id, local, false) {
+                // The same file as before (its identity checked), or left.
+                let opened = local.open().ok().filter(|f| {
+                    target_files::fstat(f)
+                        .is_ok_and(|st| (st.st_dev, st.st_ino, st.st_size, st.st_ctime) == id)
                 });
-                self.opened.insert(key.to_string(), id);
-                let id = id?;
-                // A module that did not fit in the share of the user it was
-                // first read for is read again for another user's process,
-                // and kept if it fits there: one user that used up its
-                // share must not leave the files every process maps (the
-                // dynamic loader, libc) unread for all the others.
-                let first = !self.modules.contains_key(&id);
-                let again = self.short.get(&id).is_some_and(|o| *o != local.owner);
-                if first || again {
-                    let (module, short) = self.load_module(opened, local, key);
-                    if first || !short {
-                        self.modules.insert(id, module);
-                        if short {
-                            self.short.insert(id, local.owner);
-                        } else {
-                            self.short.remove(&id);
-                        }
-                    }
+                if opened.is_some() && !self.past_deadline() {
+                    self.read_again(opened, id, local, key);
                 }
-                id
+            }
+            return Some(id);
+        }
+        if self.past_deadline() {
+            return None;
+        }
+        let opened = match local.open() {
+            Ok(f) => Some(f),
+            Err(e) => {
+                if user_space_mounts::is_refusal(&e) {
+                    self.refused
+                        .insert(key.to_string(), format!("{e}: its frames are addresses"));
+                }
+                None
+            }
+        };
+        let id = opened.as_ref().and_then(|f| {
+            let st = target_files::fstat(f).ok()?;
+            Some((st.st_dev, st.st_ino, st.st_size, st.st_ctime))
+        });
+        self.opened.insert(key.to_string(), id);
+        let id = id?;
+        if !self.modules.contains_key(&id) {
+            let (module, short) = self.load_module(opened, local, key);
+            self.modules.insert(id, module);
+            if short {
+                let left_after = self.room_of(local.owner);
+                self.short.insert(
+                    id,
+                    CutShort {
+                        owner: local.owner,
+                        left_after,
+                    },
+                );
+            }
+        } else if self.worth_reading_again(id, local, true) {
+            self.read_again(opened, id, local, key);
+        }
+        Some(id)
+    }
+
+    /// Whether the module of file `id`, which did not fit whole, is to be
+    /// read again for the process whose mapping is `local`: for another
+    /// user's process seen for the first time (`new_key`: one user that
+    /// used up its share must not leave the files every process maps, the
+    /// dynamic loader and libc, unread for all the others), or once the
+    /// share it was read in has more room than it had just after (what
+    /// crowded it out was given back: a collector's target whose file was
+    /// cut short while another process of its user held the share gets it
+    /// whole once that process exited). Never twice for the same room, nor
+    /// for users taking turns with processes seen before.
+    fn worth_reading_again(&self, id: FileIdentity, local: &LocalFile, new_key: bool) -> bool {
+        self.short.get(&id).is_some_and(|s| {
+            if s.owner == local.owner {
+                self.room_of(s.owner) > s.left_after
+            } else {
+                new_key
             }
         })
+    }
+
+    /// Reads file `id` again (see [`Self::worth_reading_again`]), charged
+    /// to the share of `local`'s user: the module read before is let go
+    /// first (what it read is given back, so the new reading has all the
+    /// room there is), and the new one kept, whole or not.
+    fn read_again(&mut self, opened: Option<File>, id: FileIdentity, local: &LocalFile, key: &str) {
+        drop(self.modules.remove(&id));
+        let (module, short) = self.load_module(opened, local, key);
+        self.modules.insert(id, module);
+        if short {
+            let left_after = self.room_of(local.owner);
+            self.short.insert(
+                id,
+                CutShort {
+                    owner: local.owner,
+                    left_after,
+                },
+            );
+        } else {
+            self.short.remove(&id);
+        }
+    }
+
+    /// Bytes a file read for a process of user `owner` may take now: what
+    /// is left of that user's share (a share not made yet: half the
+    /// total), within what is left of the total.
+    fn room_of(&self, owner: Option<u32>) -> u64 {
+        let total = self.total.left();
+        match (owner, self.total_bytes) {
+            (Some(uid), Some(bytes)) => self
+                .shares
+                .get(&uid)
+                .map_or(total.min(bytes / 2), TotalBudget::left),
+            _ => total,
+        }
     }
 
     /// Reads a file's module, charged to an account of its own in the
