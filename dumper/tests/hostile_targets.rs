@@ -1264,6 +1264,91 @@ fn a_server_never_answers_for_a_process_from_the_regions_of_one_that_had_its_pid
 }
 
 #[test]
+fn a_process_that_executes_another_program_is_followed_by_watch_collector_and_server() {
+    if !root_here("exec") {
+        return;
+    }
+    // A process whose agent made its regions, then executed a program
+    // (itself here: a wrapper that `exec`s the service, `setpriv`, `sh -c
+    // 'exec ...'`): its new program's regions are new ones. watch, the
+    // collector and the server kept the first regions open, answered
+    // nothing of the new program and snapshotted the old one forever.
+    let _big = BIG_READS.lock();
+    let t = TempDir::new("hostile-exec");
+    let blocks = |j: &serde_json::Value| live_blocks_through(j, "site_hostile");
+    for all in [false, true] {
+        let mut target = hostile_with_plugins(&[]);
+        let pid = target.pid();
+        target.send("alloc");
+        target.wait_line("allocated");
+        let out_dir = t.path(if all { "all" } else { "one" });
+        let mut args = vec!["watch", "--scan", "20ms", "--poll", "5ms", "-f", "json"];
+        let pid_arg = pid.to_string();
+        args.push(if all { "--all" } else { &pid_arg });
+        let dir_arg = out_dir.to_string_lossy().to_string();
+        args.extend(["-d", &dir_arg]);
+        let (mut watch, lines) = running(&args, &[]);
+        while !lines.next().starts_with(&format!("watching {pid} ")) {}
+        target.send("exec");
+        target.wait_line("ready");
+        // The program before: its last snapshot, its 100 blocks.
+        let before = next_written(&lines, &out_dir, pid);
+        assert!(before.to_string_lossy().contains("-exec-"), "{before:?}");
+        assert_eq!(blocks(&read_json(&before)), 100, "all: {all}");
+        // The new program, watched: its request answered from its own
+        // regions (200 blocks of its own, none of the program before).
+        while !lines.next().starts_with(&format!("watching {pid} ")) {}
+        for _ in 0..2 {
+            target.send("alloc");
+            target.wait_line("allocated");
+        }
+        target.send("request");
+        target.wait_line("requested");
+        let answered = next_written(&lines, &out_dir, pid);
+        assert!(
+            answered.to_string_lossy().contains("-signal-"),
+            "{answered:?}"
+        );
+        assert_eq!(blocks(&read_json(&answered)), 200, "all: {all}");
+        target.send("quit");
+        assert!(target.finish().success());
+        let last = next_written(&lines, &out_dir, pid);
+        assert!(last.to_string_lossy().contains("-exit-"), "{last:?}");
+        assert_eq!(blocks(&read_json(&last)), 200, "all: {all}");
+        if all {
+            // SAFETY: kill takes a pid and a signal.
+            unsafe { libc::kill(watch.id() as i32, libc::SIGTERM) };
+        }
+        assert!(watch.wait().unwrap().success());
+    }
+    // The server: opened before the exec, asked after it.
+    let mut target = hostile_with_plugins(&[]);
+    let pid = target.pid();
+    target.send("alloc");
+    target.wait_line("allocated");
+    let (mut server, lines) = running(&["serve", "--listen", "127.0.0.1:0", "--no-symbolize"], &[]);
+    let addr = listening_addr(&lines.next());
+    let live_blocks = || {
+        let (head, body) = http_get_with(&addr, &format!("/debug/pprof/heap?pid={pid}"), "");
+        assert!(head.contains(" 200 "), "{head}");
+        let p = heapdump::formats::pprof::decode(&body).expect("pprof body");
+        p.sample.iter().map(|s| s.value[2]).sum::<i64>()
+    };
+    let before = live_blocks();
+    assert!(before >= 100, "{before}");
+    target.send("exec");
+    target.wait_line("ready");
+    let after = live_blocks();
+    assert!(
+        after < before - 50,
+        "served from the program before: {after} of {before} blocks"
+    );
+    target.send("quit");
+    let _ = server.kill();
+    let _ = server.wait();
+}
+
+#[test]
 fn a_process_with_more_mappings_than_kept_is_snapshotted_and_told_so() {
     if !root_here("many mappings") {
         return;

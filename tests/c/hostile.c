@@ -33,6 +33,9 @@
  *   "wrapped"          -> site_wrapped_a and site_wrapped_b each allocate 7
  *                         blocks through the program's own wrapper
  *                         xmalloc_checked (as redis's zmalloc); "wrapped"
+ *   "exec"             -> executes itself again (/proc/self/exe: a new
+ *                         program image, same pid, with the agent's regions
+ *                         made anew), which prints "ready PID" again
  *   "crash"            -> a null dereference; the process must die of it
  *   "quit"             -> exit 0 */
 #define _GNU_SOURCE
@@ -233,6 +236,11 @@ int main(void) {
             site_wrapped_a();
             site_wrapped_b();
             printf("wrapped\n");
+        } else if (!strcmp(line, "exec")) {
+            char *args[] = {"hostile", NULL};
+            fflush(stdout);
+            execv("/proc/self/exe", args);
+            printf("exec failed\n");
         } else if (!strcmp(line, "crash")) {
             fflush(stdout);
             volatile int *p = NULL;

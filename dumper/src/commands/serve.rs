@@ -212,10 +212,11 @@ impl State {
     }
 
     /// Forgets every target that exited since it was last served (whether
-    /// or not it is asked for again), or whose pid another process now
-    /// has (its start time is not the one the target was opened with):
-    /// that process is opened afresh, never served from the dead one's
-    /// regions.
+    /// or not it is asked for again), whose pid another process now has
+    /// (its start time is not the one the target was opened with), or
+    /// that executed another program (its regions open are its program's
+    /// before): that process is opened afresh, never served from regions
+    /// that are not its own now.
     fn forget_exited(&mut self) {
         let exited: Vec<u32> = self
             .targets
@@ -223,6 +224,7 @@ impl State {
             .filter(|(&p, t)| {
                 crate::commands::watch::ExitWatch::new(p).exited()
                     || crate::process::discovery::start_time(p) != t.start_time
+                    || t.replaced()
             })
             .map(|(&p, _)| p)
             .collect();

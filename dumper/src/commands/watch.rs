@@ -71,7 +71,8 @@ pub struct WatchOptions {
     /// With the final snapshot (exit or stop), also write the heap at its
     /// peak (`-peak` before the extension).
     pub peak: bool,
-    /// How often `all` looks for new instrumented processes.
+    /// How often `all` looks for new instrumented processes, and each
+    /// target is asked whether it executed another program.
     pub scan: Duration,
     /// Keep the snapshot files in the directory under this many bytes in
     /// all, deleting the oldest of the target that holds the most first.
@@ -94,6 +95,9 @@ pub enum Reason {
     Interval,
     /// The target exited.
     Exit,
+    /// The target executed another program (`exec`): the last snapshot
+    /// of the program it ran before.
+    Exec,
     /// The dumper was asked to stop (SIGINT/SIGTERM).
     Stop,
 }
@@ -118,6 +122,7 @@ impl Reason {
             }
             Reason::Interval => "interval".to_string(),
             Reason::Exit => "exit".to_string(),
+            Reason::Exec => "exec".to_string(),
             Reason::Stop => "stop".to_string(),
         }
     }
@@ -237,6 +242,12 @@ struct Watched {
     /// Whether its mappings changed since the collector last forgot the
     /// files nobody maps.
     maps_changed: bool,
+    /// When it was last asked whether it executed another program.
+    image_checked: Instant,
+    /// Whether it executed another program whose regions are not open
+    /// (yet): what is open is the program it ran before, already
+    /// snapshotted.
+    replaced: bool,
 }
 
 impl Watched {
@@ -380,7 +391,7 @@ fn shoot(
         })?;
         paths.push(path);
     }
-    let last = matches!(reason, Reason::Exit | Reason::Stop);
+    let last = matches!(reason, Reason::Exit | Reason::Stop | Reason::Exec);
     if last && opts.peak && snapshot::peak_recorded(&w.target).is_ok() {
         let peak = snapshot::take(
             &w.target,
@@ -482,6 +493,70 @@ impl Watcher {
         Ok(())
     }
 
+    /// Follows the targets that executed another program (asked once per
+    /// scan interval each, [`Target::replaced`]): the regions open are the
+    /// program's before, whose requests and final snapshot are over, and
+    /// the new program's (if the agent is loaded there too) are new ones,
+    /// which nothing would ever answer (a wrapper that `exec`s the service,
+    /// adopted in the moment before, hid the service from the collector
+    /// for its whole life). The program before gets its last snapshot
+    /// (`exec`), with the mappings it had; the new one is opened as a
+    /// target found anew (`watching PID (NAME)`), at once or at a later
+    /// scan.
+    fn follow_execs(&mut self, on_written: &mut impl FnMut(&Written)) -> Result<(), WatchError> {
+        let opts = self.opts.clone();
+        for w in self.watched.iter_mut().filter(|w| !w.done) {
+            if w.image_checked.elapsed() < opts.scan {
+                continue;
+            }
+            w.image_checked = Instant::now();
+            if !w.replaced {
+                if w.exit.exited() || !w.target.replaced() {
+                    continue;
+                }
+                // Done while it is taken: its mappings now are the new
+                // program's, not read for this one.
+                w.done = true;
+                match shoot(
+                    w,
+                    Reason::Exec,
+                    &opts,
+                    &mut self.symbolizer,
+                    &mut self.build_ids,
+                ) {
+                    Ok(mut written) => {
+                        if let Some(max) = opts.max_total {
+                            enforce_total_fairly(&opts.dir, max, &mut written);
+                        }
+                        on_written(&written);
+                    }
+                    Err(e) if opts.all => eprintln!("heapdump: {e}"),
+                    Err(e) => return Err(e),
+                }
+                w.done = false;
+                w.replaced = true;
+            }
+            match open_one(w.target.pid, true, &mut self.build_ids) {
+                Ok(mut fresh) => {
+                    if opts.symbolize {
+                        self.symbolizer.open_modules(&fresh.maps);
+                    }
+                    println!("watching {} ({})", fresh.target.pid, fresh.target.name);
+                    let _ = std::io::stdout().flush();
+                    fresh.seq = w.seq;
+                    fresh.maps_changed = true;
+                    *w = fresh;
+                }
+                // The collector adopts it again at a later scan, once its
+                // new program is instrumented.
+                Err(_) if opts.all => w.done = true,
+                // Asked again at the next interval.
+                Err(_) => {}
+            }
+        }
+        Ok(())
+    }
+
     /// Forgets the files (parsed symbols, build IDs) that no watched
     /// process maps any more: a collector's caches hold what its live
     /// targets map, not what every process it saw in weeks mapped, and
@@ -523,6 +598,7 @@ impl Watcher {
                     }
                 }
             }
+            self.follow_execs(&mut on_written)?;
             let (symbolizer, build_ids) = (&mut self.symbolizer, &mut self.build_ids);
             let mut shoot_or_drop =
                 |w: &mut Watched, reason: Reason| -> Result<Option<Written>, WatchError> {
@@ -545,6 +621,12 @@ impl Watcher {
                 };
             for w in self.watched.iter_mut().filter(|w| !w.done) {
                 let exited = w.exit.exited();
+                if w.replaced {
+                    // Its program before the exec is snapshotted, its new
+                    // one not instrumented (yet): nothing to answer.
+                    w.done = exited || stopping;
+                    continue;
+                }
                 let req = read_request(&w.target.allocations.view());
                 let due = w
                     .last_answer
@@ -640,6 +722,8 @@ fn open_one(
         last_answer: None,
         told_rate: false,
         maps_changed: false,
+        image_checked: Instant::now(),
+        replaced: false,
     })
 }
 
@@ -767,7 +851,10 @@ pub struct WatchArgs {
     /// stopped (SIGINT/SIGTERM). See dist/heapdump-collector.service.
     #[arg(long)]
     pub(crate) all: bool,
-    /// With --all: how often to look for new instrumented processes.
+    /// How often to look for new instrumented processes (with --all), and
+    /// how often each target is asked whether it executed another program
+    /// (then its program before gets a last snapshot, `exec`, and the new
+    /// one is watched).
     #[arg(long, default_value = "1s", value_parser = humantime::parse_duration)]
     pub(crate) scan: Duration,
     /// Keep the snapshot files in the directory under SIZE bytes in all

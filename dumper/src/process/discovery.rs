@@ -67,6 +67,40 @@ impl Target {
             .get_or_init(|| crate::process::visibility::inspect_process(self.pid).described())
     }
 
+    /// Whether process `pid`, the same process (its start time unchanged),
+    /// no longer maps the allocations region it was opened with: it
+    /// executed another program (`exec`), whose regions, if the agent is
+    /// loaded there too, are new ones; what was opened is the program it
+    /// ran before. False while it still maps it, and when that cannot be
+    /// told (the process exited, or its pid is another's now: see
+    /// [`crate::commands::watch::ExitWatch`] and `start_time`).
+    ///
+    /// One walk of its shared writable file mappings (the kernel filters
+    /// them where it can, see [`super::mappings`]): cheap enough for a
+    /// watch to ask once per scan.
+    pub fn replaced(&self) -> bool {
+        let Some(inode) = fstat_inode(self.allocations.raw_fd()) else {
+            return false;
+        };
+        let wanted = super::mappings::Wanted {
+            file_backed: true,
+            writable: true,
+            shared: true,
+            ..Default::default()
+        };
+        let mut mapped = false;
+        let walked = super::mappings::for_each(self.pid, wanted, |l| {
+            mapped = l.inode == inode
+                && region_mapping(l).is_some_and(|m| m.kind == RegionKind::Allocations);
+            if mapped {
+                std::ops::ControlFlow::Break(())
+            } else {
+                std::ops::ControlFlow::Continue(())
+            }
+        });
+        walked.is_ok() && !mapped && start_time(self.pid) == self.start_time
+    }
+
     /// The process-wide counters in the allocations header.
     pub fn counters(&self) -> Result<Counters, TableError> {
         Ok(AllocationsReader::new(&self.allocations)?.counters())
@@ -334,6 +368,17 @@ fn region_mapping(l: &super::maps_lines::MapsLine<'_>) -> Option<RegionMapping> 
         writable: perms[1] == b'w',
         inode: l.inode,
     })
+}
+
+/// The inode of an open file (a region's memfd).
+fn fstat_inode(fd: std::os::fd::RawFd) -> Option<u64> {
+    let mut st = std::mem::MaybeUninit::<libc::stat>::uninit();
+    // SAFETY: fstat writes a `struct stat` into `st` (valid for writes of
+    // its size) and reads nothing else; `fd` is a descriptor the caller's
+    // reader holds open for the call.
+    let r = unsafe { libc::fstat(fd, st.as_mut_ptr()) };
+    // SAFETY: fstat succeeded, so it filled `st`.
+    (r == 0).then(|| unsafe { st.assume_init() }.st_ino)
 }
 
 fn proc_error(pid: u32, e: io::Error) -> DiscoveryError {
