@@ -63,22 +63,27 @@ fn as_nobody(exe: &Path) -> Command {
     c
 }
 
-/// `exe` run as user `uid` (group too) under the preload agent.
+/// `exe` run as user `uid` (group too) under the preload agent. The agent
+/// is loaded into `exe` only (`env` sets it for it), not into `setpriv`
+/// before: a collector could adopt `setpriv` and see its `exec` (which
+/// `a_process_that_executes_another_program_is_followed_by_watch_collector_and_server`
+/// pins down), and the tests that wait for a target's snapshot want the
+/// program's.
 fn as_user_recorded(exe: &Path, uid: u32) -> Command {
     let mut c = Command::new("/usr/bin/setpriv");
     c.arg(format!("--reuid={uid}"))
         .arg(format!("--regid={uid}"))
-        .args(["--clear-groups", "--inh-caps=-all", "--"])
+        .args(["--clear-groups", "--inh-caps=-all", "--", "/usr/bin/env"])
+        .arg(format!("LD_PRELOAD={}", preload_lib().display()))
         .arg(exe);
-    c.env("LD_PRELOAD", preload_lib());
+    c.env_remove("LD_PRELOAD");
     c
 }
 
-/// `exe` run as `nobody` under the preload agent.
+/// `exe` run as `nobody` under the preload agent (loaded into `exe` only,
+/// see [`as_user_recorded`]).
 fn as_nobody_recorded(exe: &Path) -> Command {
-    let mut c = as_nobody(exe);
-    c.env("LD_PRELOAD", preload_lib());
-    c
+    as_user_recorded(exe, NOBODY)
 }
 
 /// Runs heapdump; a run that outlives the hang guard is killed and fails
