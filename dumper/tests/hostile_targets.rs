@@ -1094,6 +1094,57 @@ fn a_file_cut_short_by_another_process_of_its_user_is_read_whole_once_that_one_e
 }
 
 #[test]
+fn watch_of_several_processes_gives_back_what_it_read_for_one_that_exited() {
+    if !root_here("watch's give-back") {
+        return;
+    }
+    let _big = BIG_READS.lock();
+    let t = TempDir::new("hostile-watch-several");
+    let (first, second) = one_of_two_fits(&t);
+    let mut gone = hostile_of_user_with_plugins(ALONE, &[&first]);
+    let mut stays = hostile_of_user_with_plugins(ALONE, &[&second]);
+    let out_dir = t.path("snaps");
+    let (gone_pid, stays_pid) = (gone.pid().to_string(), stays.pid().to_string());
+    let (mut watch, lines) = running(
+        &[
+            "watch",
+            &gone_pid,
+            &stays_pid,
+            "--poll",
+            "5ms",
+            "-f",
+            "json",
+            "-d",
+            &out_dir.to_string_lossy(),
+        ],
+        &ONE_OF_TWO_TOTAL,
+    );
+    assert!(lines.next().starts_with("watching "));
+    let short = |j: &serde_json::Value| j["notes"].to_string().contains("HEAPDUMP_MAX_TOTAL_READ");
+    let requested = |target: &mut Target| {
+        target.send("request");
+        target.wait_line("requested");
+        read_json(&next_written(&lines, &out_dir, target.pid()))
+    };
+    // Both libraries do not fit in their user's share: the second is cut
+    // short while the first process lives.
+    let j = requested(&mut stays);
+    assert!(short(&j), "{}", j["notes"]);
+    let pid = gone.pid();
+    gone.send("quit");
+    assert!(gone.finish().success());
+    next_written(&lines, &out_dir, pid);
+    // Before: `watch PID...` kept every target's files until all were
+    // done, so the second library stayed cut short.
+    let j = requested(&mut stays);
+    assert!(!short(&j), "{}", j["notes"]);
+    assert_eq!(live_blocks_through(&j, "site_plugin"), 100);
+    stays.send("quit");
+    assert!(stays.finish().success());
+    assert!(watch.wait().unwrap().success());
+}
+
+#[test]
 fn one_users_processes_cannot_take_all_of_a_collectors_total_read() {
     if !root_here("users' shares") {
         return;

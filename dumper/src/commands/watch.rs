@@ -562,7 +562,12 @@ impl Watcher {
     /// targets map, not what every process it saw in weeks mapped, and
     /// what they read goes back to `HEAPDUMP_MAX_TOTAL_READ`.
     fn forget_unwatched_files(&mut self) {
-        let maps = || self.watched.iter().flat_map(|w| w.maps.iter());
+        let maps = || {
+            self.watched
+                .iter()
+                .filter(|w| !w.done)
+                .flat_map(|w| w.maps.iter())
+        };
         self.symbolizer.retain_mapped(maps());
         self.build_ids.retain_mapped(maps());
         for w in &mut self.watched {
@@ -585,6 +590,7 @@ impl Watcher {
     ) -> Result<(), WatchError> {
         let opts = self.opts.clone();
         let mut last_scan: Option<Instant> = None;
+        let mut done_before = 0;
         loop {
             let stopping = stop.load(Ordering::Relaxed) || stop_requested();
             if opts.all && !stopping && last_scan.is_none_or(|t| t.elapsed() >= opts.scan) {
@@ -686,8 +692,19 @@ impl Watcher {
                 if stopping {
                     return Ok(());
                 }
-            } else if self.watched.iter().all(|w| w.done) {
-                return Ok(());
+            } else {
+                // The same for `watch PID...`, whose targets that are done
+                // stay listed: what only they mapped goes back to the
+                // total for the others (their final snapshots are taken).
+                let done = self.watched.iter().filter(|w| w.done).count();
+                let changed = self.watched.iter().any(|w| w.maps_changed && !w.done);
+                if done == self.watched.len() {
+                    return Ok(());
+                }
+                if done != done_before || changed {
+                    done_before = done;
+                    self.forget_unwatched_files();
+                }
             }
             std::thread::sleep(opts.poll);
         }
