@@ -7,6 +7,7 @@
 mod common;
 
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 
@@ -574,20 +575,13 @@ fn section_headers(b: &[u8]) -> Vec<SectionHeader> {
         .collect()
 }
 
-/// The largest resident set of heapdump's children so far, in bytes.
-fn children_max_rss() -> u64 {
-    // SAFETY: an all-zero rusage is valid; getrusage fills it.
-    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
-    // SAFETY: a valid rusage to write.
-    unsafe { libc::getrusage(libc::RUSAGE_CHILDREN, &mut u) };
-    u.ru_maxrss as u64 * 1024
-}
-
 #[test]
 fn a_sparse_4gib_note_and_a_1tib_debuglink_cost_little() {
     if !root_here("sparse files") {
         return;
     }
+    // No collector of another test reads this target's files meanwhile.
+    let _big = BIG_READS.lock();
     let t = TempDir::new("hostile-sparse");
     let d = nobody_dir(&t, "app");
     // A library whose note sections claim 4 GiB (sparse on disk).
@@ -618,9 +612,10 @@ fn a_sparse_4gib_note_and_a_1tib_debuglink_cost_little() {
     let pid = target.pid().to_string();
     let started = std::time::Instant::now();
     let json = t.str("s.json");
-    ok(&bounded(&["snapshot", &pid, "-o", &json]));
+    let rss = measured(&["snapshot", &pid, "-o", &json], &[])
+        .ok("snapshot")
+        .rss;
     let took = started.elapsed();
-    let rss = children_max_rss();
     // The benchmark line (docs/safety.md quotes it).
     eprintln!(
         "bench: snapshot of a target with a 4 GiB note and a 1 TiB debug link: {:.2} s, \
@@ -801,6 +796,9 @@ fn a_small_library_whose_line_table_would_fill_memory_is_named_from_its_symbols(
     if !root_here("line table") {
         return;
     }
+    // No collector of another test reads this target's files meanwhile
+    // (with the default file budget that takes a gigabyte).
+    let _big = BIG_READS.lock();
     let t = TempDir::new("hostile-lines");
     let d = nobody_dir(&t, "app");
     let lib = d.join("libfiles.so");
@@ -821,11 +819,12 @@ fn a_small_library_whose_line_table_would_fill_memory_is_named_from_its_symbols(
     let pid = target.pid().to_string();
     let json = t.str("s.json");
     // A budget of 256 MiB a file (the default is 2 GiB).
-    ok(&bounded_with(
+    let rss = measured(
         &["snapshot", &pid, "-o", &json],
         &[("HEAPDUMP_MAX_FILE_READ", "268435456")],
-    ));
-    let rss = children_max_rss();
+    )
+    .ok("snapshot")
+    .rss;
     assert!(rss < 512 << 20, "heapdump used {} MiB", rss >> 20);
     let j = read_json(Path::new(&json));
     assert_eq!(live_blocks_through(&j, "site_plugin"), 100);
@@ -862,42 +861,79 @@ fn inflate_section(p: &Path, name: &str, size: u64) -> u64 {
     at
 }
 
-/// Runs heapdump (within the hang guard) and gives how it ended and its
-/// own largest resident set, in bytes. That starts at the test process's
-/// own largest resident set (the kernel carries it over the spawn's
-/// `exec`): a test that measures never holds much memory itself.
-fn measured(args: &[&str], env: &[(&str, &str)]) -> (std::process::ExitStatus, u64) {
-    let child = Command::new(bin())
+/// One heapdump run (within the hang guard): how it ended, its own largest
+/// resident set in bytes, and what it wrote to stderr.
+struct Measured {
+    status: std::process::ExitStatus,
+    rss: u64,
+    stderr: String,
+}
+
+impl Measured {
+    /// Panics with heapdump's stderr unless it succeeded.
+    fn ok(&self, what: &str) -> &Self {
+        assert!(
+            self.status.success(),
+            "{what}: {:?}\n{}",
+            self.status,
+            self.stderr
+        );
+        self
+    }
+}
+
+/// Runs heapdump with `args` and `env` and measures it: through
+/// `tests/c/peak_rss.c`, a small process that forks and execs it, because
+/// a program this test process spawns starts its largest resident set at
+/// this process's own, and `RUSAGE_CHILDREN` keeps the largest of every
+/// child the test process ever had (a collector of another test included).
+fn measured(args: &[&str], env: &[(&str, &str)]) -> Measured {
+    static RUNS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = RUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let dir = std::env::temp_dir();
+    let peak = dir.join(format!("heapdump-peak-{}-{n}", std::process::id()));
+    let errors = dir.join(format!("heapdump-peak-{}-{n}.err", std::process::id()));
+    let child = Command::new(compile_c("peak_rss"))
+        .arg(&peak)
+        .arg(bin())
         .args(args)
         .envs(env.iter().copied())
         .stdin(Stdio::null())
         .stdout(Stdio::null())
-        .stderr(Stdio::null())
+        .stderr(std::fs::File::create(&errors).unwrap())
+        .process_group(0)
         .spawn()
         .expect("run heapdump");
-    let pid = child.id() as i32;
+    let group = child.id() as i32;
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
-        let mut status = 0;
-        // SAFETY: an all-zero rusage is valid; wait4 fills it.
-        let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
-        // SAFETY: waits for our own child, writing into locals.
-        unsafe { libc::wait4(pid, &mut status, 0, &mut usage) };
-        let _ = tx.send((status, usage.ru_maxrss as u64 * 1024));
+        let mut child = child;
+        let _ = tx.send(child.wait());
     });
-    let Ok((status, rss)) = rx.recv_timeout(HANG_GUARD) else {
-        // SAFETY: kill takes a pid and a signal.
-        unsafe { libc::kill(pid, libc::SIGKILL) };
+    let Ok(status) = rx.recv_timeout(HANG_GUARD) else {
+        // SAFETY: kill takes a (negated: the group's) pid and a signal.
+        unsafe { libc::kill(-group, libc::SIGKILL) };
         panic!("heapdump {args:?} hung (killed after {HANG_GUARD:?})");
     };
-    std::mem::forget(child); // reaped above
-    (std::os::unix::process::ExitStatusExt::from_raw(status), rss)
+    let kib: u64 = std::fs::read_to_string(&peak)
+        .ok()
+        .and_then(|t| t.trim().parse().ok())
+        .unwrap_or_else(|| panic!("peak_rss wrote no figure for heapdump {args:?}"));
+    let stderr = std::fs::read_to_string(&errors).unwrap_or_default();
+    let _ = std::fs::remove_file(&peak);
+    let _ = std::fs::remove_file(&errors);
+    Measured {
+        status: status.unwrap(),
+        rss: kib * 1024,
+        stderr,
+    }
 }
 
-/// Held by the tests whose targets make heapdump read tens of MiB, and by
-/// those that run a collector (`watch --all`): a collector adopts every
-/// instrumented process of the machine, other tests' too, and reads their
-/// files (which takes its time, and its total).
+/// Held by the tests whose targets make heapdump read tens of MiB (or would,
+/// past a budget the test sets), and by those that run a collector (`watch
+/// --all`): a collector adopts every instrumented process of the machine,
+/// other tests' too, and reads their files (which takes its time, its
+/// total, and the machine's memory).
 static BIG_READS: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 /// A plugin of the hostile program at `lib` (owned by nobody) whose
@@ -936,11 +972,12 @@ fn many_sparse_libraries_cost_no_more_than_the_total_read_budget() {
     let mut target = hostile_with_plugins(&libs.iter().map(PathBuf::as_path).collect::<Vec<_>>());
     let pid = target.pid().to_string();
     let json = t.str("s.json");
-    let (status, rss) = measured(
+    let rss = measured(
         &["snapshot", &pid, "-o", &json],
         &[("HEAPDUMP_MAX_TOTAL_READ", &(50u64 << 20).to_string())],
-    );
-    assert!(status.success(), "{status:?}");
+    )
+    .ok("snapshot")
+    .rss;
     // One library's 32 MiB (read, then copied out of the file's cache)
     // and heapdump's own; without the total: all eight, kept.
     assert!(rss < 250 << 20, "heapdump used {} MiB", rss >> 20);
@@ -1466,29 +1503,29 @@ fn a_target_with_a_quarter_gigabyte_of_maps_text_costs_attach_and_snapshot_littl
     let pid = target.pid().to_string();
     target.send(&format!("mapmany 50000 {}", data.display()));
     assert_eq!(target.wait_line(""), "mapped 50000");
-    // Counted a piece at a time: a spawned program's largest resident set
-    // starts at its parent's (the test process's) at the spawn.
+    // Counted a piece at a time (not held: 180 MB).
     let mut maps = std::fs::File::open(format!("/proc/{pid}/maps")).unwrap();
     let text = std::io::copy(&mut maps, &mut std::io::sink()).unwrap();
     assert!(text > 150 << 20, "{text} bytes of maps text");
     let lib = preload_lib();
     let quiet = [("HEAPDUMP_DEBUG_DIRS", "/nonexistent")];
-    let (status, attach_rss) = measured(
+    let attach_rss = measured(
         &["attach", &pid, "--library", lib.to_str().unwrap()],
         &quiet,
-    );
-    assert!(status.success(), "attach: {status:?}");
+    )
+    .ok("attach")
+    .rss;
     target.send("alloc");
     target.wait_line("allocated");
     // Folded stacks, not JSON: the JSON lists the 16 Ki kept mappings with
-    // their paths, and reading it here would raise the test process's own
-    // largest resident set, which every program it spawns after starts at.
+    // their paths (57 MB), more than this test needs to read.
     let folded = t.str("s.folded");
-    let (status, snapshot_rss) = measured(
+    let snapshot_rss = measured(
         &["snapshot", &pid, "--format", "folded", "-o", &folded],
         &quiet,
-    );
-    assert!(status.success(), "snapshot: {status:?}");
+    )
+    .ok("snapshot")
+    .rss;
     let stacks = std::fs::read_to_string(&folded).unwrap();
     let site: Vec<&str> = stacks
         .lines()
@@ -1496,8 +1533,7 @@ fn a_target_with_a_quarter_gigabyte_of_maps_text_costs_attach_and_snapshot_littl
         .collect();
     assert_eq!(site.len(), 1, "{stacks}");
     assert!(site[0].ends_with(" 30000"), "{stacks}");
-    let (status, detach_rss) = measured(&["detach", &pid], &quiet);
-    assert!(status.success(), "detach: {status:?}");
+    let detach_rss = measured(&["detach", &pid], &quiet).ok("detach").rss;
     // Each well under one copy of the text, or of the kept mappings' paths
     // (16 Ki x 3.5 KiB = 57 MiB a copy).
     for (what, rss) in [

@@ -433,6 +433,32 @@ fn shoot(
     })
 }
 
+/// [`shoot`], then the directory kept within `--max-total`; with `--all`,
+/// a failed snapshot ends that target's watch (`None`), not the
+/// collector's, which outlives any one target.
+fn shoot_or_drop(
+    w: &mut Watched,
+    reason: Reason,
+    opts: &WatchOptions,
+    symbolizer: &mut Symbolizer,
+    build_ids: &mut BuildIds,
+) -> Result<Option<Written>, WatchError> {
+    match shoot(w, reason, opts, symbolizer, build_ids) {
+        Ok(mut written) => {
+            if let Some(max) = opts.max_total {
+                enforce_total_fairly(&opts.dir, max, &mut written);
+            }
+            Ok(Some(written))
+        }
+        Err(e) if opts.all => {
+            eprintln!("heapdump: {e}");
+            w.done = true;
+            Ok(None)
+        }
+        Err(e) => Err(e),
+    }
+}
+
 /// Watched targets, opened and ready to answer requests.
 pub struct Watcher {
     opts: WatchOptions,
@@ -517,21 +543,15 @@ impl Watcher {
                 // Done while it is taken: its mappings now are the new
                 // program's, not read for this one.
                 w.done = true;
-                match shoot(
+                let written = shoot_or_drop(
                     w,
                     Reason::Exec,
                     &opts,
                     &mut self.symbolizer,
                     &mut self.build_ids,
-                ) {
-                    Ok(mut written) => {
-                        if let Some(max) = opts.max_total {
-                            enforce_total_fairly(&opts.dir, max, &mut written);
-                        }
-                        on_written(&written);
-                    }
-                    Err(e) if opts.all => eprintln!("heapdump: {e}"),
-                    Err(e) => return Err(e),
+                )?;
+                if let Some(written) = written {
+                    on_written(&written);
                 }
                 w.done = false;
                 w.replaced = true;
@@ -606,25 +626,9 @@ impl Watcher {
             }
             self.follow_execs(&mut on_written)?;
             let (symbolizer, build_ids) = (&mut self.symbolizer, &mut self.build_ids);
-            let mut shoot_or_drop =
-                |w: &mut Watched, reason: Reason| -> Result<Option<Written>, WatchError> {
-                    match shoot(w, reason, &opts, symbolizer, build_ids) {
-                        Ok(mut written) => {
-                            if let Some(max) = opts.max_total {
-                                enforce_total_fairly(&opts.dir, max, &mut written);
-                            }
-                            Ok(Some(written))
-                        }
-                        // The collector outlives any one target: a failed
-                        // snapshot ends that target's watch, not the others'.
-                        Err(e) if opts.all => {
-                            eprintln!("heapdump: {e}");
-                            w.done = true;
-                            Ok(None)
-                        }
-                        Err(e) => Err(e),
-                    }
-                };
+            let mut take = |w: &mut Watched, reason: Reason| {
+                shoot_or_drop(w, reason, &opts, symbolizer, build_ids)
+            };
             for w in self.watched.iter_mut().filter(|w| !w.done) {
                 let exited = w.exit.exited();
                 if w.replaced {
@@ -656,13 +660,13 @@ impl Watcher {
                     w.last_request = req.count;
                     w.last_answer = Some(Instant::now());
                     let name = req.name.unwrap_or_default();
-                    if let Some(mut written) = shoot_or_drop(w, Reason::Request(name))? {
+                    if let Some(mut written) = take(w, Reason::Request(name))? {
                         w.rotate_answered(&mut written, opts.keep_requests);
                         on_written(&written);
                     }
                 } else if let Some(iv) = opts.interval {
                     if w.last_snapshot.elapsed() >= iv && !exited {
-                        if let Some(mut written) = shoot_or_drop(w, Reason::Interval)? {
+                        if let Some(mut written) = take(w, Reason::Interval)? {
                             w.rotate(&mut written, opts.keep);
                             on_written(&written);
                         }
@@ -672,7 +676,7 @@ impl Watcher {
                     let reason = if exited { Reason::Exit } else { Reason::Stop };
                     // After exit, /proc/PID/maps is gone: keep the last maps.
                     w.done = exited;
-                    let written = shoot_or_drop(w, reason)?;
+                    let written = take(w, reason)?;
                     w.done = true;
                     if let Some(written) = written {
                         on_written(&written);

@@ -768,24 +768,26 @@ impl Symbolizer {
     }
 
     /// Reads file `id` again (see [`Self::worth_reading_again`]), charged
-    /// to the share of `local`'s user: the module read before is let go
-    /// first (what it read is given back, so the new reading has all the
-    /// room there is), and the new one kept, whole or not.
+    /// to the share of `local`'s user. In the share it was read in, whose
+    /// room grew, the module read before is let go first (what it read is
+    /// given back, so the new reading has all the room there is) and the
+    /// new one kept, whole or not; for another user's process, the new one
+    /// is kept only if it is whole (that share may have less room).
     fn read_again(&mut self, opened: Option<File>, id: FileIdentity, local: &LocalFile, key: &str) {
-        drop(self.modules.remove(&id));
+        let same_share = self.short.get(&id).is_some_and(|s| s.owner == local.owner);
+        if same_share {
+            drop(self.modules.remove(&id));
+        }
         let (module, short) = self.load_module(opened, local, key);
-        self.modules.insert(id, module);
-        if short {
-            let left_after = self.room_of(local.owner);
-            self.short.insert(
-                id,
-                CutShort {
-                    owner: local.owner,
-                    left_after,
-                },
-            );
-        } else {
+        if !short {
+            self.modules.insert(id, module);
             self.short.remove(&id);
+        } else if same_share {
+            self.modules.insert(id, module);
+            let left_after = self.room_of(local.owner);
+            if let Some(s) = self.short.get_mut(&id) {
+                s.left_after = left_after;
+            }
         }
     }
 
