@@ -1442,6 +1442,55 @@ fn a_process_that_executes_another_program_is_followed_by_watch_collector_and_se
 }
 
 #[test]
+fn top_follows_a_process_that_executes_another_program() {
+    if !root_here("exec under top") {
+        return;
+    }
+    // Before: top went on showing the program before's heap, named from
+    // the new program's mappings.
+    let mut target = hostile_with_plugins(&[]);
+    let pid = target.pid();
+    target.send("alloc");
+    target.wait_line("allocated");
+    let (mut top, lines) = running(
+        &["top", &pid.to_string(), "--interval", "20ms", "-n", "40"],
+        &[],
+    );
+    // top prints a report every 20 ms whatever happens: the waits below
+    // are bounded by the hang guard, not by its output ending.
+    let deadline = std::time::Instant::now() + HANG_GUARD;
+    let next = || {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "top never showed what was waited for"
+        );
+        lines.next()
+    };
+    // The site's live blocks in each report, as top prints them.
+    let next_count = || loop {
+        let l = next();
+        if l.contains(" site_hostile (") {
+            let cols: Vec<&str> = l.split_whitespace().collect();
+            return cols[4].to_string();
+        }
+    };
+    assert_eq!(next_count(), "100");
+    target.send("exec");
+    target.wait_line("ready");
+    let said =
+        format!("pid {pid} executed another program: this is the heap of the program before");
+    while next() != said {}
+    for _ in 0..2 {
+        target.send("alloc");
+        target.wait_line("allocated");
+    }
+    while next_count() != "200" {}
+    target.send("quit");
+    assert!(target.finish().success());
+    assert!(top.wait().unwrap().success());
+}
+
+#[test]
 fn a_process_with_more_mappings_than_kept_is_snapshotted_and_told_so() {
     if !root_here("many mappings") {
         return;

@@ -166,7 +166,9 @@ impl State {
     }
 
     /// A snapshot of `pid` (opened once and kept while it runs) and the
-    /// mappings it was taken with; symbolized when `symbolize`.
+    /// mappings it was taken with; symbolized when `symbolize`. Its
+    /// caller has called [`Self::forget_exited`] once for the request
+    /// (not once per process: `/metrics` takes every process).
     fn take(
         &mut self,
         pid: u32,
@@ -174,7 +176,6 @@ impl State {
         symbolize: bool,
         addresses_only: bool,
     ) -> Result<(snapshot::Snapshot, Vec<crate::symbolization::maps::Mapping>), TakeError> {
-        self.forget_exited();
         if let std::collections::hash_map::Entry::Vacant(e) = self.targets.entry(pid) {
             e.insert(open_target(pid).map_err(TakeError::Open)?);
         }
@@ -252,6 +253,7 @@ impl State {
     }
 
     fn snapshot(&mut self, pid: u32, ages: AgeFilter) -> Result<snapshot::Snapshot, Reply> {
+        self.forget_exited();
         match self.take(pid, ages, self.opts.symbolize, false) {
             Ok((s, _)) => Ok(s),
             Err(TakeError::Open(e)) => Err(text(404, format!("{e}\n"))),
@@ -270,6 +272,7 @@ impl State {
         use crate::process::discovery::DiscoveryError;
         let mut scraped = Vec::new();
         let mut errors = Vec::new();
+        self.forget_exited();
         for pid in self.candidates() {
             let t0 = std::time::Instant::now();
             // A process that exited has no series (its regions may still be

@@ -286,7 +286,7 @@ pub struct TopArgs {
 /// `heapdump top`: returns the exit status.
 pub fn command(a: TopArgs) -> anyhow::Result<i32> {
     crate::commands::watch::install_stop_handlers();
-    let target = crate::process::discovery::open_target(a.pid)?;
+    let mut target = crate::process::discovery::open_target(a.pid)?;
     let exit = crate::commands::watch::ExitWatch::new(a.pid);
     let mut build_ids = BuildIds::default();
     let mut maps = read_maps(a.pid, &mut build_ids)
@@ -303,7 +303,10 @@ pub fn command(a: TopArgs) -> anyhow::Result<i32> {
     let mut seq = 0u64;
     loop {
         let exited = exit.exited();
-        if !exited {
+        // It executed another program: what is open is the program before,
+        // shown once more with the mappings it had (see `watch`).
+        let replaced = !exited && target.replaced();
+        if !exited && !replaced {
             // New libraries may have been loaded; a dead target keeps the
             // last mappings read (its files stay open in the symbolizer).
             if let Ok(m) = read_maps(a.pid, &mut build_ids) {
@@ -345,8 +348,32 @@ pub fn command(a: TopArgs) -> anyhow::Result<i32> {
         if exited {
             writeln!(out, "pid {} exited: this is its heap at exit", a.pid)?;
         }
+        if replaced {
+            writeln!(
+                out,
+                "pid {} executed another program: this is the heap of the program before",
+                a.pid
+            )?;
+        }
         out.flush()?;
         drop(out);
+        if replaced {
+            // The new program, from its first report, if the agent is
+            // loaded there too (it makes its regions as the program starts).
+            let opened = crate::commands::watch::wait_instrumented(a.pid, Duration::from_secs(5))
+                .and_then(|()| crate::process::discovery::open_target(a.pid));
+            match opened {
+                Ok(t) => {
+                    target = t;
+                    (baseline, previous) = (None, None);
+                    continue;
+                }
+                Err(e) => {
+                    eprintln!("heapdump: {e}");
+                    return Ok(0);
+                }
+            }
+        }
         if exited
             || a.iterations.is_some_and(|n| seq >= n)
             || crate::commands::watch::stop_requested()
