@@ -37,7 +37,7 @@ fuzz_target!(|data: &[u8]| {
         start: 0x10000,
         end: 0x90000,
         offset: 0,
-        path: path.display().to_string(),
+        path: path.display().to_string().into(),
         build_id: heapdump::symbolization::maps::read_build_id(local.open().unwrap()),
         local: Some(local.clone()),
     }];
