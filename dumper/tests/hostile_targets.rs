@@ -132,6 +132,26 @@ fn running(args: &[&str], env: &[(&str, &str)]) -> (std::process::Child, Lines) 
     (child, lines)
 }
 
+/// A collector (`watch --all`, scanning every 20 ms) writing JSON into
+/// `dir`, with `env`: the process and its stdout's lines.
+fn collector(dir: &Path, env: &[(&str, &str)]) -> (std::process::Child, Lines) {
+    running(
+        &[
+            "watch",
+            "--all",
+            "--scan",
+            "20ms",
+            "--poll",
+            "5ms",
+            "-f",
+            "json",
+            "-d",
+            &dir.to_string_lossy(),
+        ],
+        env,
+    )
+}
+
 /// `heapdump watch PID -f json -d DIR`, started and past its "watching"
 /// line: the process and its stdout's lines (each "wrote PATH").
 fn watch_json(pid: &str, dir: &Path) -> (std::process::Child, Lines) {
@@ -1023,21 +1043,7 @@ fn a_collector_gives_back_what_it_read_for_a_process_once_it_exited() {
     let t = TempDir::new("hostile-collector-total");
     let (first, second) = one_of_two_fits(&t);
     let out_dir = t.path("collected");
-    let (mut watch, lines) = running(
-        &[
-            "watch",
-            "--all",
-            "--scan",
-            "20ms",
-            "--poll",
-            "5ms",
-            "-f",
-            "json",
-            "-d",
-            &out_dir.to_string_lossy(),
-        ],
-        &ONE_OF_TWO_TOTAL,
-    );
+    let (mut watch, lines) = collector(&out_dir, &ONE_OF_TWO_TOTAL);
     let collected = |lib: &Path| {
         let mut target = hostile_of_user_with_plugins(ALONE, &[lib]);
         let pid = target.pid();
@@ -1079,21 +1085,7 @@ fn a_file_cut_short_by_another_process_of_its_user_is_read_whole_once_that_one_e
     let t = TempDir::new("hostile-collector-again");
     let (first, second) = one_of_two_fits(&t);
     let out_dir = t.path("collected");
-    let (mut watch, lines) = running(
-        &[
-            "watch",
-            "--all",
-            "--scan",
-            "20ms",
-            "--poll",
-            "5ms",
-            "-f",
-            "json",
-            "-d",
-            &out_dir.to_string_lossy(),
-        ],
-        &ONE_OF_TWO_TOTAL,
-    );
+    let (mut watch, lines) = collector(&out_dir, &ONE_OF_TWO_TOTAL);
     let requested = |target: &mut Target| {
         target.send("request");
         target.wait_line("requested");
