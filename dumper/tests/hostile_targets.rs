@@ -132,6 +132,24 @@ fn running(args: &[&str], env: &[(&str, &str)]) -> (std::process::Child, Lines) 
     (child, lines)
 }
 
+/// `heapdump serve` on a port of loopback, unsymbolized: the process, its
+/// address, and its stdout's lines (kept: a closed stdout would fail its
+/// writes).
+fn server_of_heaps() -> (std::process::Child, String, Lines) {
+    let (server, lines) = running(&["serve", "--listen", "127.0.0.1:0", "--no-symbolize"], &[]);
+    let addr = listening_addr(&lines.next());
+    (server, addr, lines)
+}
+
+/// The live blocks the server at `addr` answers for process `pid`
+/// (`/debug/pprof/heap`).
+fn served_live_blocks(addr: &str, pid: u32) -> i64 {
+    let (head, body) = http_get_with(addr, &format!("/debug/pprof/heap?pid={pid}"), "");
+    assert!(head.contains(" 200 "), "{head}");
+    let p = heapdump::formats::pprof::decode(&body).expect("pprof body");
+    p.sample.iter().map(|s| s.value[2]).sum::<i64>()
+}
+
 /// A collector (`watch --all`, scanning every 20 ms) writing JSON into
 /// `dir`, with `env`: the process and its stdout's lines.
 fn collector(dir: &Path, env: &[(&str, &str)]) -> (std::process::Child, Lines) {
@@ -1321,14 +1339,8 @@ fn a_server_never_answers_for_a_process_from_the_regions_of_one_that_had_its_pid
     first.send("alloc");
     first.wait_line("allocated");
     let pid = first.pid();
-    let (mut server, lines) = running(&["serve", "--listen", "127.0.0.1:0", "--no-symbolize"], &[]);
-    let addr = listening_addr(&lines.next());
-    let live_blocks = || {
-        let (head, body) = http_get_with(&addr, &format!("/debug/pprof/heap?pid={pid}"), "");
-        assert!(head.contains(" 200 "), "{head}");
-        let p = heapdump::formats::pprof::decode(&body).expect("pprof body");
-        p.sample.iter().map(|s| s.value[2]).sum::<i64>()
-    };
+    let (mut server, addr, _lines) = server_of_heaps();
+    let live_blocks = || served_live_blocks(&addr, pid);
     let before = live_blocks();
     assert!(before >= 100, "{before}");
     first.send("quit");
@@ -1411,14 +1423,8 @@ fn a_process_that_executes_another_program_is_followed_by_watch_collector_and_se
     let pid = target.pid();
     target.send("alloc");
     target.wait_line("allocated");
-    let (mut server, lines) = running(&["serve", "--listen", "127.0.0.1:0", "--no-symbolize"], &[]);
-    let addr = listening_addr(&lines.next());
-    let live_blocks = || {
-        let (head, body) = http_get_with(&addr, &format!("/debug/pprof/heap?pid={pid}"), "");
-        assert!(head.contains(" 200 "), "{head}");
-        let p = heapdump::formats::pprof::decode(&body).expect("pprof body");
-        p.sample.iter().map(|s| s.value[2]).sum::<i64>()
-    };
+    let (mut server, addr, _lines) = server_of_heaps();
+    let live_blocks = || served_live_blocks(&addr, pid);
     let before = live_blocks();
     assert!(before >= 100, "{before}");
     target.send("exec");
