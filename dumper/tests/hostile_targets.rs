@@ -1440,6 +1440,75 @@ fn a_process_that_executes_another_program_is_followed_by_watch_collector_and_se
 }
 
 #[test]
+fn a_process_that_executes_itself_again_and_again_gets_no_more_files_than_keep_requests() {
+    if !root_here("exec again and again") {
+        return;
+    }
+    // Each exec of a watched process writes the program before's last
+    // snapshot, and its new program was watched with a history of its
+    // own: the exec snapshots were never rotated and the answers kept of
+    // each program started again from none, so a process that executed
+    // itself (or faked it, regions made anew) every second filled the
+    // collector's directory with one file a second up to --max-total.
+    let t = TempDir::new("hostile-exec-again");
+    let dir = t.path("out");
+    let dir_arg = dir.to_string_lossy().to_string();
+    let args = [
+        "watch",
+        "--all",
+        "--scan",
+        "20ms",
+        "--poll",
+        "5ms",
+        "--min-request-interval",
+        "1ms",
+        "--keep-requests",
+        "2",
+        "-f",
+        "json",
+        "-d",
+        &dir_arg,
+    ];
+    let mut target = Target::spawn(as_nobody_recorded(&compile_c("hostile")));
+    let pid = target.pid();
+    let (mut watch, lines) = running(&args, &[]);
+    let mut written = 0;
+    for _ in 0..4 {
+        while !lines.next().starts_with(&format!("watching {pid} ")) {}
+        target.send("request");
+        target.wait_line("requested");
+        let answered = next_written(&lines, &dir, pid);
+        assert!(
+            answered.to_string_lossy().contains("-signal-"),
+            "{answered:?}"
+        );
+        target.send("exec");
+        target.wait_line("ready");
+        let before = next_written(&lines, &dir, pid);
+        assert!(before.to_string_lossy().contains("-exec-"), "{before:?}");
+        written += 2;
+    }
+    while !lines.next().starts_with(&format!("watching {pid} ")) {}
+    let kept: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with(&format!("heapdump-{pid}-")))
+        .collect();
+    assert_eq!(kept.len(), 2, "of {written} written, kept: {kept:?}");
+    // The newest two: the last answer and the last exec, numbered on
+    // from the program before (one process, one sequence).
+    let seq = |n: &String| n.split('-').nth(2).unwrap().parse::<u64>().unwrap();
+    let mut seqs: Vec<u64> = kept.iter().map(seq).collect();
+    seqs.sort();
+    assert_eq!(seqs, [written - 1, written], "{kept:?}");
+    target.send("quit");
+    assert!(target.finish().success());
+    // SAFETY: kill takes a pid and a signal.
+    unsafe { libc::kill(watch.id() as i32, libc::SIGTERM) };
+    assert!(watch.wait().unwrap().success());
+}
+
+#[test]
 fn top_follows_a_process_that_executes_another_program() {
     if !root_here("exec under top") {
         return;

@@ -82,7 +82,8 @@ pub struct WatchOptions {
     /// passed.
     pub min_request_interval: Duration,
     /// Keep only the newest this many snapshots answering requests of each
-    /// target, deleting older ones' files.
+    /// target, with those of the programs it ran before an `exec`
+    /// ([`Reason::Exec`]), deleting older ones' files.
     pub keep_requests: Option<usize>,
 }
 
@@ -550,9 +551,18 @@ impl Watcher {
                     &mut self.symbolizer,
                     &mut self.build_ids,
                 )?;
-                if let Some(written) = written {
+                if let Some(mut written) = written {
+                    // Kept with the answers to its requests: a process
+                    // that executes itself again and again (or fakes it,
+                    // unmapping its regions and making new ones) gets at
+                    // most `--keep-requests` of them, not one per scan
+                    // for as long as it runs.
+                    w.rotate_answered(&mut written, opts.keep_requests);
                     on_written(&written);
                 }
+                // A request of the new program made at once is answered
+                // no sooner than one made before the exec would have been.
+                w.last_answer = Some(Instant::now());
                 w.done = false;
                 w.replaced = true;
             }
@@ -563,14 +573,21 @@ impl Watcher {
                     }
                     println!("watching {} ({})", fresh.target.pid, fresh.target.name);
                     let _ = std::io::stdout().flush();
+                    // One process, one history: its sequence, the files
+                    // kept of it and the pace of its answers go on from
+                    // the program before.
                     fresh.seq = w.seq;
+                    fresh.periodic = std::mem::take(&mut w.periodic);
+                    fresh.answered = std::mem::take(&mut w.answered);
+                    fresh.last_answer = w.last_answer;
+                    fresh.told_rate = w.told_rate;
                     fresh.maps_changed = true;
                     *w = fresh;
                 }
-                // The collector adopts it again at a later scan, once its
-                // new program is instrumented.
-                Err(_) if opts.all => w.done = true,
-                // Asked again at the next interval.
+                // Asked again at the next scan, once its new program is
+                // instrumented (the collector's scan skips a pid it
+                // watches, so the history above is never lost to an
+                // adoption anew).
                 Err(_) => {}
             }
         }
@@ -889,9 +906,9 @@ pub struct WatchArgs {
     /// request count says how many), and the log says so once.
     #[arg(long, default_value = "1s", value_parser = humantime::parse_duration)]
     pub(crate) min_request_interval: Duration,
-    /// Keep only the newest N snapshots answering each process's requests,
-    /// deleting older ones' files (default with --all: 100; otherwise all
-    /// are kept).
+    /// Keep only the newest N snapshots answering each process's requests
+    /// (and of the programs it ran before an exec), deleting older ones'
+    /// files (default with --all: 100; otherwise all are kept).
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
     pub(crate) keep_requests: Option<u64>,
     /// Directory for the snapshot files (created with mode 0700). Files are
