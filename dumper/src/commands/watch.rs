@@ -566,29 +566,25 @@ impl Watcher {
                 w.done = false;
                 w.replaced = true;
             }
-            match open_one(w.target.pid, true, &mut self.build_ids) {
-                Ok(mut fresh) => {
-                    if opts.symbolize {
-                        self.symbolizer.open_modules(&fresh.maps);
-                    }
-                    println!("watching {} ({})", fresh.target.pid, fresh.target.name);
-                    let _ = std::io::stdout().flush();
-                    // One process, one history: its sequence, the files
-                    // kept of it and the pace of its answers go on from
-                    // the program before.
-                    fresh.seq = w.seq;
-                    fresh.periodic = std::mem::take(&mut w.periodic);
-                    fresh.answered = std::mem::take(&mut w.answered);
-                    fresh.last_answer = w.last_answer;
-                    fresh.told_rate = w.told_rate;
-                    fresh.maps_changed = true;
-                    *w = fresh;
+            // Until its new program is instrumented, asked again at each
+            // scan (the collector's scan skips a pid it watches, so the
+            // history below is never lost to an adoption anew).
+            if let Ok(mut fresh) = open_one(w.target.pid, true, &mut self.build_ids) {
+                if opts.symbolize {
+                    self.symbolizer.open_modules(&fresh.maps);
                 }
-                // Asked again at the next scan, once its new program is
-                // instrumented (the collector's scan skips a pid it
-                // watches, so the history above is never lost to an
-                // adoption anew).
-                Err(_) => {}
+                println!("watching {} ({})", fresh.target.pid, fresh.target.name);
+                let _ = std::io::stdout().flush();
+                // One process, one history: its sequence, the files
+                // kept of it and the pace of its answers go on from
+                // the program before.
+                fresh.seq = w.seq;
+                fresh.periodic = std::mem::take(&mut w.periodic);
+                fresh.answered = std::mem::take(&mut w.answered);
+                fresh.last_answer = w.last_answer;
+                fresh.told_rate = w.told_rate;
+                fresh.maps_changed = true;
+                *w = fresh;
             }
         }
         Ok(())
