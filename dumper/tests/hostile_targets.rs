@@ -1744,6 +1744,89 @@ fn a_flooding_process_cannot_delete_another_processes_snapshots() {
 }
 
 #[test]
+fn a_process_whose_snapshots_cost_much_is_answered_in_proportion() {
+    if !root_here("costly snapshots") {
+        return;
+    }
+    // A process can make each of its snapshots cost the collector seconds
+    // (libraries of big debug information, cycled through so that each is
+    // read anew), and asked for one as soon as the request interval
+    // allowed: the collector, one thread, spent its time on that process
+    // and the others' requests waited. Now a process's next snapshot waits
+    // four times as long as its last one took, and the others' are
+    // answered meanwhile.
+    let _big = BIG_READS.lock().unwrap_or_else(|e| e.into_inner());
+    let t = TempDir::new("hostile-costly");
+    let d = nobody_dir(&t, "app");
+    let lib = sparse_dwarf_library(&d.join("libslow.so"), 32 << 20);
+    let mut costly = hostile_with_plugins(&[&lib]);
+    let mut other = Target::spawn(as_nobody_recorded(&compile_c("hostile")));
+    let (pid, other_pid) = (costly.pid(), other.pid());
+    let dir = t.path("out");
+    let dir_arg = dir.to_string_lossy().to_string();
+    let mut watch = Command::new(bin())
+        .args(["watch", "--all", "--scan", "20ms", "--poll", "5ms"])
+        .args([
+            "--min-request-interval",
+            "1ms",
+            "-f",
+            "json",
+            "-d",
+            &dir_arg,
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let lines = Lines::new(watch.stdout.take().unwrap());
+    let (mut seen, mut seen_other) = (false, false);
+    while !(seen && seen_other) {
+        let l = lines.next();
+        seen |= l.starts_with(&format!("watching {pid} "));
+        seen_other |= l.starts_with(&format!("watching {other_pid} "));
+    }
+    let count = |p: &Path| read_json(p)["request"]["count"].as_u64().unwrap();
+    costly.send("request");
+    costly.wait_line("requested");
+    // Reads the 32 MiB of DWARF: the costly one (seconds).
+    let first = next_written(&lines, &dir, pid);
+    assert_eq!(count(&first), 1, "{first:?}");
+    costly.send("request");
+    costly.wait_line("requested");
+    // Two answers to the other process: the collector looked at the
+    // costly one's request at least once since it was made (each pass
+    // looks at every process), and did not answer it.
+    let costly_file = format!("wrote {}/heapdump-{pid}-", dir.display());
+    for _ in 0..2 {
+        other.send("request");
+        other.wait_line("requested");
+        let prefix = format!("wrote {}/heapdump-{other_pid}-", dir.display());
+        loop {
+            let l = lines.next();
+            assert!(!l.starts_with(&costly_file), "answered at once: {l}");
+            if l.starts_with(&prefix) {
+                break;
+            }
+        }
+    }
+    // Answered later, with the one made after.
+    costly.send("request");
+    costly.wait_line("requested");
+    let second = next_written(&lines, &dir, pid);
+    assert_eq!(count(&second), 3, "{second:?}");
+    // SAFETY: kill takes a pid and a signal.
+    unsafe { libc::kill(watch.id() as i32, libc::SIGTERM) };
+    let out = watch.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains(&format!("a snapshot of pid {pid} (")) && err.contains("4 times that"),
+        "{err}"
+    );
+    costly.send("quit");
+    other.send("quit");
+}
+
+#[test]
 fn output_through_a_planted_link_or_into_a_planted_file_leaves_both_alone() {
     if !root_here("planted output") {
         return;

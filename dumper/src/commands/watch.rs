@@ -240,6 +240,12 @@ struct Watched {
     last_answer: Option<Instant>,
     /// Whether the log said this target asks too often.
     told_rate: bool,
+    /// When its last snapshot started and how long it took (taking,
+    /// symbolizing, writing): see [`cost_allows`].
+    last_started: Instant,
+    last_cost: Duration,
+    /// Whether the log said its snapshots are paced by their cost.
+    told_cost: bool,
     /// Whether its mappings changed since the collector last forgot the
     /// files nobody maps.
     maps_changed: bool,
@@ -251,7 +257,26 @@ struct Watched {
     replaced: bool,
 }
 
+/// How many times as long as its last snapshot took a target waits,
+/// from that snapshot's start, before its next one (request, interval or
+/// exec): so that one process takes at most a quarter of the collector's
+/// time, whatever it makes a snapshot cost (libraries of big debug
+/// information cycled through, each read anew within its user's read
+/// share), and the others' snapshots come in between.
+pub const COST_PACE: u32 = 4;
+
+/// Whether a target whose last snapshot started `since_start` ago and took
+/// `last_cost` may have another one now ([`COST_PACE`]).
+pub fn cost_allows(since_start: Duration, last_cost: Duration) -> bool {
+    since_start >= last_cost.saturating_mul(COST_PACE)
+}
+
 impl Watched {
+    /// Whether its last snapshot's cost lets it have another now.
+    fn cost_allows(&self) -> bool {
+        cost_allows(self.last_started.elapsed(), self.last_cost)
+    }
+
     /// Records a periodic snapshot's files and deletes the oldest ones
     /// beyond `keep` (a file already gone counts as deleted).
     fn rotate(&mut self, written: &mut Written, keep: Option<usize>) {
@@ -444,7 +469,11 @@ fn shoot_or_drop(
     symbolizer: &mut Symbolizer,
     build_ids: &mut BuildIds,
 ) -> Result<Option<Written>, WatchError> {
-    match shoot(w, reason, opts, symbolizer, build_ids) {
+    let started = Instant::now();
+    let shot = shoot(w, reason, opts, symbolizer, build_ids);
+    w.last_started = started;
+    w.last_cost = started.elapsed();
+    match shot {
         Ok(mut written) => {
             if let Some(max) = opts.max_total {
                 enforce_total_fairly(&opts.dir, max, &mut written);
@@ -533,7 +562,7 @@ impl Watcher {
     fn follow_execs(&mut self, on_written: &mut impl FnMut(&Written)) -> Result<(), WatchError> {
         let opts = self.opts.clone();
         for w in self.watched.iter_mut().filter(|w| !w.done) {
-            if w.image_checked.elapsed() < opts.scan {
+            if w.image_checked.elapsed() < opts.scan || !w.cost_allows() {
                 continue;
             }
             w.image_checked = Instant::now();
@@ -583,6 +612,9 @@ impl Watcher {
                 fresh.answered = std::mem::take(&mut w.answered);
                 fresh.last_answer = w.last_answer;
                 fresh.told_rate = w.told_rate;
+                fresh.last_started = w.last_started;
+                fresh.last_cost = w.last_cost;
+                fresh.told_cost = w.told_cost;
                 fresh.maps_changed = true;
                 *w = fresh;
             }
@@ -654,7 +686,24 @@ impl Watcher {
                 let due = w
                     .last_answer
                     .is_none_or(|t| t.elapsed() >= opts.min_request_interval);
-                if req.count > w.last_request && !due {
+                if req.count > w.last_request && due && !w.cost_allows() {
+                    // Answered once its last snapshot's cost allows, with
+                    // every request made meanwhile.
+                    if !w.told_cost {
+                        w.told_cost = true;
+                        eprintln!(
+                            "heapdump: a snapshot of pid {} ({}) took {}: its snapshots are \
+                             taken at most once per {} times that, so that it cannot keep the \
+                             others waiting",
+                            w.target.pid,
+                            w.target.name,
+                            humantime::format_duration(Duration::from_millis(
+                                w.last_cost.as_millis() as u64
+                            )),
+                            COST_PACE
+                        );
+                    }
+                } else if req.count > w.last_request && !due {
                     // Answered when the interval has passed, with every
                     // request made meanwhile (its request.count says how
                     // many).
@@ -678,7 +727,7 @@ impl Watcher {
                         on_written(&written);
                     }
                 } else if let Some(iv) = opts.interval {
-                    if w.last_snapshot.elapsed() >= iv && !exited {
+                    if w.last_snapshot.elapsed() >= iv && w.cost_allows() && !exited {
                         if let Some(mut written) = take(w, Reason::Interval)? {
                             w.rotate(&mut written, opts.keep);
                             on_written(&written);
@@ -755,6 +804,9 @@ fn open_one(
         answered: Default::default(),
         last_answer: None,
         told_rate: false,
+        last_started: Instant::now(),
+        last_cost: Duration::ZERO,
+        told_cost: false,
         maps_changed: false,
         image_checked: Instant::now(),
         replaced: false,
@@ -1011,6 +1063,16 @@ pub fn command(a: WatchArgs) -> anyhow::Result<i32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_target_waits_four_times_its_last_snapshots_cost_from_its_start() {
+        let ms = Duration::from_millis;
+        assert!(cost_allows(ms(0), ms(0)));
+        assert!(!cost_allows(ms(399), ms(100)));
+        assert!(cost_allows(ms(400), ms(100)));
+        // A cost beyond any interval does not wrap around.
+        assert!(!cost_allows(Duration::MAX / 2, Duration::MAX));
+    }
 
     #[test]
     fn a_flooding_process_deletes_its_own_snapshots_not_anothers() {
