@@ -1827,6 +1827,72 @@ fn a_process_whose_snapshots_cost_much_is_answered_in_proportion() {
 }
 
 #[test]
+fn a_process_whose_reading_costs_much_is_served_from_its_last_scrape_meanwhile() {
+    if !root_here("costly scrapes") {
+        return;
+    }
+    // /metrics reads every process and gives frames to its top sites: a
+    // process whose top sites lie in libraries of big debug information
+    // (cycled through, each read anew) made every scrape of the host
+    // slow, past Prometheus's scrape timeout, and every process's series
+    // were lost with it. Now a process whose reading took long is read
+    // again once four times as long has passed; its last series are
+    // served meanwhile (heapdump_scrape_age_seconds > 0), the others'
+    // are read at each scrape.
+    let _big = BIG_READS.lock().unwrap_or_else(|e| e.into_inner());
+    let t = TempDir::new("hostile-costly-scrape");
+    let d = nobody_dir(&t, "app");
+    let lib = sparse_dwarf_library(&d.join("libslow.so"), 32 << 20);
+    let mut costly = hostile_with_plugins(&[&lib]);
+    let mut other = Target::spawn(as_nobody_recorded(&compile_c("hostile")));
+    other.send("alloc");
+    other.wait_line("allocated");
+    let (cl, ol) = (
+        format!("pid=\"{}\"", costly.pid()),
+        format!("pid=\"{}\"", other.pid()),
+    );
+    let (mut server, lines) = running(&["serve", "--listen", "127.0.0.1:0"], &[]);
+    let addr = listening_addr(&lines.next());
+    let metrics = || String::from_utf8(http_get_with(&addr, "/metrics", "").1).unwrap();
+    let blocks = |text: &str, l: &str| sample(text, "heapdump_live_blocks", &[l]).unwrap();
+    // Reads the 32 MiB of DWARF for the plugin's site: seconds.
+    let first = metrics();
+    assert!(
+        sample(
+            &first,
+            "heapdump_site_live_bytes",
+            &[&cl, "site=\"site_plugin"]
+        )
+        .is_some(),
+        "{first}"
+    );
+    assert_eq!(
+        sample(&first, "heapdump_scrape_age_seconds", &[&cl]),
+        Some(0.0)
+    );
+    let (costly_before, other_before) = (blocks(&first, &cl), blocks(&first, &ol));
+    for target in [&mut costly, &mut other] {
+        target.send("alloc");
+        target.wait_line("allocated");
+    }
+    // Scraped until the other process's 100 new blocks show: it was read
+    // again; the costly one was not.
+    let text = loop {
+        let text = metrics();
+        if blocks(&text, &ol) == other_before + 100.0 {
+            break text;
+        }
+    };
+    assert_eq!(blocks(&text, &cl), costly_before, "read again: {text}");
+    let age = sample(&text, "heapdump_scrape_age_seconds", &[&cl]).unwrap();
+    assert!(age > 0.0, "{text}");
+    costly.send("quit");
+    other.send("quit");
+    let _ = server.kill();
+    let _ = server.wait();
+}
+
+#[test]
 fn output_through_a_planted_link_or_into_a_planted_file_leaves_both_alone() {
     if !root_here("planted output") {
         return;

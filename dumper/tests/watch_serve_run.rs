@@ -517,15 +517,6 @@ fn size_flags_are_parsed_before_the_program_starts() {
     }
 }
 
-/// The value of the first sample of `metric` whose labels contain every
-/// one of `labels` (`name="value"` strings).
-fn sample(text: &str, metric: &str, labels: &[&str]) -> Option<f64> {
-    text.lines()
-        .filter(|l| l.starts_with(&format!("{metric}{{")))
-        .find(|l| labels.iter().all(|want| l.contains(want)))
-        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
-}
-
 #[test]
 fn metrics_give_each_processs_heap_behind_a_token_and_end_with_the_process() {
     let dir = TempDir::new("metrics");

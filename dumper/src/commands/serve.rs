@@ -89,6 +89,13 @@ struct State {
     mapped: HashMap<u32, Vec<crate::symbolization::maps::Mapping>>,
     symbolizer: Symbolizer,
     build_ids: BuildIds,
+    /// Each process's part of the last `/metrics` that read it, and when
+    /// that reading started: a process whose reading took long is read
+    /// again only once [`crate::commands::watch::COST_PACE`] times as long
+    /// has passed, its last series served meanwhile, so that one process
+    /// (libraries of big debug information cycled through, each read
+    /// anew) cannot make every scrape of the host slow.
+    scrapes: HashMap<u32, (std::time::Instant, crate::formats::prometheus::Scraped)>,
 }
 
 type Reply = Response<Cursor<Vec<u8>>>;
@@ -238,6 +245,7 @@ impl State {
     /// mapped.
     fn forget(&mut self, pid: u32) {
         self.targets.remove(&pid);
+        self.scrapes.remove(&pid);
         if self.mapped.remove(&pid).is_some() {
             self.forget_unserved_files();
         }
@@ -281,6 +289,16 @@ impl State {
                 self.forget(pid);
                 errors.push((pid, "exited".to_string()));
                 continue;
+            }
+            if let Some((started, last)) = self.scrapes.get(&pid) {
+                let age = started.elapsed();
+                if !crate::commands::watch::cost_allows(age, last.took) {
+                    scraped.push(prometheus::Scraped {
+                        age,
+                        ..last.clone()
+                    });
+                    continue;
+                }
             }
             let cgroup = prometheus::cgroup_of(pid);
             let (mut snap, maps) = match self.take(pid, AgeFilter::default(), false, true) {
@@ -326,7 +344,11 @@ impl State {
                 },
                 snapshot: snap,
                 took: t0.elapsed(),
+                age: std::time::Duration::ZERO,
             });
+            if let Some(last) = scraped.last() {
+                self.scrapes.insert(pid, (t0, last.clone()));
+            }
         }
         let text = prometheus::render(&scraped, &errors);
         let (text, content_type) = if prometheus::wants_openmetrics(accept) {
@@ -473,6 +495,7 @@ pub fn serve(server: Server, opts: ServeOptions) {
         targets: HashMap::new(),
         mapped: HashMap::new(),
         symbolizer: Symbolizer::new(),
+        scrapes: HashMap::new(),
         build_ids: BuildIds::default(),
     };
     for req in server.incoming_requests() {

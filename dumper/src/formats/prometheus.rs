@@ -98,7 +98,7 @@ struct ErrorLabels {
 }
 
 /// One process's part of a scrape.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub struct Scraped {
     /// Its labels.
     pub labels: ProcessLabels,
@@ -106,6 +106,10 @@ pub struct Scraped {
     pub snapshot: Snapshot,
     /// How long reading it took.
     pub took: Duration,
+    /// How long ago it was read: zero when read for this scrape (a
+    /// process whose reading took long is read again only after a while,
+    /// its last series served meanwhile: see `serve`).
+    pub age: Duration,
 }
 
 /// The cgroup label of `pid`: the last component of its cgroup (v2, or
@@ -160,6 +164,7 @@ pub fn render(scraped: &[Scraped], errors: &[(u32, String)]) -> String {
     let dropped = Family::<ReasonLabels, Counter>::default();
     let sites = Family::<SiteLabels, Gauge>::default();
     let took = Family::<PidLabels, Gauge<f64, AtomicU64>>::default();
+    let age = Family::<PidLabels, Gauge<f64, AtomicU64>>::default();
     let failed = Family::<ErrorLabels, Gauge>::default();
     r.register(
         "heapdump_live_bytes",
@@ -215,6 +220,12 @@ pub fn render(scraped: &[Scraped], errors: &[(u32, String)]) -> String {
         "heapdump_scrape_duration_seconds",
         "How long reading each process took",
         took.clone(),
+    );
+    r.register(
+        "heapdump_scrape_age_seconds",
+        "How long ago each process's series were read (0: for this scrape; a process whose \
+         reading took long is read again once four times as long has passed)",
+        age.clone(),
     );
     r.register(
         "heapdump_scrape_errors",
@@ -288,6 +299,8 @@ pub fn render(scraped: &[Scraped], errors: &[(u32, String)]) -> String {
         }
         took.get_or_create(&PidLabels { pid: l.pid.clone() })
             .set(s.took.as_secs_f64());
+        age.get_or_create(&PidLabels { pid: l.pid.clone() })
+            .set(s.age.as_secs_f64());
     }
     let mut reasons: std::collections::BTreeMap<String, i64> = Default::default();
     for (_, why) in errors {
@@ -417,6 +430,7 @@ mod tests {
                 labels,
                 snapshot: snap,
                 took: Duration::from_millis(3),
+                age: Duration::ZERO,
             }],
             &[(7, "permission denied".into())],
         );

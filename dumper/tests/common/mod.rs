@@ -280,3 +280,12 @@ pub fn http_get_with(addr: &str, path: &str, headers: &str) -> (String, Vec<u8>)
     let head = String::from_utf8_lossy(&resp[..split]).into_owned();
     (head, resp[split + 4..].to_vec())
 }
+
+/// The value of the first sample of `metric` in a `/metrics` text whose
+/// labels contain every one of `labels` (`name="value"` strings).
+pub fn sample(text: &str, metric: &str, labels: &[&str]) -> Option<f64> {
+    text.lines()
+        .filter(|l| l.starts_with(&format!("{metric}{{")))
+        .find(|l| labels.iter().all(|want| l.contains(want)))
+        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+}
