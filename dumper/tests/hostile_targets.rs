@@ -1892,6 +1892,85 @@ fn a_process_whose_reading_costs_much_is_served_from_its_last_scrape_meanwhile()
     let _ = server.wait();
 }
 
+/// `GET path` from the server at `addr`, as user nobody (bash's
+/// `/dev/tcp`): the whole answer, head and body.
+fn get_as_nobody(addr: &str, path: &str) -> String {
+    let (host, port) = addr.rsplit_once(':').unwrap();
+    let out = Command::new("timeout")
+        .arg(HANG_GUARD.as_secs().to_string())
+        .args([
+            "/usr/bin/setpriv",
+            &format!("--reuid={NOBODY}"),
+            &format!("--regid={NOBODY}"),
+            "--clear-groups",
+            "--inh-caps=-all",
+            "bash",
+            "-c",
+        ])
+        .arg(format!(
+            "exec 3<>/dev/tcp/{host}/{port} && printf 'GET %s HTTP/1.0\\r\\n\\r\\n' \"$1\" >&3 \
+             && cat <&3"
+        ))
+        .args(["_", path])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+#[test]
+fn serve_over_loopback_without_a_token_gives_each_user_only_its_own_processes() {
+    if !root_here("serve to another user") {
+        return;
+    }
+    // serve, started by root on loopback without a token (as the docs
+    // start it on a laptop), answered any user of the machine, for any
+    // process: nobody read the heap profile of root's daemon (its call
+    // stacks, thread names and sizes). Now each connection is served as
+    // the user owning the client's socket: the processes that user may
+    // read.
+    let exe = compile_c("hostile");
+    let mut roots = Target::spawn({
+        let mut c = Command::new(&exe);
+        c.env("LD_PRELOAD", preload_lib());
+        c
+    });
+    let mut nobodys = Target::spawn(as_nobody_recorded(&exe));
+    for t in [&mut roots, &mut nobodys] {
+        t.send("alloc");
+        t.wait_line("allocated");
+    }
+    let (rp, np) = (roots.pid(), nobodys.pid());
+    let (mut server, addr, _lines) = server_of_heaps();
+    let refused = get_as_nobody(&addr, &format!("/debug/pprof/heap?pid={rp}"));
+    assert!(
+        refused.starts_with("HTTP/1.0 403") && refused.contains("not yours to read"),
+        "{refused}"
+    );
+    let own = get_as_nobody(&addr, &format!("/debug/pprof/heap?pid={np}"));
+    assert!(
+        own.starts_with("HTTP/1.0 200"),
+        "{}",
+        &own[..own.len().min(300)]
+    );
+    let metrics = get_as_nobody(&addr, "/metrics");
+    assert!(metrics.contains(&format!("pid=\"{np}\"")), "{metrics}");
+    assert!(!metrics.contains(&format!("pid=\"{rp}\"")), "{metrics}");
+    let index = get_as_nobody(&addr, "/");
+    assert!(!index.contains(&format!("  {rp} ")), "{index}");
+    // Root (this test) is served both.
+    let (_, body) = http_get_with(&addr, "/metrics", "");
+    let metrics = String::from_utf8(body).unwrap();
+    for pid in [rp, np] {
+        assert!(metrics.contains(&format!("pid=\"{pid}\"")), "{metrics}");
+    }
+    assert!(served_live_blocks(&addr, rp) >= 100);
+    roots.send("quit");
+    nobodys.send("quit");
+    let _ = server.kill();
+    let _ = server.wait();
+}
+
 #[test]
 fn output_through_a_planted_link_or_into_a_planted_file_leaves_both_alone() {
     if !root_here("planted output") {

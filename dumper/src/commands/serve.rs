@@ -24,6 +24,7 @@ use tiny_http::{Header, Request, Response, Server};
 
 use crate::process::age::{self, AgeFilter, When};
 use crate::process::discovery::{instrumented_pids, open_target, Target};
+use crate::process::loopback_peer;
 use crate::process::snapshot;
 use crate::symbolization::maps::{read_maps, BuildIds};
 use crate::symbolization::symbolizer::Symbolizer;
@@ -44,6 +45,11 @@ pub struct ServeOptions {
     pub token: Option<String>,
     /// How many top sites `/metrics` gives per process.
     pub metrics_sites: usize,
+    /// Serve each client only the processes its user may read (the user
+    /// owning the client's socket, [`loopback_peer`]): set when listening
+    /// on loopback without a token, where any user of the machine can
+    /// connect.
+    pub per_user: bool,
 }
 
 /// The age filter of a request: `older_than` and `newer_than` query
@@ -83,6 +89,9 @@ pub enum ServeError {
 
 struct State {
     opts: ServeOptions,
+    /// The user the request being answered is served for (`None`: every
+    /// process served; see [`ServeOptions::per_user`]).
+    reader: Option<u32>,
     targets: HashMap<u32, Target>,
     /// Each served target's mappings when last read: the files the
     /// caches below keep.
@@ -125,10 +134,30 @@ fn query_params(url: &str) -> HashMap<String, String> {
 
 impl State {
     fn candidates(&self) -> Vec<u32> {
-        if self.opts.pids.is_empty() {
+        let mut pids = if self.opts.pids.is_empty() {
             instrumented_pids()
         } else {
             self.opts.pids.clone()
+        };
+        if let Some(uid) = self.reader {
+            pids.retain(|&p| loopback_peer::may_read(uid, p));
+        }
+        pids
+    }
+
+    /// Refuses `pid` to a client whose user may not read it.
+    fn readable(&self, pid: u32) -> Result<u32, Reply> {
+        match self.reader {
+            Some(uid) if !loopback_peer::may_read(uid, pid) => Err(text(
+                403,
+                format!(
+                    "pid {pid} is not yours to read (this connection is user {uid}'s): over \
+                     loopback without a token, each user is served only the processes it may \
+                     read; the server's operator can give it --token-file to serve everything \
+                     to whoever holds the token\n"
+                ),
+            )),
+            _ => Ok(pid),
         }
     }
 
@@ -139,6 +168,7 @@ impl State {
             }
             let pid = crate::process::discovery::resolve_target(name)
                 .map_err(|e| text(404, format!("{e}\n")))?;
+            let pid = self.readable(pid)?;
             if !self.opts.pids.is_empty() && !self.opts.pids.contains(&pid) {
                 return Err(text(
                     404,
@@ -151,6 +181,7 @@ impl State {
             let pid: u32 = p
                 .parse()
                 .map_err(|_| text(400, format!("bad pid {p:?}\n")))?;
+            let pid = self.readable(pid)?;
             if !self.opts.pids.is_empty() && !self.opts.pids.contains(&pid) {
                 return Err(text(
                     404,
@@ -490,8 +521,12 @@ pub fn bind(addr: &str) -> Result<(Server, String), ServeError> {
 
 /// Serves requests until the process is stopped.
 pub fn serve(server: Server, opts: ServeOptions) {
+    let local = server.server_addr().to_ip();
+    // SAFETY: geteuid has no preconditions.
+    let own_uid = unsafe { libc::geteuid() };
     let mut state = State {
         opts,
+        reader: None,
         targets: HashMap::new(),
         mapped: HashMap::new(),
         symbolizer: Symbolizer::new(),
@@ -512,6 +547,27 @@ pub fn serve(server: Server, opts: ServeOptions) {
                     ),
                 );
                 continue;
+            }
+        }
+        state.reader = None;
+        if state.opts.per_user {
+            let uid = match (req.remote_addr(), local) {
+                (Some(peer), Some(local)) => loopback_peer::peer_uid(*peer, local),
+                _ => None,
+            };
+            match uid {
+                // Root, or the server's own user: what it may read itself.
+                Some(uid) if uid == 0 || uid == own_uid => {}
+                Some(uid) => state.reader = Some(uid),
+                None => {
+                    let _ = req.respond(text(
+                        403,
+                        "cannot tell which user this connection is from: over loopback \
+                         without a token, each user is served only the processes it may read\n"
+                            .into(),
+                    ));
+                    continue;
+                }
             }
         }
         let reply = state.handle(&req);
@@ -556,7 +612,8 @@ pub struct ServeArgs {
     /// Require `Authorization: Bearer TOKEN` on every request, TOKEN being
     /// this file's content (Prometheus' `authorization` setting, Alloy's
     /// `bearer_token_file`). Needed to listen on an address other than
-    /// loopback.
+    /// loopback. Without it, on loopback, each connection is served only
+    /// the processes its user may read (root: all).
     #[arg(long, value_name = "FILE")]
     pub(crate) token_file: Option<std::path::PathBuf>,
     /// Listen on an address other than loopback without a token (anyone
@@ -606,6 +663,7 @@ pub fn command(a: ServeArgs) -> anyhow::Result<i32> {
             pids: a.pids,
             symbolize: !a.no_symbolize,
             keep_allocator_frames: a.keep_allocator_frames,
+            per_user: token.is_none() && loopback,
             token,
             metrics_sites: a.metrics_sites,
         },

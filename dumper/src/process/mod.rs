@@ -4,6 +4,7 @@
 
 pub mod age;
 pub mod discovery;
+pub mod loopback_peer;
 pub mod mappings;
 pub mod maps_lines;
 pub mod proc_text;
