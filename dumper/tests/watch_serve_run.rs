@@ -5,6 +5,7 @@ mod common;
 use std::process::{Command, Stdio};
 
 use common::*;
+use heapdump::commands::serve::MAX_PENDING_DELTAS as MAX_PENDING;
 use heapdump::testing::fake_target::PLAN;
 
 struct Running {
@@ -389,6 +390,45 @@ fn serve_answers_allocs_delta_profiles_and_targets_by_name_as_go_does() {
         &format!("/debug/pprof/heap?pid={pid}&seconds=100000"),
     );
     assert!(head.contains(" 400 "), "{head}");
+    // A delta over five minutes waits beside the other requests, not in
+    // front of them (it held the server for its whole time: every scrape
+    // of the host timed out, for any user who asked for one). Longer than
+    // the hang guard of the requests below.
+    let long = format!("/debug/pprof/heap?pid={pid}&seconds=300");
+    assert!(std::time::Duration::from_secs(300) > HANG_GUARD);
+    let waiting: Vec<_> = (0..MAX_PENDING)
+        .map(|_| {
+            let (addr, long) = (addr.clone(), long.clone());
+            let (tx, rx) = std::sync::mpsc::channel();
+            std::thread::spawn(move || {
+                let mut s = std::net::TcpStream::connect(&addr).unwrap();
+                use std::io::Write;
+                write!(s, "GET {long} HTTP/1.0\r\nHost: {addr}\r\n\r\n").unwrap();
+                let _ = tx.send(());
+                // Held open until the server goes.
+                let _ = std::io::Read::read_to_end(&mut s, &mut Vec::new());
+            });
+            rx
+        })
+        .collect();
+    for sent in &waiting {
+        sent.recv().unwrap();
+    }
+    // Answered while they wait (the index says how many do).
+    let full = format!("delta profiles waiting: {MAX_PENDING} ");
+    loop {
+        let (head, body) = http_get(&addr, "/");
+        assert!(head.contains(" 200 "), "{head}");
+        if String::from_utf8_lossy(&body).contains(&full) {
+            break;
+        }
+    }
+    let (head, body) = http_get(&addr, &format!("/debug/pprof/heap?pid={pid}"));
+    assert!(head.contains(" 200 "), "{head}");
+    assert!(heapdump::formats::pprof::decode(&body).is_ok());
+    // One more than the server keeps waiting: refused at once.
+    let (head, _) = http_get(&addr, &long);
+    assert!(head.contains(" 503 "), "{head}");
 
     if go_available() {
         let top = go_pprof(&[

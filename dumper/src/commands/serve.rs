@@ -70,9 +70,46 @@ fn age_filter(params: &HashMap<String, String>) -> Result<AgeFilter, Reply> {
     })
 }
 
-/// Longest `?seconds=N` delta a request may ask for (the server answers
-/// one request at a time).
+/// Longest `?seconds=N` delta a request may ask for.
 pub const MAX_DELTA_SECONDS: u64 = 300;
+
+/// Most `?seconds=N` deltas waiting for their second snapshot at once, per
+/// user served (see [`ServeOptions::per_user`]; with a token, or on
+/// loopback for root, one user): a delta waits beside the other requests,
+/// never in front of them, and its first snapshot is held meanwhile.
+pub const MAX_PENDING_DELTAS: usize = 8;
+
+/// A `?seconds=N` request whose first snapshot is taken: answered once
+/// `due` has come, with the difference to a second one.
+struct PendingDelta {
+    req: Request,
+    due: std::time::Instant,
+    /// The user it is served for ([`State::reader`]).
+    reader: Option<u32>,
+    pid: u32,
+    ages: AgeFilter,
+    before: Box<snapshot::Snapshot>,
+    default_type: &'static str,
+}
+
+/// What a request gets: its answer now, or later ([`PendingDelta`], whose
+/// `req` the server fills in).
+enum Answer {
+    Now(Reply),
+    Later {
+        due: std::time::Instant,
+        pid: u32,
+        ages: AgeFilter,
+        before: Box<snapshot::Snapshot>,
+        default_type: &'static str,
+    },
+}
+
+impl From<Reply> for Answer {
+    fn from(r: Reply) -> Self {
+        Answer::Now(r)
+    }
+}
 
 /// Errors starting the server.
 #[derive(Debug, thiserror::Error)]
@@ -92,6 +129,8 @@ struct State {
     /// The user the request being answered is served for (`None`: every
     /// process served; see [`ServeOptions::per_user`]).
     reader: Option<u32>,
+    /// How many of that user's delta profiles wait (shown by the index).
+    waiting: usize,
     targets: HashMap<u32, Target>,
     /// Each served target's mappings when last read: the files the
     /// caches below keep.
@@ -394,7 +433,7 @@ impl State {
             .with_header(Header::from_bytes("Content-Type", content_type).expect("header"))
     }
 
-    fn handle(&mut self, req: &Request) -> Reply {
+    fn handle(&mut self, req: &Request) -> Answer {
         let url = req.url().to_string();
         let path = url.split('?').next().unwrap_or("");
         let params = query_params(&url);
@@ -405,64 +444,51 @@ impl State {
                     .iter()
                     .find(|h| h.field.equiv("Accept"))
                     .map(|h| h.value.as_str().to_string());
-                self.metrics(accept.as_deref())
+                self.metrics(accept.as_deref()).into()
             }
             "/debug/pprof/heap" | "/debug/pprof/allocs" | "/debug/pprof/heap.json" => {
                 let pid = match self.pick(&params) {
                     Ok(p) => p,
-                    Err(r) => return r,
+                    Err(r) => return r.into(),
                 };
                 let ages = match age_filter(&params) {
                     Ok(a) => a,
-                    Err(r) => return r,
+                    Err(r) => return r.into(),
                 };
                 let seconds = match params.get("seconds").map(|s| s.parse::<u64>()) {
                     None => None,
                     Some(Ok(n)) if (1..=MAX_DELTA_SECONDS).contains(&n) => Some(n),
                     Some(_) => {
                         return text(400, format!("seconds must be 1..={MAX_DELTA_SECONDS}\n"))
+                            .into()
                     }
-                };
-                let before = match seconds {
-                    Some(n) if !path.ends_with(".json") => {
-                        let a = match self.snapshot(pid, ages) {
-                            Ok(s) => s,
-                            Err(r) => return r,
-                        };
-                        std::thread::sleep(std::time::Duration::from_secs(n));
-                        Some(a)
-                    }
-                    _ => None,
-                };
-                let snap = match self.snapshot(pid, ages) {
-                    Ok(s) => s,
-                    Err(r) => return r,
                 };
                 let default_type = if path == "/debug/pprof/allocs" {
                     "alloc_space"
                 } else {
                     "inuse_space"
                 };
-                if let Some(a) = before {
-                    // A delta profile: what changed between the two.
-                    let delta =
-                        crate::commands::diff::render_pprof(&crate::commands::diff::diff(a, snap));
-                    let body = match crate::formats::pprof::decode(&delta) {
-                        Ok(mut p) => {
-                            crate::formats::pprof::set_default_sample_type(&mut p, default_type);
-                            crate::formats::pprof::encode_gzip(&p)
-                        }
-                        Err(_) => delta,
+                let snap = match self.snapshot(pid, ages) {
+                    Ok(s) => s,
+                    Err(r) => return r.into(),
+                };
+                if let Some(n) = seconds.filter(|_| !path.ends_with(".json")) {
+                    // A delta profile: the second snapshot once N seconds
+                    // have passed, other requests answered meanwhile.
+                    return Answer::Later {
+                        due: std::time::Instant::now() + std::time::Duration::from_secs(n),
+                        pid,
+                        ages,
+                        before: Box::new(snap),
+                        default_type,
                     };
-                    return Response::from_data(body).with_header(
-                        Header::from_bytes("Content-Type", "application/octet-stream")
-                            .expect("header"),
-                    );
                 }
                 if path.ends_with(".json") {
-                    return Response::from_data(crate::formats::json::render(&snap)).with_header(
-                        Header::from_bytes("Content-Type", "application/json").expect("header"),
-                    );
+                    return Response::from_data(crate::formats::json::render(&snap))
+                        .with_header(
+                            Header::from_bytes("Content-Type", "application/json").expect("header"),
+                        )
+                        .into();
                 }
                 let per_thread = params
                     .get("per_thread")
@@ -478,6 +504,7 @@ impl State {
                     .with_header(
                         Header::from_bytes("Content-Disposition", name.as_bytes()).expect("header"),
                     )
+                    .into()
             }
             "/" | "/debug/pprof" | "/debug/pprof/" => {
                 let mut body = String::from(
@@ -489,19 +516,50 @@ impl State {
                      either with &older_than=WHEN or &newer_than=WHEN (1h, 10m, or an RFC 3339 time):\n\
                      \x20 only the live blocks allocated before / at or after WHEN\n\ntargets:\n",
                 );
+                body.insert_str(
+                    body.find("targets:").unwrap_or(body.len()),
+                    &format!(
+                        "delta profiles waiting: {} (at most {MAX_PENDING_DELTAS})\n\n",
+                        self.waiting
+                    ),
+                );
                 for pid in self.candidates() {
                     body.push_str(&format!(
                         "  {pid} {}\n",
                         crate::process::discovery::process_name(pid)
                     ));
                 }
-                text(200, body)
+                text(200, body).into()
             }
             _ => text(
                 404,
                 format!("no such endpoint {path}; try /debug/pprof/heap\n"),
-            ),
+            )
+            .into(),
         }
+    }
+
+    /// The answer to a delta whose time has come: what changed between its
+    /// first snapshot and one taken now.
+    fn finish_delta(&mut self, d: PendingDelta) -> (Request, Reply) {
+        self.reader = d.reader;
+        let after = match self.snapshot(d.pid, d.ages) {
+            Ok(s) => s,
+            Err(r) => return (d.req, r),
+        };
+        let delta =
+            crate::commands::diff::render_pprof(&crate::commands::diff::diff(*d.before, after));
+        let body = match crate::formats::pprof::decode(&delta) {
+            Ok(mut p) => {
+                crate::formats::pprof::set_default_sample_type(&mut p, d.default_type);
+                crate::formats::pprof::encode_gzip(&p)
+            }
+            Err(_) => delta,
+        };
+        let reply = Response::from_data(body).with_header(
+            Header::from_bytes("Content-Type", "application/octet-stream").expect("header"),
+        );
+        (d.req, reply)
     }
 }
 
@@ -527,13 +585,34 @@ pub fn serve(server: Server, opts: ServeOptions) {
     let mut state = State {
         opts,
         reader: None,
+        waiting: 0,
         targets: HashMap::new(),
         mapped: HashMap::new(),
         symbolizer: Symbolizer::new(),
         scrapes: HashMap::new(),
         build_ids: BuildIds::default(),
     };
-    for req in server.incoming_requests() {
+    let mut pending: Vec<PendingDelta> = Vec::new();
+    loop {
+        // The deltas whose time has come, then the next request (waiting
+        // no longer than the next delta's time).
+        let now = std::time::Instant::now();
+        let (due, waiting): (Vec<_>, Vec<_>) = pending.drain(..).partition(|d| d.due <= now);
+        pending = waiting;
+        for d in due {
+            let (req, reply) = state.finish_delta(d);
+            let _ = req.respond(reply);
+        }
+        let next = match pending.iter().map(|d| d.due).min() {
+            Some(due) => server.recv_timeout(due.saturating_duration_since(now)),
+            None => server.recv().map(Some),
+        };
+        let req = match next {
+            Ok(Some(req)) => req,
+            Ok(None) => continue,
+            // The listening socket failed: nothing more will come.
+            Err(_) => return,
+        };
         if let Some(token) = &state.opts.token {
             if !authorized(&req, token) {
                 let _ = req.respond(
@@ -570,8 +649,36 @@ pub fn serve(server: Server, opts: ServeOptions) {
                 }
             }
         }
-        let reply = state.handle(&req);
-        let _ = req.respond(reply);
+        state.waiting = pending.iter().filter(|d| d.reader == state.reader).count();
+        match state.handle(&req) {
+            Answer::Now(reply) => {
+                let _ = req.respond(reply);
+            }
+            Answer::Later { .. } if state.waiting >= MAX_PENDING_DELTAS => {
+                let _ = req.respond(text(
+                    503,
+                    format!(
+                        "{MAX_PENDING_DELTAS} delta profiles (seconds=N) are already waiting for \
+                         this user: ask again when one is answered\n"
+                    ),
+                ));
+            }
+            Answer::Later {
+                due,
+                pid,
+                ages,
+                before,
+                default_type,
+            } => pending.push(PendingDelta {
+                req,
+                due,
+                reader: state.reader,
+                pid,
+                ages,
+                before,
+                default_type,
+            }),
+        }
     }
 }
 
