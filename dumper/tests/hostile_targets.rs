@@ -1886,6 +1886,35 @@ fn a_process_whose_reading_costs_much_is_served_from_its_last_scrape_meanwhile()
     assert_eq!(blocks(&text, &cl), costly_before, "read again: {text}");
     let age = sample(&text, "heapdump_scrape_age_seconds", &[&cl]).unwrap();
     assert!(age > 0.0, "{text}");
+    let _ = server.kill();
+    let _ = server.wait();
+    // The same for profiles (a continuous profiler scraping each process's
+    // /debug/pprof/heap): a profile that cost much is served again until
+    // four times as long has passed; it carries its own time. A server of
+    // its own, which reads the DWARF anew.
+    let (mut server, lines) = running(&["serve", "--listen", "127.0.0.1:0"], &[]);
+    let addr = listening_addr(&lines.next());
+    let profile = |pid: u32| {
+        let (head, body) = http_get_with(&addr, &format!("/debug/pprof/heap?pid={pid}"), "");
+        assert!(head.contains(" 200 "), "{head}");
+        heapdump::formats::pprof::decode(&body).expect("pprof body")
+    };
+    let live =
+        |p: &heapdump::formats::pprof::Profile| p.sample.iter().map(|s| s.value[2]).sum::<i64>();
+    let first = profile(costly.pid());
+    let other_first = profile(other.pid());
+    for target in [&mut costly, &mut other] {
+        target.send("alloc");
+        target.wait_line("allocated");
+    }
+    loop {
+        if live(&profile(other.pid())) == live(&other_first) + 100 {
+            break;
+        }
+    }
+    let again = profile(costly.pid());
+    assert_eq!(live(&again), live(&first), "taken again");
+    assert_eq!(again.time_nanos, first.time_nanos);
     costly.send("quit");
     other.send("quit");
     let _ = server.kill();

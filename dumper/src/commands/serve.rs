@@ -144,7 +144,18 @@ struct State {
     /// (libraries of big debug information cycled through, each read
     /// anew) cannot make every scrape of the host slow.
     scrapes: HashMap<u32, (std::time::Instant, crate::formats::prometheus::Scraped)>,
+    /// The same for profiles (`/debug/pprof/heap` and the like, all of a
+    /// process's blocks): each process's last one that took at least
+    /// [`COSTLY_PROFILE`], when it started and how long it took. A
+    /// profile carries its own time, so a client served an older one
+    /// sees when it was taken.
+    profiles: HashMap<u32, (std::time::Instant, std::time::Duration, snapshot::Snapshot)>,
 }
+
+/// A profile that took at least this long is kept, to be served again
+/// until [`crate::commands::watch::COST_PACE`] times as long has passed
+/// (a cheaper one is taken afresh at each request, and nothing is kept).
+pub const COSTLY_PROFILE: std::time::Duration = std::time::Duration::from_millis(250);
 
 type Reply = Response<Cursor<Vec<u8>>>;
 
@@ -316,6 +327,7 @@ impl State {
     fn forget(&mut self, pid: u32) {
         self.targets.remove(&pid);
         self.scrapes.remove(&pid);
+        self.profiles.remove(&pid);
         if self.mapped.remove(&pid).is_some() {
             self.forget_unserved_files();
         }
@@ -330,9 +342,33 @@ impl State {
         self.build_ids.retain_mapped(maps());
     }
 
-    fn snapshot(&mut self, pid: u32, ages: AgeFilter) -> Result<snapshot::Snapshot, Reply> {
+    /// A profile of `pid`: taken now when `fresh` (a delta's two ends), or
+    /// when its last one's cost allows ([`COSTLY_PROFILE`]); else that
+    /// one.
+    fn snapshot(
+        &mut self,
+        pid: u32,
+        ages: AgeFilter,
+        fresh: bool,
+    ) -> Result<snapshot::Snapshot, Reply> {
         self.forget_exited();
-        match self.take(pid, ages, self.opts.symbolize, false) {
+        let whole = ages == AgeFilter::default();
+        if let Some((started, cost, last)) = self.profiles.get(&pid) {
+            if whole && !fresh && !crate::commands::watch::cost_allows(started.elapsed(), *cost) {
+                return Ok(last.clone());
+            }
+        }
+        let started = std::time::Instant::now();
+        let taken = self.take(pid, ages, self.opts.symbolize, false);
+        let cost = started.elapsed();
+        if let Ok((s, _)) = &taken {
+            if whole && cost >= COSTLY_PROFILE {
+                self.profiles.insert(pid, (started, cost, s.clone()));
+            } else if whole {
+                self.profiles.remove(&pid);
+            }
+        }
+        match taken {
             Ok((s, _)) => Ok(s),
             Err(TakeError::Open(e)) => Err(text(404, format!("{e}\n"))),
             Err(TakeError::Read(e)) => {
@@ -468,11 +504,12 @@ impl State {
                 } else {
                     "inuse_space"
                 };
-                let snap = match self.snapshot(pid, ages) {
+                let delta = seconds.filter(|_| !path.ends_with(".json"));
+                let snap = match self.snapshot(pid, ages, delta.is_some()) {
                     Ok(s) => s,
                     Err(r) => return r.into(),
                 };
-                if let Some(n) = seconds.filter(|_| !path.ends_with(".json")) {
+                if let Some(n) = delta {
                     // A delta profile: the second snapshot once N seconds
                     // have passed, other requests answered meanwhile.
                     return Answer::Later {
@@ -543,7 +580,7 @@ impl State {
     /// first snapshot and one taken now.
     fn finish_delta(&mut self, d: PendingDelta) -> (Request, Reply) {
         self.reader = d.reader;
-        let after = match self.snapshot(d.pid, d.ages) {
+        let after = match self.snapshot(d.pid, d.ages, true) {
             Ok(s) => s,
             Err(r) => return (d.req, r),
         };
@@ -590,6 +627,7 @@ pub fn serve(server: Server, opts: ServeOptions) {
         mapped: HashMap::new(),
         symbolizer: Symbolizer::new(),
         scrapes: HashMap::new(),
+        profiles: HashMap::new(),
         build_ids: BuildIds::default(),
     };
     let mut pending: Vec<PendingDelta> = Vec::new();
