@@ -119,8 +119,9 @@ fn bounded_with(args: &[&str], env: &[(&str, &str)]) -> Output {
 }
 
 /// A long-running heapdump (`watch`, `serve`) with `args` and `env`: the
-/// process and its stdout's lines (its stderr is the test's).
-fn running(args: &[&str], env: &[(&str, &str)]) -> (std::process::Child, Lines) {
+/// process (killed if the test ends before it) and its stdout's lines
+/// (its stderr is the test's).
+fn running(args: &[&str], env: &[(&str, &str)]) -> (KilledOnDrop, Lines) {
     let mut child = Command::new(bin())
         .args(args)
         .envs(env.iter().copied())
@@ -129,13 +130,13 @@ fn running(args: &[&str], env: &[(&str, &str)]) -> (std::process::Child, Lines) 
         .spawn()
         .unwrap();
     let lines = Lines::new(child.stdout.take().unwrap());
-    (child, lines)
+    (KilledOnDrop(child), lines)
 }
 
 /// `heapdump serve` on a port of loopback, unsymbolized: the process, its
 /// address, and its stdout's lines (kept: a closed stdout would fail its
 /// writes).
-fn server_of_heaps() -> (std::process::Child, String, Lines) {
+fn server_of_heaps() -> (KilledOnDrop, String, Lines) {
     let (server, lines) = running(&["serve", "--listen", "127.0.0.1:0", "--no-symbolize"], &[]);
     let addr = listening_addr(&lines.next());
     (server, addr, lines)
@@ -152,7 +153,7 @@ fn served_live_blocks(addr: &str, pid: u32) -> i64 {
 
 /// A collector (`watch --all`, scanning every 20 ms) writing JSON into
 /// `dir`, with `env`: the process and its stdout's lines.
-fn collector(dir: &Path, env: &[(&str, &str)]) -> (std::process::Child, Lines) {
+fn collector(dir: &Path, env: &[(&str, &str)]) -> (KilledOnDrop, Lines) {
     running(
         &[
             "watch",
@@ -172,7 +173,7 @@ fn collector(dir: &Path, env: &[(&str, &str)]) -> (std::process::Child, Lines) {
 
 /// `heapdump watch PID -f json -d DIR`, started and past its "watching"
 /// line: the process and its stdout's lines (each "wrote PATH").
-fn watch_json(pid: &str, dir: &Path) -> (std::process::Child, Lines) {
+fn watch_json(pid: &str, dir: &Path) -> (KilledOnDrop, Lines) {
     let (watch, lines) = running(
         &["watch", pid, "-f", "json", "-d", &dir.to_string_lossy()],
         &[],

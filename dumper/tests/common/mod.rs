@@ -289,3 +289,29 @@ pub fn sample(text: &str, metric: &str, labels: &[&str]) -> Option<f64> {
         .find(|l| labels.iter().all(|want| l.contains(want)))
         .and_then(|l| l.rsplit(' ').next()?.parse().ok())
 }
+
+/// A child process killed and reaped when dropped, so that a test that
+/// fails while its `watch` or `serve` runs leaves none behind (one would
+/// go on adopting other tests' processes and hold the test's output
+/// open). Derefs to the [`std::process::Child`].
+pub struct KilledOnDrop(pub std::process::Child);
+
+impl std::ops::Deref for KilledOnDrop {
+    type Target = std::process::Child;
+    fn deref(&self) -> &std::process::Child {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for KilledOnDrop {
+    fn deref_mut(&mut self) -> &mut std::process::Child {
+        &mut self.0
+    }
+}
+
+impl Drop for KilledOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
