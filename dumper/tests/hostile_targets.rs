@@ -1753,16 +1753,25 @@ fn a_process_whose_snapshots_cost_much_is_answered_in_proportion() {
     // (libraries of big debug information, cycled through so that each is
     // read anew), and asked for one as soon as the request interval
     // allowed: the collector, one thread, spent its time on that process
-    // and the others' requests waited. Now a process's next snapshot waits
-    // four times as long as its last one took, and the others' are
-    // answered meanwhile.
+    // and the others' requests waited. Now a process's next snapshot, and
+    // the next one of any process of its user (many processes, each
+    // costly once, would each take their share), waits four times as long
+    // as the last one took, and the other users' are answered meanwhile.
     let _big = BIG_READS.lock().unwrap_or_else(|e| e.into_inner());
     let t = TempDir::new("hostile-costly");
     let d = nobody_dir(&t, "app");
     let lib = sparse_dwarf_library(&d.join("libslow.so"), 32 << 20);
+    let exe = compile_c("hostile");
     let mut costly = hostile_with_plugins(&[&lib]);
-    let mut other = Target::spawn(as_nobody_recorded(&compile_c("hostile")));
-    let (pid, other_pid) = (costly.pid(), other.pid());
+    // Another process of nobody's, cheap itself.
+    let mut sibling = Target::spawn(as_nobody_recorded(&exe));
+    // root's (the test's user).
+    let mut other = Target::spawn({
+        let mut c = Command::new(&exe);
+        c.env("LD_PRELOAD", preload_lib());
+        c
+    });
+    let (pid, sibling_pid, other_pid) = (costly.pid(), sibling.pid(), other.pid());
     let dir = t.path("out");
     let dir_arg = dir.to_string_lossy().to_string();
     let mut watch = Command::new(bin())
@@ -1780,11 +1789,10 @@ fn a_process_whose_snapshots_cost_much_is_answered_in_proportion() {
         .spawn()
         .unwrap();
     let lines = Lines::new(watch.stdout.take().unwrap());
-    let (mut seen, mut seen_other) = (false, false);
-    while !(seen && seen_other) {
+    let mut unseen = vec![pid, sibling_pid, other_pid];
+    while !unseen.is_empty() {
         let l = lines.next();
-        seen |= l.starts_with(&format!("watching {pid} "));
-        seen_other |= l.starts_with(&format!("watching {other_pid} "));
+        unseen.retain(|p| !l.starts_with(&format!("watching {p} ")));
     }
     let count = |p: &Path| read_json(p)["request"]["count"].as_u64().unwrap();
     costly.send("request");
@@ -1792,39 +1800,57 @@ fn a_process_whose_snapshots_cost_much_is_answered_in_proportion() {
     // Reads the 32 MiB of DWARF: the costly one (seconds).
     let first = next_written(&lines, &dir, pid);
     assert_eq!(count(&first), 1, "{first:?}");
-    costly.send("request");
-    costly.wait_line("requested");
-    // Two answers to the other process: the collector looked at the
-    // costly one's request at least once since it was made (each pass
-    // looks at every process), and did not answer it.
-    let costly_file = format!("wrote {}/heapdump-{pid}-", dir.display());
+    for target in [&mut costly, &mut sibling] {
+        target.send("request");
+        target.wait_line("requested");
+    }
+    // Two answers to root's process: the collector looked at the nobody's
+    // two requests at least once since they were made (each pass looks at
+    // every process), and answered neither.
+    let file_of = |p: u32| format!("wrote {}/heapdump-{p}-", dir.display());
     for _ in 0..2 {
         other.send("request");
         other.wait_line("requested");
-        let prefix = format!("wrote {}/heapdump-{other_pid}-", dir.display());
         loop {
             let l = lines.next();
-            assert!(!l.starts_with(&costly_file), "answered at once: {l}");
-            if l.starts_with(&prefix) {
+            assert!(
+                !l.starts_with(&file_of(pid)) && !l.starts_with(&file_of(sibling_pid)),
+                "answered at once: {l}"
+            );
+            if l.starts_with(&file_of(other_pid)) {
                 break;
             }
         }
     }
-    // Answered later, with the one made after.
+    // Answered later (the costly one with the request made after).
     costly.send("request");
     costly.wait_line("requested");
-    let second = next_written(&lines, &dir, pid);
+    let (mut second, mut sibling_answered) = (None, false);
+    while second.is_none() || !sibling_answered {
+        let l = lines.next();
+        if let Some(path) = l.strip_prefix(&file_of(pid)) {
+            second = Some(dir.join(format!("heapdump-{pid}-{path}")));
+        }
+        sibling_answered |= l.starts_with(&file_of(sibling_pid));
+    }
+    let second = second.unwrap();
     assert_eq!(count(&second), 3, "{second:?}");
     // SAFETY: kill takes a pid and a signal.
     unsafe { libc::kill(watch.id() as i32, libc::SIGTERM) };
     let out = watch.wait_with_output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        err.contains(&format!("a snapshot of pid {pid} (")) && err.contains("4 times that"),
-        "{err}"
-    );
-    costly.send("quit");
-    other.send("quit");
+    // Said once for each held back (its own last snapshot or its user's:
+    // the collector also watches other tests' processes of nobody's).
+    for held in [pid, sibling_pid] {
+        assert!(
+            err.lines()
+                .any(|l| l.contains(&format!("pid {held} (")) && l.contains("4 times that")),
+            "{err}"
+        );
+    }
+    for target in [&mut costly, &mut sibling, &mut other] {
+        target.send("quit");
+    }
 }
 
 #[test]

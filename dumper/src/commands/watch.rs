@@ -246,6 +246,9 @@ struct Watched {
     last_cost: Duration,
     /// Whether the log said its snapshots are paced by their cost.
     told_cost: bool,
+    /// Its real user id when opened (`None`: unreadable), whose
+    /// processes' snapshots are paced together ([`UserPace`]).
+    uid: Option<u32>,
     /// Whether its mappings changed since the collector last forgot the
     /// files nobody maps.
     maps_changed: bool,
@@ -271,10 +274,35 @@ pub fn cost_allows(since_start: Duration, last_cost: Duration) -> bool {
     since_start >= last_cost.saturating_mul(COST_PACE)
 }
 
+/// The last snapshot of each user's processes: when it started and how
+/// long it took. A process's next snapshot waits for its user's as for its
+/// own ([`cost_allows`]), so that one user's many costly processes take a
+/// quarter of the collector's time together, not each.
+#[derive(Debug, Default)]
+struct UserPace(std::collections::HashMap<u32, (Instant, Duration)>);
+
+impl UserPace {
+    /// Records a snapshot of a process of `uid`.
+    fn took(&mut self, uid: Option<u32>, started: Instant, cost: Duration) {
+        if let Some(uid) = uid {
+            self.0.insert(uid, (started, cost));
+        }
+    }
+
+    /// The cost of the last snapshot of a process of `uid` when it still
+    /// holds the next one back.
+    fn holding(&self, uid: Option<u32>) -> Option<Duration> {
+        let (started, cost) = self.0.get(&uid?)?;
+        (!cost_allows(started.elapsed(), *cost)).then_some(*cost)
+    }
+}
+
 impl Watched {
-    /// Whether its last snapshot's cost lets it have another now.
-    fn cost_allows(&self) -> bool {
+    /// Whether its last snapshot's cost, and its user's last one's, let it
+    /// have another now.
+    fn cost_allows(&self, users: &UserPace) -> bool {
         cost_allows(self.last_started.elapsed(), self.last_cost)
+            && users.holding(self.uid).is_none()
     }
 
     /// Records a periodic snapshot's files and deletes the oldest ones
@@ -468,11 +496,13 @@ fn shoot_or_drop(
     opts: &WatchOptions,
     symbolizer: &mut Symbolizer,
     build_ids: &mut BuildIds,
+    users: &mut UserPace,
 ) -> Result<Option<Written>, WatchError> {
     let started = Instant::now();
     let shot = shoot(w, reason, opts, symbolizer, build_ids);
     w.last_started = started;
     w.last_cost = started.elapsed();
+    users.took(w.uid, started, w.last_cost);
     match shot {
         Ok(mut written) => {
             if let Some(max) = opts.max_total {
@@ -495,6 +525,7 @@ pub struct Watcher {
     watched: Vec<Watched>,
     symbolizer: Symbolizer,
     build_ids: BuildIds,
+    users: UserPace,
 }
 
 impl std::fmt::Debug for Watcher {
@@ -532,6 +563,7 @@ impl Watcher {
             watched,
             symbolizer,
             build_ids,
+            users: UserPace::default(),
         })
     }
 
@@ -562,7 +594,7 @@ impl Watcher {
     fn follow_execs(&mut self, on_written: &mut impl FnMut(&Written)) -> Result<(), WatchError> {
         let opts = self.opts.clone();
         for w in self.watched.iter_mut().filter(|w| !w.done) {
-            if w.image_checked.elapsed() < opts.scan || !w.cost_allows() {
+            if w.image_checked.elapsed() < opts.scan || !w.cost_allows(&self.users) {
                 continue;
             }
             w.image_checked = Instant::now();
@@ -579,6 +611,7 @@ impl Watcher {
                     &opts,
                     &mut self.symbolizer,
                     &mut self.build_ids,
+                    &mut self.users,
                 )?;
                 if let Some(mut written) = written {
                     // Kept with the answers to its requests: a process
@@ -615,6 +648,7 @@ impl Watcher {
                 fresh.last_started = w.last_started;
                 fresh.last_cost = w.last_cost;
                 fresh.told_cost = w.told_cost;
+                fresh.uid = w.uid;
                 fresh.maps_changed = true;
                 *w = fresh;
             }
@@ -670,9 +704,10 @@ impl Watcher {
                 }
             }
             self.follow_execs(&mut on_written)?;
-            let (symbolizer, build_ids) = (&mut self.symbolizer, &mut self.build_ids);
-            let mut take = |w: &mut Watched, reason: Reason| {
-                shoot_or_drop(w, reason, &opts, symbolizer, build_ids)
+            let (symbolizer, build_ids, users) =
+                (&mut self.symbolizer, &mut self.build_ids, &mut self.users);
+            let mut take = |w: &mut Watched, reason: Reason, users: &mut UserPace| {
+                shoot_or_drop(w, reason, &opts, symbolizer, build_ids, users)
             };
             for w in self.watched.iter_mut().filter(|w| !w.done) {
                 let exited = w.exit.exited();
@@ -686,22 +721,34 @@ impl Watcher {
                 let due = w
                     .last_answer
                     .is_none_or(|t| t.elapsed() >= opts.min_request_interval);
-                if req.count > w.last_request && due && !w.cost_allows() {
-                    // Answered once its last snapshot's cost allows, with
-                    // every request made meanwhile.
+                if req.count > w.last_request && due && !w.cost_allows(users) {
+                    // Answered once its last snapshot's cost, and its
+                    // user's last one's, allow, with every request made
+                    // meanwhile.
                     if !w.told_cost {
                         w.told_cost = true;
-                        eprintln!(
-                            "heapdump: a snapshot of pid {} ({}) took {}: its snapshots are \
-                             taken at most once per {} times that, so that it cannot keep the \
-                             others waiting",
-                            w.target.pid,
-                            w.target.name,
-                            humantime::format_duration(Duration::from_millis(
-                                w.last_cost.as_millis() as u64
-                            )),
-                            COST_PACE
-                        );
+                        let ms = |d: Duration| {
+                            humantime::format_duration(Duration::from_millis(d.as_millis() as u64))
+                        };
+                        match users.holding(w.uid) {
+                            Some(cost) if cost != w.last_cost => eprintln!(
+                                "heapdump: a snapshot of another process of the user of pid {} \
+                                 ({}) took {}: snapshots of that user's processes are taken at \
+                                 most once per {COST_PACE} times that, so that they cannot keep \
+                                 the others waiting",
+                                w.target.pid,
+                                w.target.name,
+                                ms(cost),
+                            ),
+                            _ => eprintln!(
+                                "heapdump: a snapshot of pid {} ({}) took {}: its snapshots are \
+                                 taken at most once per {COST_PACE} times that, so that it \
+                                 cannot keep the others waiting",
+                                w.target.pid,
+                                w.target.name,
+                                ms(w.last_cost),
+                            ),
+                        }
                     }
                 } else if req.count > w.last_request && !due {
                     // Answered when the interval has passed, with every
@@ -722,13 +769,13 @@ impl Watcher {
                     w.last_request = req.count;
                     w.last_answer = Some(Instant::now());
                     let name = req.name.unwrap_or_default();
-                    if let Some(mut written) = take(w, Reason::Request(name))? {
+                    if let Some(mut written) = take(w, Reason::Request(name), users)? {
                         w.rotate_answered(&mut written, opts.keep_requests);
                         on_written(&written);
                     }
                 } else if let Some(iv) = opts.interval {
-                    if w.last_snapshot.elapsed() >= iv && w.cost_allows() && !exited {
-                        if let Some(mut written) = take(w, Reason::Interval)? {
+                    if w.last_snapshot.elapsed() >= iv && w.cost_allows(users) && !exited {
+                        if let Some(mut written) = take(w, Reason::Interval, users)? {
                             w.rotate(&mut written, opts.keep);
                             on_written(&written);
                         }
@@ -738,7 +785,7 @@ impl Watcher {
                     let reason = if exited { Reason::Exit } else { Reason::Stop };
                     // After exit, /proc/PID/maps is gone: keep the last maps.
                     w.done = exited;
-                    let written = take(w, reason)?;
+                    let written = take(w, reason, users)?;
                     w.done = true;
                     if let Some(written) = written {
                         on_written(&written);
@@ -807,6 +854,7 @@ fn open_one(
         last_started: Instant::now(),
         last_cost: Duration::ZERO,
         told_cost: false,
+        uid: crate::process::discovery::process_uids(pid).map(|ids| ids[0]),
         maps_changed: false,
         image_checked: Instant::now(),
         replaced: false,
@@ -1063,6 +1111,19 @@ pub fn command(a: WatchArgs) -> anyhow::Result<i32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_users_last_costly_snapshot_holds_its_processes_back_not_anothers() {
+        let mut users = UserPace::default();
+        let hour = Duration::from_secs(3600);
+        users.took(Some(5), Instant::now(), hour);
+        users.took(None, Instant::now(), hour);
+        assert_eq!(users.holding(Some(5)), Some(hour));
+        assert_eq!(users.holding(Some(6)), None);
+        assert_eq!(users.holding(None), None);
+        users.took(Some(5), Instant::now(), Duration::ZERO);
+        assert_eq!(users.holding(Some(5)), None);
+    }
 
     #[test]
     fn a_target_waits_four_times_its_last_snapshots_cost_from_its_start() {

@@ -93,16 +93,7 @@ pub fn may_read(uid: u32, pid: u32) -> bool {
     if owner.ok() != Some(uid) {
         return false;
     }
-    let Ok(status) = super::proc_text::read(format!("/proc/{pid}/status")) else {
-        return false;
-    };
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("Uid:"))
-        .is_some_and(|ids| {
-            let ids: Vec<&str> = ids.split_whitespace().collect();
-            ids.len() == 4 && ids.iter().all(|id| id.parse() == Ok(uid))
-        })
+    super::discovery::process_uids(pid).is_some_and(|ids| ids.iter().all(|&id| id == uid))
 }
 
 #[cfg(test)]
