@@ -1744,6 +1744,25 @@ fn a_flooding_process_cannot_delete_another_processes_snapshots() {
     flooder.send("quit");
 }
 
+/// A process of nobody's whose first snapshot costs seconds (in a debug
+/// build): it maps a library whose `.debug_info` is 32 MiB (sparse), where
+/// its site `site_plugin` lies; with the directory holding the library.
+/// The caller holds [`BIG_READS`].
+fn costly_target(name: &str) -> (TempDir, Target) {
+    let t = TempDir::new(name);
+    let d = nobody_dir(&t, "app");
+    let lib = sparse_dwarf_library(&d.join("libslow.so"), 32 << 20);
+    let costly = hostile_with_plugins(&[&lib]);
+    (t, costly)
+}
+
+/// `exe` run as this test's user (root) under the preload agent.
+fn as_root_recorded(exe: &Path) -> Command {
+    let mut c = Command::new(exe);
+    c.env("LD_PRELOAD", preload_lib());
+    c
+}
+
 #[test]
 fn a_process_whose_snapshots_cost_much_is_answered_in_proportion() {
     if !root_here("costly snapshots") {
@@ -1758,19 +1777,11 @@ fn a_process_whose_snapshots_cost_much_is_answered_in_proportion() {
     // costly once, would each take their share), waits four times as long
     // as the last one took, and the other users' are answered meanwhile.
     let _big = BIG_READS.lock().unwrap_or_else(|e| e.into_inner());
-    let t = TempDir::new("hostile-costly");
-    let d = nobody_dir(&t, "app");
-    let lib = sparse_dwarf_library(&d.join("libslow.so"), 32 << 20);
+    let (t, mut costly) = costly_target("hostile-costly");
     let exe = compile_c("hostile");
-    let mut costly = hostile_with_plugins(&[&lib]);
     // Another process of nobody's, cheap itself.
     let mut sibling = Target::spawn(as_nobody_recorded(&exe));
-    // root's (the test's user).
-    let mut other = Target::spawn({
-        let mut c = Command::new(&exe);
-        c.env("LD_PRELOAD", preload_lib());
-        c
-    });
+    let mut other = Target::spawn(as_root_recorded(&exe));
     let (pid, sibling_pid, other_pid) = (costly.pid(), sibling.pid(), other.pid());
     let dir = t.path("out");
     let dir_arg = dir.to_string_lossy().to_string();
@@ -1867,10 +1878,7 @@ fn a_process_whose_reading_costs_much_is_served_from_its_last_scrape_meanwhile()
     // served meanwhile (heapdump_scrape_age_seconds > 0), the others'
     // are read at each scrape.
     let _big = BIG_READS.lock().unwrap_or_else(|e| e.into_inner());
-    let t = TempDir::new("hostile-costly-scrape");
-    let d = nobody_dir(&t, "app");
-    let lib = sparse_dwarf_library(&d.join("libslow.so"), 32 << 20);
-    let mut costly = hostile_with_plugins(&[&lib]);
+    let (_t, mut costly) = costly_target("hostile-costly-scrape");
     let mut other = Target::spawn(as_nobody_recorded(&compile_c("hostile")));
     other.send("alloc");
     other.wait_line("allocated");
@@ -1986,11 +1994,7 @@ fn serve_over_loopback_without_a_token_gives_each_user_only_its_own_processes() 
     // the user owning the client's socket: the processes that user may
     // read.
     let exe = compile_c("hostile");
-    let mut roots = Target::spawn({
-        let mut c = Command::new(&exe);
-        c.env("LD_PRELOAD", preload_lib());
-        c
-    });
+    let mut roots = Target::spawn(as_root_recorded(&exe));
     let mut nobodys = Target::spawn(as_nobody_recorded(&exe));
     for t in [&mut roots, &mut nobodys] {
         t.send("alloc");
