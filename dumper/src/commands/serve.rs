@@ -79,30 +79,28 @@ pub const MAX_DELTA_SECONDS: u64 = 300;
 /// never in front of them, and its first snapshot is held meanwhile.
 pub const MAX_PENDING_DELTAS: usize = 8;
 
-/// A `?seconds=N` request whose first snapshot is taken: answered once
+/// A `?seconds=N` delta whose first snapshot is taken: answered once
 /// `due` has come, with the difference to a second one.
-struct PendingDelta {
-    req: Request,
+struct Delta {
     due: std::time::Instant,
-    /// The user it is served for ([`State::reader`]).
-    reader: Option<u32>,
     pid: u32,
     ages: AgeFilter,
-    before: Box<snapshot::Snapshot>,
+    before: snapshot::Snapshot,
     default_type: &'static str,
 }
 
-/// What a request gets: its answer now, or later ([`PendingDelta`], whose
-/// `req` the server fills in).
+/// A [`Delta`] waiting, with its request and the user it is served for
+/// ([`State::reader`]).
+struct PendingDelta {
+    req: Request,
+    reader: Option<u32>,
+    delta: Box<Delta>,
+}
+
+/// What a request gets: its answer now, or later.
 enum Answer {
     Now(Reply),
-    Later {
-        due: std::time::Instant,
-        pid: u32,
-        ages: AgeFilter,
-        before: Box<snapshot::Snapshot>,
-        default_type: &'static str,
-    },
+    Later(Box<Delta>),
 }
 
 impl From<Reply> for Answer {
@@ -512,13 +510,13 @@ impl State {
                 if let Some(n) = delta {
                     // A delta profile: the second snapshot once N seconds
                     // have passed, other requests answered meanwhile.
-                    return Answer::Later {
+                    return Answer::Later(Box::new(Delta {
                         due: std::time::Instant::now() + std::time::Duration::from_secs(n),
                         pid,
                         ages,
-                        before: Box::new(snap),
+                        before: snap,
                         default_type,
-                    };
+                    }));
                 }
                 if path.ends_with(".json") {
                     return Response::from_data(crate::formats::json::render(&snap))
@@ -578,14 +576,16 @@ impl State {
 
     /// The answer to a delta whose time has come: what changed between its
     /// first snapshot and one taken now.
-    fn finish_delta(&mut self, d: PendingDelta) -> (Request, Reply) {
-        self.reader = d.reader;
+    fn finish_delta(&mut self, pending: PendingDelta) -> (Request, Reply) {
+        let PendingDelta { req, reader, delta } = pending;
+        let d = *delta;
+        self.reader = reader;
         let after = match self.snapshot(d.pid, d.ages, true) {
             Ok(s) => s,
-            Err(r) => return (d.req, r),
+            Err(r) => return (req, r),
         };
         let delta =
-            crate::commands::diff::render_pprof(&crate::commands::diff::diff(*d.before, after));
+            crate::commands::diff::render_pprof(&crate::commands::diff::diff(d.before, after));
         let body = match crate::formats::pprof::decode(&delta) {
             Ok(mut p) => {
                 crate::formats::pprof::set_default_sample_type(&mut p, d.default_type);
@@ -596,7 +596,7 @@ impl State {
         let reply = Response::from_data(body).with_header(
             Header::from_bytes("Content-Type", "application/octet-stream").expect("header"),
         );
-        (d.req, reply)
+        (req, reply)
     }
 }
 
@@ -635,13 +635,13 @@ pub fn serve(server: Server, opts: ServeOptions) {
         // The deltas whose time has come, then the next request (waiting
         // no longer than the next delta's time).
         let now = std::time::Instant::now();
-        let (due, waiting): (Vec<_>, Vec<_>) = pending.drain(..).partition(|d| d.due <= now);
+        let (due, waiting): (Vec<_>, Vec<_>) = pending.drain(..).partition(|p| p.delta.due <= now);
         pending = waiting;
         for d in due {
             let (req, reply) = state.finish_delta(d);
             let _ = req.respond(reply);
         }
-        let next = match pending.iter().map(|d| d.due).min() {
+        let next = match pending.iter().map(|p| p.delta.due).min() {
             Some(due) => server.recv_timeout(due.saturating_duration_since(now)),
             None => server.recv().map(Some),
         };
@@ -692,7 +692,7 @@ pub fn serve(server: Server, opts: ServeOptions) {
             Answer::Now(reply) => {
                 let _ = req.respond(reply);
             }
-            Answer::Later { .. } if state.waiting >= MAX_PENDING_DELTAS => {
+            Answer::Later(_) if state.waiting >= MAX_PENDING_DELTAS => {
                 let _ = req.respond(text(
                     503,
                     format!(
@@ -701,20 +701,10 @@ pub fn serve(server: Server, opts: ServeOptions) {
                     ),
                 ));
             }
-            Answer::Later {
-                due,
-                pid,
-                ages,
-                before,
-                default_type,
-            } => pending.push(PendingDelta {
+            Answer::Later(delta) => pending.push(PendingDelta {
                 req,
-                due,
                 reader: state.reader,
-                pid,
-                ages,
-                before,
-                default_type,
+                delta,
             }),
         }
     }
