@@ -1038,6 +1038,62 @@ fn the_agents_own_allocations_are_not_in_an_attached_processs_heap() {
 }
 
 #[test]
+fn the_heap_at_its_peak_of_an_attached_process_is_not_compared_with_the_allocators_heap_now() {
+    // Ten blocks kept (7 770 B), then a spike of 1 MiB allocated and freed
+    // again: `--peak` shows the spike, while the allocator's figure in
+    // the recording's line is read about now. That line compared it with
+    // the peak's heap ("1.0 MiB live recorded since the attach, of 130 KiB
+    // in use according to glibc"): it gives the heap recorded now.
+    let dir = TempDir::new("attach-peak-recording");
+    let mut cmd = Command::new(compile_c("poll_single"));
+    cmd.env_remove("LD_PRELOAD");
+    let mut t = Target::spawn(cmd);
+    let pid = t.pid();
+    attach_ok(pid, &[]);
+    t.send("alloc");
+    t.wait_line("allocated");
+    t.send("spike");
+    t.wait_line("spiked");
+    let recorded = |text: &str| {
+        text.lines()
+            .find(|l| l.starts_with("recording since heapdump attach"))
+            .and_then(|l| l.split(": ").nth(1))
+            .and_then(|r| r.split(" live recorded since the attach").next())
+            .map(str::to_string)
+            .unwrap_or_else(|| panic!("no recording line: {text}"))
+    };
+    let now = stdout(&heapdump(&["snapshot", &pid.to_string()]));
+    assert_eq!(recorded(&now), "7.6 KiB", "{now}");
+    let peak = stdout(&heapdump(&["snapshot", &pid.to_string(), "--peak"]));
+    assert!(peak.contains("THE HEAP AT ITS PEAK"), "{peak}");
+    let file = dir.str("peak.json");
+    let out = heapdump(&["snapshot", &pid.to_string(), "--peak", "-o", &file]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let j = read_json(std::path::Path::new(&file));
+    assert!(
+        j["peak"]["live_bytes"].as_u64().unwrap() >= 7770 + 64 * 16384,
+        "{}",
+        j["peak"]
+    );
+    assert_eq!(recorded(&peak), "7.6 KiB", "{peak}");
+    // The same line in the HTML report made from that document.
+    let html = dir.str("peak.html");
+    let out = heapdump(&["report", &file, "-o", &html]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let page = std::fs::read_to_string(&html).unwrap();
+    assert!(
+        page.contains("7.6 KiB live recorded since the attach"),
+        "{}",
+        page.lines()
+            .filter(|l| l.contains("recorded since"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    detach_ok(pid);
+    t.send("quit");
+}
+
+#[test]
 fn a_stopped_process_is_refused_and_runs_on_once_continued() {
     let t = start();
     let pid = t.pid();

@@ -2,6 +2,7 @@
  * manager is: the kernel resumes such a sleep through the thread's restart
  * block, and it is the only thread `heapdump attach` can choose.
  * Commands on stdin: "alloc" -> 10 x malloc(777) at site_poll, "allocated";
+ * "spike" -> 64 x malloc(16384) at site_spike, all freed again, "spiked";
  * "quit" -> "eintr N" (polls that returned EINTR), exit 0.
  * With the argument "usr2" it handles SIGUSR2 itself (as postgres does).
  * Prints "ready PID" first. */
@@ -18,6 +19,12 @@ void *kept[10];
 
 __attribute__((noinline)) void site_poll(void) {
     for (int i = 0; i < 10; i++) kept[i] = malloc(777);
+}
+
+__attribute__((noinline)) void site_spike(void) {
+    void *b[64];
+    for (int i = 0; i < 64; i++) b[i] = malloc(16384);
+    for (int i = 0; i < 64; i++) free(b[i]);
 }
 
 static void on_usr2(int sig) { (void)sig; }
@@ -47,6 +54,10 @@ int main(int argc, char **argv) {
             if (!strcmp(line, "alloc")) {
                 site_poll();
                 printf("allocated\n");
+                fflush(stdout);
+            } else if (!strcmp(line, "spike")) {
+                site_spike();
+                printf("spiked\n");
                 fflush(stdout);
             } else if (!strcmp(line, "quit")) {
                 printf("eintr %ld\n", eintr);

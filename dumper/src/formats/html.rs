@@ -427,7 +427,7 @@ fn facts(s: &Snapshot) -> String {
     if let Some(r) = &s.recording {
         rows.push((
             "recording".into(),
-            r.describe(s.totals.live_bytes, s.taken_at),
+            r.describe(s.recorded_live_now(), s.taken_at),
         ));
     }
     if let Some(p) = &s.partial {

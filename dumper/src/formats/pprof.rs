@@ -451,7 +451,7 @@ pub fn from_snapshot(s: &Snapshot, per_thread: bool) -> Profile {
     comments.extend(s.notes.iter().map(|n| format!("note: {n}")));
     comments.push(format!("unwinder: {}", s.unwinder));
     if let Some(r) = &s.recording {
-        comments.push(r.describe(s.totals.live_bytes, s.taken_at));
+        comments.push(r.describe(s.recorded_live_now(), s.taken_at));
     }
     if let Some(p) = &s.peak {
         comments.push(if p.at_peak {

@@ -84,7 +84,7 @@ pub fn render(s: &Snapshot, opts: TextOptions) -> String {
     );
     let t = &s.totals;
     if let Some(r) = &s.recording {
-        let _ = writeln!(o, "{}", r.describe(t.live_bytes, s.taken_at));
+        let _ = writeln!(o, "{}", r.describe(s.recorded_live_now(), s.taken_at));
     }
     if let Some(line) = s.timeline.as_ref().and_then(|tl| tl.describe(s.taken_at)) {
         let _ = writeln!(o, "{line}");

@@ -337,8 +337,15 @@ pub struct Recording {
 impl Recording {
     /// One line for reports: "recording since heapdump attach at T: N
     /// recorded since the attach, of M in use according to glibc's
-    /// mallinfo2".
-    pub fn describe(&self, recorded_live_bytes: u64, taken_at: Option<SystemTime>) -> String {
+    /// mallinfo2". `recorded_live_bytes`: the recorded live bytes now
+    /// ([`Snapshot::recorded_live_now`]; `None`: not known, for the heap
+    /// at its peak without a curve, and the line says only what the
+    /// allocator holds).
+    pub fn describe(
+        &self,
+        recorded_live_bytes: Option<u64>,
+        taken_at: Option<SystemTime>,
+    ) -> String {
         use crate::formats::text::human_bytes;
         if self.attached_at.is_none() {
             if let Some(d) = self.detached_at {
@@ -348,7 +355,7 @@ impl Recording {
                      could forbid the agent's system calls; nothing recorded since): {} live \
                      recorded before",
                     crate::formats::json::rfc3339(d),
-                    human_bytes(recorded_live_bytes)
+                    recorded_live_bytes.map_or("?".into(), human_bytes)
                 );
             }
         }
@@ -363,13 +370,20 @@ impl Recording {
                 crate::formats::json::rfc3339(d)
             );
         }
-        line += &format!(
-            ": {} live recorded since the attach",
-            human_bytes(recorded_live_bytes)
-        );
+        if let Some(b) = recorded_live_bytes {
+            line += &format!(": {} live recorded since the attach", human_bytes(b));
+        }
         match &self.allocator_heap {
             Some((source, bytes)) => {
-                line += &format!(", of {} in use according to {source}", human_bytes(*bytes));
+                line += &format!(
+                    "{} {} in use according to {source}",
+                    if recorded_live_bytes.is_some() {
+                        ", of"
+                    } else {
+                        ": now"
+                    },
+                    human_bytes(*bytes)
+                );
                 // A figure read a while ago (after a detach, or under a
                 // stalled housekeeping thread) says so.
                 let age = self
@@ -438,6 +452,22 @@ impl Snapshot {
         self.selection
             .as_ref()
             .map_or(self.totals.live_bytes, |s| s.live_bytes)
+    }
+
+    /// The recorded live bytes now, as the allocator's own figure of the
+    /// whole heap (read about now) is to be compared with: the totals',
+    /// except in a snapshot of the heap at its peak, whose totals are the
+    /// peak's; there the curve's last point (the snapshot's own moment).
+    /// `None` for such a snapshot without a curve.
+    pub fn recorded_live_now(&self) -> Option<u64> {
+        match &self.peak {
+            Some(p) if p.at_peak => self
+                .timeline
+                .as_ref()
+                .and_then(|t| t.points.last())
+                .map(|l| l.live_bytes),
+            _ => Some(self.totals.live_bytes),
+        }
     }
 }
 
