@@ -1262,7 +1262,12 @@ fn a_server_gives_back_what_it_read_for_a_process_once_it_exited() {
     let _big = BIG_READS.lock();
     let t = TempDir::new("hostile-server-total");
     let (first, second) = one_of_two_fits(&t);
-    let (mut server, lines) = running(&["serve", "--listen", "127.0.0.1:0"], &ONE_OF_TWO_TOTAL);
+    // Two costly processes of one user, one after another: no user share
+    // (`--user-burst`) holds the second back, what is read is the point.
+    let (mut server, lines) = running(
+        &["serve", "--listen", "127.0.0.1:0", "--user-burst", "3600"],
+        &ONE_OF_TWO_TOTAL,
+    );
     let addr = listening_addr(&lines.next());
     let served = |lib: &Path| {
         let mut target = hostile_of_user_with_plugins(ALONE, &[lib]);
@@ -1879,7 +1884,9 @@ fn a_process_whose_reading_costs_much_is_served_from_its_last_scrape_meanwhile()
     // are read at each scrape.
     let _big = BIG_READS.lock().unwrap_or_else(|e| e.into_inner());
     let (_t, mut costly) = costly_target("hostile-costly-scrape");
-    let mut other = Target::spawn(as_nobody_recorded(&compile_c("hostile")));
+    // Another user's (a process of nobody's would wait for nobody's share
+    // of the server, see the next test).
+    let mut other = Target::spawn(as_root_recorded(&compile_c("hostile")));
     other.send("alloc");
     other.wait_line("allocated");
     let (cl, ol) = (
@@ -1954,6 +1961,94 @@ fn a_process_whose_reading_costs_much_is_served_from_its_last_scrape_meanwhile()
     other.send("quit");
     let _ = server.kill();
     let _ = server.wait();
+}
+
+#[test]
+fn one_users_costly_processes_share_a_quarter_of_serve_and_are_read_in_turn() {
+    if !root_here("a user's costly scrapes") {
+        return;
+    }
+    // Each process whose reading costs much is read at most once per four
+    // times its cost, but a user's many such processes each had that
+    // quarter: enough of them kept serve reading them and nothing else
+    // (every scrape of the host past its timeout). Now every reading of a
+    // user's processes is charged to the user, and while its share is
+    // spent none of them is read afresh (`--user-burst 0` here: from the
+    // first reading on); they are read in turn, longest unread first.
+    let _big = BIG_READS.lock().unwrap_or_else(|e| e.into_inner());
+    let (_ta, mut a) = costly_target("hostile-user-share-a");
+    let (_tb, mut b) = costly_target("hostile-user-share-b");
+    let mut r = Target::spawn(as_root_recorded(&compile_c("hostile")));
+    for t in [&mut a, &mut b, &mut r] {
+        t.send("alloc");
+        t.wait_line("allocated");
+    }
+    let pids = [a.pid(), b.pid(), r.pid()].map(|p| p.to_string());
+    let [al, bl, rl] = pids.clone().map(|p| format!("pid=\"{p}\""));
+    let serve = || {
+        let mut args = vec!["serve", "--listen", "127.0.0.1:0", "--user-burst", "0"];
+        args.extend(pids.iter().map(String::as_str));
+        running(&args, &[])
+    };
+    let (scraped, lines) = serve();
+    let addr = listening_addr(&lines.next());
+    let metrics = || String::from_utf8(http_get_with(&addr, "/metrics", "").1).unwrap();
+    let age = |text: &str, l: &str| sample(text, "heapdump_scrape_age_seconds", &[l]);
+    let held = format!("reason=\"{}\"", heapdump::commands::serve::HELD_BACK);
+    // The first scrape reads the first of nobody's two (seconds: its
+    // plugin's DWARF), holds the second back, and reads root's.
+    let first = metrics();
+    assert_eq!(age(&first, &al), Some(0.0), "{first}");
+    assert_eq!(age(&first, &bl), None, "read with the first: {first}");
+    assert_eq!(
+        sample(&first, "heapdump_scrape_errors", &[&held]),
+        Some(1.0),
+        "{first}"
+    );
+    assert_eq!(age(&first, &rl), Some(0.0), "{first}");
+    // Scraped until the second is read: never in the same scrape as the
+    // first, whose last series are served meanwhile.
+    let guard = std::time::Instant::now();
+    loop {
+        assert!(
+            guard.elapsed() < HANG_GUARD,
+            "the second process was never read"
+        );
+        let text = metrics();
+        assert!(age(&text, &rl).is_some(), "{text}");
+        if age(&text, &bl) == Some(0.0) {
+            assert!(age(&text, &al).unwrap() > 0.0, "both read at once: {text}");
+            break;
+        }
+        // Polled, not waited on: only spares the machine.
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    // Profiles alike, on a server of its own: after the first one's
+    // costly profile, the second's is refused for now (503, Retry-After),
+    // as is a delta of it; root's is answered.
+    drop(scraped);
+    let (_server, lines) = serve();
+    let addr = listening_addr(&lines.next());
+    let get = |pid: &str, extra: &str| {
+        http_get_with(&addr, &format!("/debug/pprof/heap?pid={pid}{extra}"), "").0
+    };
+    let head = get(&pids[0], "");
+    assert!(head.contains(" 200 "), "{head}");
+    for extra in ["", "&seconds=1"] {
+        let head = get(&pids[1], extra);
+        assert!(head.contains(" 503 "), "{extra}: {head}");
+        let retry: u64 = head
+            .lines()
+            .find_map(|l| l.strip_prefix("Retry-After: "))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or_else(|| panic!("no Retry-After: {head}"));
+        assert!(retry >= 1, "{head}");
+    }
+    let head = get(&pids[2], "");
+    assert!(head.contains(" 200 "), "{head}");
+    for t in [&mut a, &mut b, &mut r] {
+        t.send("quit");
+    }
 }
 
 /// `GET path` from the server at `addr`, as user nobody (bash's

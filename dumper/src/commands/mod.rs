@@ -3,6 +3,7 @@
 
 pub mod args;
 pub mod attach;
+pub mod cost_pacing;
 pub mod demo;
 pub mod diff;
 pub mod list;

@@ -22,6 +22,7 @@ use std::io::Cursor;
 
 use tiny_http::{Header, Request, Response, Server};
 
+use crate::commands::cost_pacing::{cost_allows, UserShares};
 use crate::process::age::{self, AgeFilter, When};
 use crate::process::discovery::{instrumented_pids, open_target, Target};
 use crate::process::loopback_peer;
@@ -50,6 +51,9 @@ pub struct ServeOptions {
     /// on loopback without a token, where any user of the machine can
     /// connect.
     pub per_user: bool,
+    /// How much reading a user's processes may cost the server at once
+    /// before they are held back ([`UserShares`]).
+    pub user_burst: std::time::Duration,
 }
 
 /// The age filter of a request: `older_than` and `newer_than` query
@@ -137,7 +141,7 @@ struct State {
     build_ids: BuildIds,
     /// Each process's part of the last `/metrics` that read it, and when
     /// that reading started: a process whose reading took long is read
-    /// again only once [`crate::commands::watch::COST_PACE`] times as long
+    /// again only once [`crate::commands::cost_pacing::COST_PACE`] times as long
     /// has passed, its last series served meanwhile, so that one process
     /// (libraries of big debug information cycled through, each read
     /// anew) cannot make every scrape of the host slow.
@@ -148,10 +152,36 @@ struct State {
     /// profile carries its own time, so a client served an older one
     /// sees when it was taken.
     profiles: HashMap<u32, (std::time::Instant, std::time::Duration, snapshot::Snapshot)>,
+    /// What reading each user's processes cost the server (every fresh
+    /// reading, profile or scrape, charged to the process's real user):
+    /// while a user's share is spent, none of its processes is read
+    /// afresh, so that one user's many costly processes cannot hold the
+    /// server, each within its own pace.
+    users: UserShares,
+    /// When each process was last read afresh: `/metrics` reads the
+    /// longest unread first, so that a user whose share runs out in the
+    /// middle of a scrape has its other processes read at the next one.
+    read_at: HashMap<u32, std::time::Instant>,
 }
 
+/// How [`State::snapshot`] may answer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Freshness {
+    /// From the process's last costly profile while its cost says so.
+    MayBeKept,
+    /// Taken now (a delta's first end), unless its user's share is spent.
+    Now,
+    /// Taken now whatever the share: a delta's second end, whose request
+    /// was let in with its first.
+    Owed,
+}
+
+/// Why `/metrics` has no series of a process this scrape, when its user's
+/// share is spent and nothing of it was kept (see [`State::users`]).
+pub const HELD_BACK: &str = "held back: its user's processes cost much to read";
+
 /// A profile that took at least this long is kept, to be served again
-/// until [`crate::commands::watch::COST_PACE`] times as long has passed
+/// until [`crate::commands::cost_pacing::COST_PACE`] times as long has passed
 /// (a cheaper one is taken afresh at each request, and nothing is kept).
 pub const COSTLY_PROFILE: std::time::Duration = std::time::Duration::from_millis(250);
 
@@ -326,6 +356,7 @@ impl State {
         self.targets.remove(&pid);
         self.scrapes.remove(&pid);
         self.profiles.remove(&pid);
+        self.read_at.remove(&pid);
         if self.mapped.remove(&pid).is_some() {
             self.forget_unserved_files();
         }
@@ -340,25 +371,49 @@ impl State {
         self.build_ids.retain_mapped(maps());
     }
 
-    /// A profile of `pid`: taken now when `fresh` (a delta's two ends), or
-    /// when its last one's cost allows ([`COSTLY_PROFILE`]); else that
-    /// one.
+    /// A profile of `pid`: taken now, unless `fresh` allows its last one
+    /// and that one's cost says it is to be served again
+    /// ([`COSTLY_PROFILE`]), or its user's share is spent ([`State::users`]:
+    /// then its last one, or 503 until the share allows).
     fn snapshot(
         &mut self,
         pid: u32,
         ages: AgeFilter,
-        fresh: bool,
+        fresh: Freshness,
     ) -> Result<snapshot::Snapshot, Reply> {
         self.forget_exited();
         let whole = ages == AgeFilter::default();
-        if let Some((started, cost, last)) = self.profiles.get(&pid) {
-            if whole && !fresh && !crate::commands::watch::cost_allows(started.elapsed(), *cost) {
+        let kept = self
+            .profiles
+            .get(&pid)
+            .filter(|_| whole && fresh == Freshness::MayBeKept);
+        if let Some((started, cost, last)) = kept {
+            if !cost_allows(started.elapsed(), *cost) {
                 return Ok(last.clone());
             }
+        }
+        let uid = user_of(pid);
+        if let Some(wait) = self.users.holding(uid).filter(|_| fresh != Freshness::Owed) {
+            if let Some((_, _, last)) = kept {
+                return Ok(last.clone());
+            }
+            let secs = wait.as_secs() + 1;
+            return Err(text(
+                503,
+                format!(
+                    "pid {pid} is not read now: reading the processes of its user (uid {}) has                      cost this server much of late, and they are read again in {secs} s (each                      user's processes take at most a quarter of the server's time); ask again                      then\n",
+                    uid.unwrap_or_default()
+                ),
+            )
+            .with_header(
+                Header::from_bytes("Retry-After", secs.to_string().as_bytes()).expect("header"),
+            ));
         }
         let started = std::time::Instant::now();
         let taken = self.take(pid, ages, self.opts.symbolize, false);
         let cost = started.elapsed();
+        self.users.charge(uid, cost);
+        self.read_at.insert(pid, started);
         if let Ok((s, _)) = &taken {
             if whole && cost >= COSTLY_PROFILE {
                 self.profiles.insert(pid, (started, cost, s.clone()));
@@ -385,7 +440,11 @@ impl State {
         let mut scraped = Vec::new();
         let mut errors = Vec::new();
         self.forget_exited();
-        for pid in self.candidates() {
+        let mut pids = self.candidates();
+        // The longest unread first (never read: first of all), see
+        // `read_at`.
+        pids.sort_by_key(|p| self.read_at.get(p).copied());
+        for pid in pids {
             let t0 = std::time::Instant::now();
             // A process that exited has no series (its regions may still be
             // open here, from an earlier request: forgotten now).
@@ -394,15 +453,24 @@ impl State {
                 errors.push((pid, "exited".to_string()));
                 continue;
             }
-            if let Some((started, last)) = self.scrapes.get(&pid) {
-                let age = started.elapsed();
-                if !crate::commands::watch::cost_allows(age, last.took) {
-                    scraped.push(prometheus::Scraped {
-                        age,
-                        ..last.clone()
-                    });
-                    continue;
+            let kept = self.scrapes.get(&pid);
+            let serve_kept = |(started, last): &(std::time::Instant, Scraped)| Scraped {
+                age: started.elapsed(),
+                ..last.clone()
+            };
+            if let Some(k) =
+                kept.filter(|(started, last)| !cost_allows(started.elapsed(), last.took))
+            {
+                scraped.push(serve_kept(k));
+                continue;
+            }
+            let uid = user_of(pid);
+            if self.users.holding(uid).is_some() {
+                match kept {
+                    Some(k) => scraped.push(serve_kept(k)),
+                    None => errors.push((pid, HELD_BACK.to_string())),
                 }
+                continue;
             }
             let cgroup = prometheus::cgroup_of(pid);
             let (mut snap, maps) = match self.take(pid, AgeFilter::default(), false, true) {
@@ -450,6 +518,8 @@ impl State {
                 took: t0.elapsed(),
                 age: std::time::Duration::ZERO,
             });
+            self.users.charge(uid, t0.elapsed());
+            self.read_at.insert(pid, t0);
             if let Some(last) = scraped.last() {
                 self.scrapes.insert(pid, (t0, last.clone()));
             }
@@ -503,7 +573,12 @@ impl State {
                     "inuse_space"
                 };
                 let delta = seconds.filter(|_| !path.ends_with(".json"));
-                let snap = match self.snapshot(pid, ages, delta.is_some()) {
+                let fresh = if delta.is_some() {
+                    Freshness::Now
+                } else {
+                    Freshness::MayBeKept
+                };
+                let snap = match self.snapshot(pid, ages, fresh) {
                     Ok(s) => s,
                     Err(r) => return r.into(),
                 };
@@ -580,7 +655,7 @@ impl State {
         let PendingDelta { req, reader, delta } = pending;
         let d = *delta;
         self.reader = reader;
-        let after = match self.snapshot(d.pid, d.ages, true) {
+        let after = match self.snapshot(d.pid, d.ages, Freshness::Owed) {
             Ok(s) => s,
             Err(r) => return (req, r),
         };
@@ -600,6 +675,12 @@ impl State {
     }
 }
 
+/// The real user of process `pid`, whose share its readings are charged
+/// to (`None`: it cannot be read, and is paced by its own cost only).
+fn user_of(pid: u32) -> Option<u32> {
+    crate::process::discovery::process_uids(pid).map(|ids| ids[0])
+}
+
 /// Binds `addr`; returns the server and the address actually bound (useful
 /// with port 0).
 pub fn bind(addr: &str) -> Result<(Server, String), ServeError> {
@@ -616,6 +697,7 @@ pub fn bind(addr: &str) -> Result<(Server, String), ServeError> {
 
 /// Serves requests until the process is stopped.
 pub fn serve(server: Server, opts: ServeOptions) {
+    let user_burst = opts.user_burst;
     let local = server.server_addr().to_ip();
     // SAFETY: geteuid has no preconditions.
     let own_uid = unsafe { libc::geteuid() };
@@ -628,6 +710,8 @@ pub fn serve(server: Server, opts: ServeOptions) {
         symbolizer: Symbolizer::new(),
         scrapes: HashMap::new(),
         profiles: HashMap::new(),
+        users: UserShares::new(user_burst),
+        read_at: HashMap::new(),
         build_ids: BuildIds::default(),
     };
     let mut pending: Vec<PendingDelta> = Vec::new();
@@ -758,6 +842,15 @@ pub struct ServeArgs {
     /// How many top allocation sites `/metrics` gives per process.
     #[arg(long, default_value_t = 10)]
     pub(crate) metrics_sites: usize,
+    /// Seconds of reading a user's processes may cost the server at once
+    /// (their profiles and series read afresh) before they are held back:
+    /// each user's processes take at most a quarter of the server's time
+    /// beyond that, their last series served meanwhile, their profiles
+    /// answered 503 with Retry-After. So that one user's processes that
+    /// cost much to read (big debug information) cannot keep the server
+    /// from the others'.
+    #[arg(long, value_name = "SECONDS", default_value_t = 2.0)]
+    pub(crate) user_burst: f64,
 }
 
 /// `heapdump serve`: returns the exit status.
@@ -778,6 +871,12 @@ pub fn command(a: ServeArgs) -> anyhow::Result<i32> {
         }
         None => None,
     };
+    let user_burst = std::time::Duration::try_from_secs_f64(a.user_burst).map_err(|_| {
+        anyhow::anyhow!(
+            "--user-burst {}: give a number of seconds, 0 or more",
+            a.user_burst
+        )
+    })?;
     let (server, bound) = crate::commands::serve::bind(&a.listen)?;
     let loopback = server
         .server_addr()
@@ -801,6 +900,7 @@ pub fn command(a: ServeArgs) -> anyhow::Result<i32> {
             per_user: token.is_none() && loopback,
             token,
             metrics_sites: a.metrics_sites,
+            user_burst,
         },
     );
     Ok(0)

@@ -35,6 +35,7 @@ use crate::symbolization::maps::{self, read_maps, BuildIds, Mapping};
 use crate::symbolization::symbolizer::Symbolizer;
 
 use crate::commands::args::{AgeArgs, SymArgs};
+use crate::commands::cost_pacing::{cost_allows, UserPace, COST_PACE};
 use crate::formats::text::TextOptions;
 use clap::Args;
 use std::io::Write as _;
@@ -258,43 +259,6 @@ struct Watched {
     /// (yet): what is open is the program it ran before, already
     /// snapshotted.
     replaced: bool,
-}
-
-/// How many times as long as its last snapshot took a target waits,
-/// from that snapshot's start, before its next one (request, interval or
-/// exec): so that one process takes at most a quarter of the collector's
-/// time, whatever it makes a snapshot cost (libraries of big debug
-/// information cycled through, each read anew within its user's read
-/// share), and the others' snapshots come in between.
-pub const COST_PACE: u32 = 4;
-
-/// Whether a target whose last snapshot started `since_start` ago and took
-/// `last_cost` may have another one now ([`COST_PACE`]).
-pub fn cost_allows(since_start: Duration, last_cost: Duration) -> bool {
-    since_start >= last_cost.saturating_mul(COST_PACE)
-}
-
-/// The last snapshot of each user's processes: when it started and how
-/// long it took. A process's next snapshot waits for its user's as for its
-/// own ([`cost_allows`]), so that one user's many costly processes take a
-/// quarter of the collector's time together, not each.
-#[derive(Debug, Default)]
-struct UserPace(std::collections::HashMap<u32, (Instant, Duration)>);
-
-impl UserPace {
-    /// Records a snapshot of a process of `uid`.
-    fn took(&mut self, uid: Option<u32>, started: Instant, cost: Duration) {
-        if let Some(uid) = uid {
-            self.0.insert(uid, (started, cost));
-        }
-    }
-
-    /// The cost of the last snapshot of a process of `uid` when it still
-    /// holds the next one back.
-    fn holding(&self, uid: Option<u32>) -> Option<Duration> {
-        let (started, cost) = self.0.get(&uid?)?;
-        (!cost_allows(started.elapsed(), *cost)).then_some(*cost)
-    }
 }
 
 impl Watched {
@@ -1111,29 +1075,6 @@ pub fn command(a: WatchArgs) -> anyhow::Result<i32> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_users_last_costly_snapshot_holds_its_processes_back_not_anothers() {
-        let mut users = UserPace::default();
-        let hour = Duration::from_secs(3600);
-        users.took(Some(5), Instant::now(), hour);
-        users.took(None, Instant::now(), hour);
-        assert_eq!(users.holding(Some(5)), Some(hour));
-        assert_eq!(users.holding(Some(6)), None);
-        assert_eq!(users.holding(None), None);
-        users.took(Some(5), Instant::now(), Duration::ZERO);
-        assert_eq!(users.holding(Some(5)), None);
-    }
-
-    #[test]
-    fn a_target_waits_four_times_its_last_snapshots_cost_from_its_start() {
-        let ms = Duration::from_millis;
-        assert!(cost_allows(ms(0), ms(0)));
-        assert!(!cost_allows(ms(399), ms(100)));
-        assert!(cost_allows(ms(400), ms(100)));
-        // A cost beyond any interval does not wrap around.
-        assert!(!cost_allows(Duration::MAX / 2, Duration::MAX));
-    }
 
     #[test]
     fn a_flooding_process_deletes_its_own_snapshots_not_anothers() {

@@ -224,7 +224,8 @@ pub fn render(scraped: &[Scraped], errors: &[(u32, String)]) -> String {
     r.register(
         "heapdump_scrape_age_seconds",
         "How long ago each process's series were read (0: for this scrape; a process whose \
-         reading took long is read again once four times as long has passed)",
+         reading took long is read again once four times as long has passed, and a user's \
+         processes are read afresh only while the user's share of the server allows)",
         age.clone(),
     );
     r.register(
