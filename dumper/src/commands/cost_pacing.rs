@@ -20,7 +20,8 @@
 //!   whose processes read cheaply (a scrape of fifty processes at 30 ms
 //!   each) is never held back.
 //! - Users are told apart by the process's real user id; a process whose
-//!   user cannot be read is paced by its own cost only.
+//!   user cannot be read is paced by its own cost only (in `serve`, root's
+//!   processes too: see `serve::user_of`).
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};

@@ -676,9 +676,14 @@ impl State {
 }
 
 /// The real user of process `pid`, whose share its readings are charged
-/// to (`None`: it cannot be read, and is paced by its own cost only).
+/// to. `None`: paced by its own cost only: a process whose user cannot be
+/// read, and root's (a process of root's can stop the server anyway, and
+/// a host's many daemons of root's, each cheap, are not to be held back
+/// together).
 fn user_of(pid: u32) -> Option<u32> {
-    crate::process::discovery::process_uids(pid).map(|ids| ids[0])
+    crate::process::discovery::process_uids(pid)
+        .map(|ids| ids[0])
+        .filter(|&uid| uid != 0)
 }
 
 /// Binds `addr`; returns the server and the address actually bound (useful
