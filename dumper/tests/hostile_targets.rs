@@ -1769,6 +1769,82 @@ fn as_root_recorded(exe: &Path) -> Command {
 }
 
 #[test]
+fn a_process_holding_many_descriptors_costs_finding_its_regions_none_of_them() {
+    if !root_here("many descriptors") {
+        return;
+    }
+    // Finding a process's regions read the link of every descriptor it
+    // held (`/proc/PID/fd`): a process of nobody's holding half a million
+    // (the hard limit systemd gives every user) made each `list`, each
+    // scan of `watch --all` and each request of `serve` read half a
+    // million links, seconds each (4.5 us a descriptor here). Root opens
+    // the regions through their mappings (`/proc/PID/map_files`) and reads
+    // no descriptor's link.
+    let mut t = Target::spawn(as_nobody_recorded(&compile_c("hostile")));
+    t.send("alloc");
+    t.wait_line("allocated");
+    t.send("fds 10000");
+    let opened: usize = t.wait_line("opened ")[7..].parse().unwrap();
+    assert!(opened >= 1000, "could open only {opened} descriptors");
+    let dir = TempDir::new("hostile-fds");
+    // `heapdump list` (as `as_user` runs it) under strace: the links it
+    // read of the target's descriptors.
+    let links_read = |as_user: &[&str]| {
+        let trace = dir.path(&format!("trace-{}", as_user.len()));
+        let out = Command::new("timeout")
+            .arg(HANG_GUARD.as_secs().to_string())
+            .args([
+                "strace",
+                "-f",
+                "-qq",
+                "-e",
+                "trace=readlink,readlinkat",
+                "-o",
+            ])
+            .arg(&trace)
+            .args(as_user)
+            .arg(bin())
+            .arg("list")
+            .output()
+            .expect("strace (CI installs it)");
+        assert!(out.status.success(), "{}", stderr(&out));
+        let listed = stdout(&out);
+        assert!(
+            listed.lines().any(|l| {
+                l.trim_start().starts_with(&format!("{} ", t.pid())) && l.contains(" exact ")
+            }),
+            "{as_user:?}: {listed}"
+        );
+        std::fs::read_to_string(&trace)
+            .unwrap()
+            .lines()
+            .filter(|l| l.contains(&format!("/proc/{}/fd/", t.pid())))
+            .count()
+    };
+    let links = links_read(&[]);
+    assert!(
+        links == 0,
+        "root read {links} descriptors' links of a process holding {opened}"
+    );
+    // Its own user, who may not open mappings, reads the descriptors, but
+    // only until both regions are found (the agent's are among the first
+    // its process opened).
+    let (uid, gid) = (format!("--reuid={NOBODY}"), format!("--regid={NOBODY}"));
+    let links = links_read(&[
+        "/usr/bin/setpriv",
+        &uid,
+        &gid,
+        "--clear-groups",
+        "--inh-caps=-all",
+    ]);
+    assert!(
+        (1..16).contains(&links),
+        "its user read {links} descriptors' links of a process holding {opened}"
+    );
+    t.send("quit");
+}
+
+#[test]
 fn a_process_whose_snapshots_cost_much_is_answered_in_proportion() {
     if !root_here("costly snapshots") {
         return;

@@ -6,6 +6,9 @@
  *   "plugin PATH"      -> dlopen(PATH), calls its plugin_alloc(100); "loaded"
  *                         (or "dlopen failed: ...")
  *   "truncate PATH"    -> truncate(PATH, 0); "truncated"
+ *   "fds N"            -> raises its descriptor limit to the hard limit and
+ *                         opens /dev/null N times (as a server holding N
+ *                         connections); "opened M" (how many it could)
  *   "mapmany N PATH"   -> maps the first page of PATH N times, readable
  *                         (the mappings never merge: each maps offset 0);
  *                         "mapped M" (how many it could)
@@ -49,6 +52,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -153,6 +157,16 @@ int main(void) {
                 if (mmap(NULL, 4096, PROT_READ, MAP_PRIVATE, fd, 0) == MAP_FAILED) break;
             if (fd >= 0) close(fd);
             printf("mapped %ld\n", made);
+        } else if (!strncmp(line, "fds ", 4)) {
+            long n = strtol(line + 4, NULL, 10), made = 0;
+            struct rlimit r;
+            if (getrlimit(RLIMIT_NOFILE, &r) == 0) {
+                r.rlim_cur = r.rlim_max;
+                setrlimit(RLIMIT_NOFILE, &r);
+            }
+            for (; made < n; made++)
+                if (open("/dev/null", O_RDONLY) < 0) break;
+            printf("opened %ld\n", made);
         } else if (!strncmp(line, "truncate ", 9)) {
             printf(truncate(line + 9, 0) == 0 ? "truncated\n" : "truncate failed\n");
         } else if (!strcmp(line, "request")) {

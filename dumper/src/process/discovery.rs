@@ -6,15 +6,18 @@
 //! (`r--s`), so a running `heapdump watch` or `serve`, which keeps other
 //! processes' regions open, is never taken for an instrumented process.
 //!
-//! Each region is opened through the descriptor that still names it
-//! (`/proc/PID/fd/N`, matched to the mapping by inode): that needs the same
-//! permission as reading the process's memory (ptrace access mode "read"),
-//! so the regions are exactly as private as the process. A daemon may
-//! have closed every descriptor (`close_range`, daemonizing): the mapping
-//! remains, and is opened through `/proc/PID/map_files/START-END`, which
-//! the kernel allows only with `CAP_CHECKPOINT_RESTORE` (or
-//! `CAP_SYS_ADMIN`): root, or a collector given that capability. Without
-//! it the process is still listed, and the error says what is needed.
+//! Each region is opened through its mapping, `/proc/PID/map_files/START-END`,
+//! where the kernel allows it: with `CAP_CHECKPOINT_RESTORE` (or
+//! `CAP_SYS_ADMIN`: root, or a collector given that capability) and the
+//! right to read the process's memory (ptrace access mode "read"). Else
+//! through the descriptor that still names it (`/proc/PID/fd/N`, matched
+//! to the mapping by inode): that needs the right to read the process's
+//! memory too, so either way the regions are exactly as private as the
+//! process. Root never reads the descriptors: a target holding half a
+//! million would make every scan read half a million links. A daemon may
+//! have closed every descriptor (`close_range`, daemonizing): without the
+//! capability, such a process is still listed, and the error says what is
+//! needed.
 //!
 //! After `fork`, a child briefly maps its parent's regions: only regions
 //! whose header names the inspected pid as writer are trusted. The agent
@@ -336,8 +339,9 @@ pub fn live_threads(pid: u32) -> Option<usize> {
 pub struct RegionSource {
     /// Which region.
     pub kind: RegionKind,
-    /// What to open: `/proc/PID/fd/N`, or `/proc/PID/map_files/S-E` when
-    /// no descriptor names the region any more.
+    /// What to open: `/proc/PID/map_files/S-E` where this dumper may, else
+    /// `/proc/PID/fd/N`, or the former when no descriptor names the region
+    /// any more.
     pub path: PathBuf,
     /// True when `path` is under `map_files` (needs a capability).
     pub through_mapping: bool,
@@ -414,10 +418,37 @@ pub fn region_sources(pid: u32) -> Result<Vec<RegionSource>, DiscoveryError> {
     if mappings.is_empty() {
         return Ok(Vec::new());
     }
-    // Descriptors that still name a region, by inode.
+    let through_mapping = |m: &RegionMapping| RegionSource {
+        kind: m.kind,
+        path: PathBuf::from(format!("/proc/{pid}/map_files/{:x}-{:x}", m.start, m.end)),
+        through_mapping: true,
+    };
+    // Root (CAP_SYS_ADMIN or CAP_CHECKPOINT_RESTORE, and the right to read
+    // the process's memory) opens a mapped file through its mapping, and
+    // so reads no descriptor: the target decides how many it holds (half a
+    // million under systemd's limit, each link read at 4.5 us: seconds at
+    // every `list`, scan of `watch --all` and request of `serve`). Opening
+    // one mapping's entry as a path tells whether this dumper may (no file
+    // system is asked: the kernel hands over the file it holds; reading
+    // the entry's link is allowed without the capability, and tells
+    // nothing).
+    use std::os::unix::fs::OpenOptionsExt;
+    let may_open_mappings = fs::File::options()
+        .read(true)
+        .custom_flags(libc::O_PATH)
+        .open(through_mapping(&mappings[0]).path)
+        .is_ok();
+    if may_open_mappings {
+        return Ok(mappings.iter().map(through_mapping).collect());
+    }
+    // Descriptors that still name a region, by inode; no more are read
+    // once every region has one.
     let mut by_inode: HashMap<u64, PathBuf> = HashMap::new();
     let entries = fs::read_dir(format!("/proc/{pid}/fd")).map_err(|e| proc_error(pid, e))?;
     for entry in entries.flatten() {
+        if by_inode.len() == mappings.len() {
+            break;
+        }
         // A descriptor may close between readdir and readlink: skip it.
         let Ok(target) = fs::read_link(entry.path()) else {
             continue;
@@ -433,14 +464,15 @@ pub fn region_sources(pid: u32) -> Result<Vec<RegionSource>, DiscoveryError> {
         // target names `/memfd:heapdump.allocations (deleted)` at the root
         // of its detached FUSE mount would be a request its server may
         // never answer (the open below refuses such a file).
-        use std::os::unix::fs::OpenOptionsExt;
         let ino = fs::File::options()
             .read(true)
             .custom_flags(libc::O_PATH)
             .open(entry.path())
             .and_then(|f| super::user_space_mounts::identity_without_request(&f));
         if let Ok(id) = ino {
-            by_inode.entry(id.ino).or_insert(entry.path());
+            if mappings.binary_search_by_key(&id.ino, |m| m.inode).is_ok() {
+                by_inode.entry(id.ino).or_insert(entry.path());
+            }
         }
     }
     Ok(mappings
@@ -451,11 +483,7 @@ pub fn region_sources(pid: u32) -> Result<Vec<RegionSource>, DiscoveryError> {
                 path,
                 through_mapping: false,
             },
-            None => RegionSource {
-                kind: m.kind,
-                path: PathBuf::from(format!("/proc/{pid}/map_files/{:x}-{:x}", m.start, m.end)),
-                through_mapping: true,
-            },
+            None => through_mapping(&m),
         })
         .collect())
 }
