@@ -1845,6 +1845,84 @@ fn a_process_holding_many_descriptors_costs_finding_its_regions_none_of_them() {
 }
 
 #[test]
+fn a_process_whose_mount_table_is_huge_is_listed_without_it_and_resolves_no_name() {
+    if !root_here("a huge mount table") {
+        return;
+    }
+    // Any user's own mount namespace holds up to `fs.mount-max` (100 000)
+    // mounts, and the kernel writes each line of its mount table at a cost
+    // the user decides (mounts stacked on one point: the stack walked for
+    // each line, 9.5 s of kernel time for 23 000). Root read the whole
+    // table of every instrumented process at every `list` (twice), scan
+    // of `watch --all` and request of `serve` (18 s for one such process).
+    // Now opening a process's regions reads no mount table, and a snapshot
+    // reads at most 16 384 lines for at most a second; a table not read
+    // whole may hide a FUSE mount anywhere, so no name is resolved in the
+    // process's root (its perf map not read, and the snapshot says why).
+    let dir = TempDir::new("hostile-mounts");
+    let in_many_mounts = |mounts: u32| {
+        let mut cmd = as_nobody_recorded(&compile_c("mount_many"));
+        cmd.arg(mounts.to_string()).arg(compile_c("hostile"));
+        let mut t = Target::spawn(cmd);
+        for (ask, answer) in [("alloc", "allocated"), ("jit", "jitted")] {
+            t.send(ask);
+            t.wait_line(answer);
+        }
+        t
+    };
+    let named_jit = |t: &Target, name: &str| {
+        let json = dir.str(&format!("{name}.json"));
+        ok(&bounded(&["snapshot", &t.pid().to_string(), "-o", &json]));
+        let j = read_json(Path::new(&json));
+        (
+            live_blocks_through(&j, "LazyCompile:*jsAllocate app.js:12"),
+            live_blocks_through(&j, "site_hostile"),
+            j["notes"].to_string(),
+        )
+    };
+    // A few mounts: the table is read, the perf map too.
+    let mut few = in_many_mounts(100);
+    let (jit, hostile, notes) = named_jit(&few, "few");
+    assert_eq!((jit, hostile), (10, 100), "{notes}");
+    few.send("quit");
+    let mut many = in_many_mounts(17_000);
+    let trace = dir.path("trace");
+    let out = Command::new("timeout")
+        .arg(HANG_GUARD.as_secs().to_string())
+        .args(["strace", "-f", "-qq", "-e", "trace=openat", "-o"])
+        .arg(&trace)
+        .arg(bin())
+        .arg("list")
+        .output()
+        .expect("strace (CI installs it)");
+    assert!(out.status.success(), "{}", stderr(&out));
+    let listed = stdout(&out);
+    let pid = many.pid();
+    assert!(
+        listed
+            .lines()
+            .any(|l| l.trim_start().starts_with(&format!("{pid} ")) && l.contains(" exact ")),
+        "{listed}"
+    );
+    // Once, for what the agent cannot see in its program (its executable,
+    // through its mapping); no more for opening its regions.
+    let tables = std::fs::read_to_string(&trace)
+        .unwrap()
+        .matches(&format!("/proc/{pid}/mountinfo"))
+        .count();
+    assert!(tables <= 1, "list read its mount table {tables} times");
+    // The snapshot: its own frames named (through the mappings), the
+    // perf map not read, and said.
+    let (jit, hostile, notes) = named_jit(&many, "many");
+    assert_eq!((jit, hostile), (0, 100), "{notes}");
+    assert!(
+        notes.contains("perf-") && notes.contains("mount table was not read whole"),
+        "{notes}"
+    );
+    many.send("quit");
+}
+
+#[test]
 fn a_process_whose_snapshots_cost_much_is_answered_in_proportion() {
     if !root_here("costly snapshots") {
         return;

@@ -543,7 +543,7 @@ pub fn open_target(pid: u32) -> Result<Target, DiscoveryError> {
     // The pid the agent wrote: the host's, or the container's (see the
     // module doc).
     let inner = namespace_pid(pid).unwrap_or(pid);
-    let mounts = super::user_space_mounts::UserSpaceMounts::of_process(pid);
+    let mounts = super::user_space_mounts::UserSpaceMounts::for_shared_memory();
     let own = |r: &RegionReader| r.header().writer_pid == pid || r.header().writer_pid == inner;
     // Of two own candidates, the one made later (the other was inherited).
     let later = |slot: &mut Option<RegionReader>, r: RegionReader| {

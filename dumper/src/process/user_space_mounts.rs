@@ -45,12 +45,34 @@
 //!   (memfd, SysV segments) is known by a memfd of heapdump's own. The
 //!   check runs on the descriptor of a file that exists, so its
 //!   connection, if it has one, is listed by then: no race.
+//! - A target's mount table is read a page at a time, at most
+//!   [`MAX_MOUNTS`] lines and for at most [`MOUNTINFO_DEADLINE`]: the
+//!   target decides how long it is (a user's own mount namespace holds up
+//!   to `fs.mount-max`, 100 000) and what each line costs the kernel to
+//!   write (mounts stacked on one point: the whole stack walked for each
+//!   line, 9.5 s of kernel time for 23 000 of them). A table not read
+//!   whole may hide a user-space mount anywhere: then no name is resolved
+//!   in the target's root at all ([`UserSpaceMounts::check_path`] refuses
+//!   every path), and files reached through magic links are judged by
+//!   their devices as for detached mounts.
+//! - Opening a target's regions reads no mount table
+//!   ([`UserSpaceMounts::for_shared_memory`]): they are memfds, on the
+//!   kernel's shared-memory mount, and any other file is judged as on a
+//!   detached mount. `list`, every scan of `watch --all` and every request
+//!   of `serve` open every instrumented process's regions.
 //! - `HEAPDUMP_READ_FUSE=1` turns all of this off (for file systems whose
 //!   servers the user trusts, on hosts where no other user may mount).
 
 use std::io;
 use std::os::fd::AsRawFd;
 use std::path::{Component, Path, PathBuf};
+use std::time::{Duration, Instant};
+
+/// Most lines of a mount table read (see the module doc): a host's own
+/// table, containers' mounts included, holds a few thousand.
+pub const MAX_MOUNTS: usize = 16384;
+/// Longest a mount table is read for (see the module doc).
+pub const MOUNTINFO_DEADLINE: Duration = Duration::from_secs(1);
 
 /// One mount of a user-space file system.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -77,6 +99,9 @@ pub struct UserSpaceMounts {
     /// detached mount. `None`: such files are not checked
     /// ([`UserSpaceMounts::none`]).
     known: Option<Known>,
+    /// The target's mount table was not read whole: no name is resolved
+    /// in its root (see the module doc).
+    incomplete: bool,
 }
 
 /// Every mount a target and heapdump see.
@@ -100,6 +125,9 @@ impl Known {
 /// The `fstype` of a refusal for a file on a detached mount that may be
 /// a user-space file system's.
 const DETACHED: &str = "detached";
+/// The `fstype` of a refusal for a name in the root of a process whose
+/// mount table was not read whole.
+const UNREAD: &str = "unread";
 
 /// Why a file was not opened: it lies on a user-space file system, or on
 /// a detached one that may be.
@@ -129,7 +157,14 @@ pub fn naming(e: io::Error, path: &Path) -> io::Error {
 
 /// The file system of a refusal, in words.
 fn describe(fstype: &str) -> String {
-    if fstype == DETACHED {
+    if fstype == UNREAD {
+        format!(
+            "a file system heapdump cannot tell: the process's mount table was not read whole \
+             (more than {MAX_MOUNTS} mounts, or over {} s to read), and any of its mounts may \
+             be a user-space one (FUSE, served by a process that answers every access to it)",
+            MOUNTINFO_DEADLINE.as_secs()
+        )
+    } else if fstype == DETACHED {
         "a file system mounted nowhere the process or heapdump can see (lazily unmounted), \
          which may be a user-space one (FUSE, served by a process that answers every access to \
          it; /sys/fs/fuse/connections, where mounted, tells)"
@@ -188,29 +223,69 @@ fn parse(text: &str) -> Vec<Mount> {
 }
 
 /// Every mount of a mountinfo text.
+#[cfg(test)]
 fn parse_all(text: &str) -> Vec<Mount> {
-    text.lines()
-        .filter_map(|line| {
-            let (left, right) = line.split_once(" - ")?;
-            let fstype = right.split(' ').next()?;
-            let mut f = left.split(' ');
-            let (id, _parent, dev, _root, point) =
-                (f.next()?, f.next()?, f.next()?, f.next()?, f.next()?);
-            let (major, minor) = dev.split_once(':')?;
-            Some(Mount {
-                id: id.parse().ok()?,
-                dev: (major.parse().ok()?, minor.parse().ok()?),
-                point: Some(PathBuf::from(unescape(point))),
-                fstype: fstype.to_string(),
-            })
-        })
-        .collect()
+    text.lines().filter_map(parse_line).collect()
 }
 
-fn read_mountinfo(of: &str) -> Vec<Mount> {
-    crate::process::proc_text::read(format!("/proc/{of}/mountinfo"))
-        .map(|t| parse_all(&t))
-        .unwrap_or_default()
+/// The mount of one mountinfo line.
+fn parse_line(line: &str) -> Option<Mount> {
+    let (left, right) = line.split_once(" - ")?;
+    let fstype = right.split(' ').next()?;
+    let mut f = left.split(' ');
+    let (id, _parent, dev, _root, point) = (f.next()?, f.next()?, f.next()?, f.next()?, f.next()?);
+    let (major, minor) = dev.split_once(':')?;
+    Some(Mount {
+        id: id.parse().ok()?,
+        dev: (major.parse().ok()?, minor.parse().ok()?),
+        point: Some(PathBuf::from(unescape(point))),
+        fstype: fstype.to_string(),
+    })
+}
+
+/// The mounts of `/proc/{of}/mountinfo`, and whether it was read whole
+/// (a table that cannot be read at all reads as empty and whole, as
+/// before: the process is gone). At most [`MAX_MOUNTS`] lines, read a
+/// page at a time (the kernel writes a page's worth of lines per read)
+/// until [`MOUNTINFO_DEADLINE`] has passed.
+fn read_mountinfo(of: &str) -> (Vec<Mount>, bool) {
+    read_mount_lines(
+        format!("/proc/{of}/mountinfo"),
+        MAX_MOUNTS,
+        Instant::now() + MOUNTINFO_DEADLINE,
+    )
+}
+
+fn read_mount_lines(path: String, max: usize, deadline: Instant) -> (Vec<Mount>, bool) {
+    use std::io::Read;
+    let Ok(mut f) = std::fs::File::open(path) else {
+        return (Vec::new(), true);
+    };
+    let (mut mounts, mut lines) = (Vec::new(), 0usize);
+    let mut pending: Vec<u8> = Vec::new();
+    let mut page = [0u8; 4096];
+    loop {
+        let n = match f.read(&mut page) {
+            Ok(0) => return (mounts, pending.is_empty()),
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(_) => return (mounts, false),
+        };
+        pending.extend_from_slice(&page[..n]);
+        while let Some(end) = pending.iter().position(|&b| b == b'\n') {
+            lines += 1;
+            if lines > max {
+                return (mounts, false);
+            }
+            mounts.extend(parse_line(&String::from_utf8_lossy(&pending[..end])));
+            pending.drain(..=end);
+        }
+        // A line longer than any the kernel writes (a mount point is at
+        // most a page of text, escaped: four times that) is not waited for.
+        if pending.len() > 64 << 10 || Instant::now() >= deadline {
+            return (mounts, false);
+        }
+    }
 }
 
 /// The device of the kernel's hidden shared-memory mount (memfd, SysV
@@ -279,6 +354,23 @@ impl UserSpaceMounts {
         Self::default()
     }
 
+    /// For a target's regions (its memfds): no mount table read (see the
+    /// module doc); a file on the kernel's shared-memory mount passes, any
+    /// other is judged as on a detached mount.
+    pub fn for_shared_memory() -> Self {
+        if disabled() {
+            return Self::none();
+        }
+        UserSpaceMounts {
+            mounts: Vec::new(),
+            known: Some(Known {
+                ids: Vec::new(),
+                devs: shared_memory_device().into_iter().collect(),
+            }),
+            incomplete: false,
+        }
+    }
+
     /// The user-space mounts where process `pid`'s names resolve, and the
     /// devices of heapdump's own (a file the target maps may lie on a
     /// mount of ours).
@@ -286,8 +378,8 @@ impl UserSpaceMounts {
         if disabled() {
             return Self::none();
         }
-        let theirs = read_mountinfo(&pid.to_string());
-        let ours = read_mountinfo("self");
+        let (theirs, whole) = read_mountinfo(&pid.to_string());
+        let (ours, _) = read_mountinfo("self");
         let mut known = Known::of(&[theirs.as_slice(), ours.as_slice()].concat());
         known.devs.extend(shared_memory_device());
         let mut mounts: Vec<Mount> = theirs
@@ -303,6 +395,7 @@ impl UserSpaceMounts {
         UserSpaceMounts {
             mounts,
             known: Some(known),
+            incomplete: !whole,
         }
     }
 
@@ -312,13 +405,20 @@ impl UserSpaceMounts {
         UserSpaceMounts {
             mounts: parse(text),
             known: Some(Known::of(&parse_all(text))),
+            incomplete: false,
         }
     }
 
     /// Whether nothing is refused: no user-space file system is known and
     /// files on detached mounts are not checked.
     pub fn is_empty(&self) -> bool {
-        self.mounts.is_empty() && self.known.is_none()
+        self.mounts.is_empty() && self.known.is_none() && !self.incomplete
+    }
+
+    /// Whether the target's mount table was not read whole, so that no
+    /// name is resolved in its root (see the module doc).
+    pub fn incomplete(&self) -> bool {
+        self.incomplete
     }
 
     /// Whether device (major, minor) is, or may be, a user-space file
@@ -341,13 +441,16 @@ impl UserSpaceMounts {
     /// Whether names must be resolved without symbolic links and `..`
     /// (some user-space mount exists where they resolve).
     pub fn strict(&self) -> bool {
-        self.mounts.iter().any(|m| m.point.is_some())
+        self.incomplete || self.mounts.iter().any(|m| m.point.is_some())
     }
 
     /// Refuses `path` (absolute, inside the root) if a user-space mount
     /// point is a prefix of it, or, in [`strict`](Self::strict) mode, if
     /// it has a `..`.
     pub fn check_path(&self, path: &Path) -> io::Result<()> {
+        if self.incomplete {
+            return Err(refusal(path, UNREAD));
+        }
         if self.strict() && path.components().any(|c| c == Component::ParentDir) {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
@@ -450,6 +553,55 @@ pub fn identity_without_request(fd: &impl AsRawFd) -> io::Result<Identity> {
 mod tests {
     use super::*;
 
+    #[test]
+    fn a_mount_table_past_its_cap_or_deadline_is_read_in_part_and_refuses_every_name() {
+        let p = std::env::temp_dir().join(format!("heapdump-mountinfo-{}", std::process::id()));
+        let line = |id: u32| format!("{id} 1 0:{id} / /m{id} rw - tmpfs x rw\n");
+        std::fs::write(&p, (1..=3).map(line).collect::<String>()).unwrap();
+        let read = |max, deadline| read_mount_lines(p.display().to_string(), max, deadline);
+        let later = Instant::now() + Duration::from_secs(3600);
+        let (mounts, whole) = read(3, later);
+        assert_eq!((mounts.len(), whole), (3, true));
+        let (mounts, whole) = read(2, later);
+        assert_eq!((mounts.len(), whole), (2, false));
+        // Past the deadline: what the first page held, and no more pages.
+        let (_, whole) = read(3, Instant::now());
+        assert!(!whole);
+        // A line that never ends is not waited for.
+        std::fs::write(&p, vec![b'x'; 100 << 10]).unwrap();
+        assert_eq!(read(3, later), (Vec::new(), false));
+        std::fs::remove_file(&p).unwrap();
+        // A table that cannot be read: a process that is gone.
+        assert_eq!(read(3, later), (Vec::new(), true));
+        // Not read whole: every name refused, strict, not empty.
+        let m = UserSpaceMounts {
+            incomplete: true,
+            ..UserSpaceMounts::from_mountinfo(&line(1))
+        };
+        assert!(m.strict() && !m.is_empty() && m.incomplete());
+        let e = m
+            .check_path(Path::new("/usr/lib/debug/x.debug"))
+            .unwrap_err();
+        assert!(is_refusal(&e), "{e}");
+        assert!(e.to_string().contains("not read whole"), "{e}");
+        assert!(UserSpaceMounts::from_mountinfo(&line(1))
+            .check_path(Path::new("/usr/lib/x"))
+            .is_ok());
+    }
+
+    #[test]
+    fn a_file_on_the_kernels_shared_memory_passes_the_regions_check_without_a_mount_table() {
+        // SAFETY: a valid name and flags (see `shared_memory_device`).
+        let fd = unsafe { libc::syscall(libc::SYS_memfd_create, c"t".as_ptr(), libc::MFD_CLOEXEC) };
+        assert!(fd >= 0);
+        // SAFETY: a descriptor the kernel just gave us, owned here alone.
+        let fd =
+            unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd as i32) };
+        let m = UserSpaceMounts::for_shared_memory();
+        assert!(m.check_fd(&fd, Path::new("memfd")).is_ok());
+        assert!(!m.strict() && !m.incomplete());
+    }
+
     const MOUNTINFO: &str = "\
 22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/sda1 rw
 40 22 0:45 / /home/eve/mnt rw,nosuid,nodev shared:30 - fuse.sshfs eve@host: rw,user_id=1000,group_id=1000,allow_other
@@ -541,6 +693,7 @@ mod tests {
                 id: 0,
             }],
             known: None,
+            incomplete: false,
         };
         let e = m.check_fd(&f, Path::new("/x")).unwrap_err();
         assert!(is_refusal(&e), "{e}");

@@ -632,8 +632,15 @@ impl Symbolizer {
             return;
         };
         let path = PathBuf::from(format!("/tmp/perf-{own_pid}.map"));
-        let Some(bytes) = root
-            .open_owned(&path, &owners)
+        let opened = root.open_owned(&path, &owners);
+        if let Err(e) = &opened {
+            // Refused for where it lies (not merely missing): said.
+            if user_space_mounts::is_refusal(e) {
+                self.notes
+                    .push(format!("{e}: the code its runtime compiled is not named"));
+            }
+        }
+        let Some(bytes) = opened
             .ok()
             .and_then(|f| target_files::read_capped(&f, MAX_PERF_MAP, &path).ok())
         else {
