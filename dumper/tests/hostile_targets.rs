@@ -1923,6 +1923,60 @@ fn a_process_whose_mount_table_is_huge_is_listed_without_it_and_resolves_no_name
 }
 
 #[test]
+fn a_process_mapping_thousands_of_fake_regions_is_refused_without_opening_them() {
+    if !root_here("fake regions") {
+        return;
+    }
+    // Every file a process maps shared and writable under a region's name
+    // was opened, checked for its seals and mapped at every opening of the
+    // process (each `list`, scan of `watch --all`, request of `serve`): a
+    // process of nobody's mapping thousands cost that many each time. An
+    // agent makes two (and a fork child briefly holds its parent's): more
+    // than 16 are refused unopened.
+    let mut t = Target::spawn(as_nobody_recorded(&compile_c("hostile")));
+    t.send("alloc");
+    t.wait_line("allocated");
+    t.send("memfds 2000");
+    let made: usize = t.wait_line("made ")[5..].parse().unwrap();
+    assert_eq!(made, 2000);
+    let dir = TempDir::new("hostile-fake-regions");
+    let trace = dir.path("trace");
+    let out = Command::new("timeout")
+        .arg(HANG_GUARD.as_secs().to_string())
+        .args(["strace", "-f", "-qq", "-e", "trace=openat", "-o"])
+        .arg(&trace)
+        .arg(bin())
+        .arg("list")
+        .output()
+        .expect("strace (CI installs it)");
+    assert!(out.status.success(), "{}", stderr(&out));
+    let pid = t.pid();
+    let listed = stdout(&out);
+    assert!(
+        listed.contains(&format!(
+            "maps {} files named as heapdump regions",
+            made + 2
+        )),
+        "{listed}"
+    );
+    // The one that tells whether mappings may be opened (when the process
+    // is found, and when it is opened), no more.
+    let opened = std::fs::read_to_string(&trace)
+        .unwrap()
+        .matches(&format!("/proc/{pid}/map_files/"))
+        .count();
+    assert!(opened <= 2, "{opened} mappings opened");
+    let out = bounded(&["snapshot", &pid.to_string()]);
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains("more than a heapdump agent makes"),
+        "{}",
+        stderr(&out)
+    );
+    t.send("quit");
+}
+
+#[test]
 fn a_process_whose_snapshots_cost_much_is_answered_in_proportion() {
     if !root_here("costly snapshots") {
         return;

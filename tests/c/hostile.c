@@ -6,6 +6,10 @@
  *   "plugin PATH"      -> dlopen(PATH), calls its plugin_alloc(100); "loaded"
  *                         (or "dlopen failed: ...")
  *   "truncate PATH"    -> truncate(PATH, 0); "truncated"
+ *   "memfds N"         -> N memfds named as the agent's allocations region,
+ *                         a page each, sealed against shrinking and growing,
+ *                         mapped shared and writable (zeros: no region's
+ *                         header); "made M" (how many it could)
  *   "fds N"            -> raises its descriptor limit to the hard limit and
  *                         opens /dev/null N times (as a server holding N
  *                         connections); "opened M" (how many it could)
@@ -54,6 +58,7 @@
 #include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -167,6 +172,16 @@ int main(void) {
             for (; made < n; made++)
                 if (open("/dev/null", O_RDONLY) < 0) break;
             printf("opened %ld\n", made);
+        } else if (!strncmp(line, "memfds ", 7)) {
+            long n = strtol(line + 7, NULL, 10), made = 0;
+            for (; made < n; made++) {
+                int fd = (int)syscall(SYS_memfd_create, "heapdump.allocations", 2 /* MFD_ALLOW_SEALING */);
+                if (fd < 0 || ftruncate(fd, 4096)) break;
+                if (fcntl(fd, 1033 /* F_ADD_SEALS */, 0x2 | 0x4 /* SHRINK | GROW */)) break;
+                if (mmap(NULL, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0) == MAP_FAILED) break;
+                close(fd);
+            }
+            printf("made %ld\n", made);
         } else if (!strncmp(line, "truncate ", 9)) {
             printf(truncate(line + 9, 0) == 0 ? "truncated\n" : "truncate failed\n");
         } else if (!strcmp(line, "request")) {

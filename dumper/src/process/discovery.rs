@@ -240,6 +240,21 @@ pub enum DiscoveryError {
         /// Its name.
         name: String,
     },
+    /// More files named as heapdump regions are mapped than any agent
+    /// makes.
+    #[error(
+        "process {pid} ({name}) maps {count} files named as heapdump regions, more than a heapdump \
+         agent makes ({MAX_REGION_SOURCES} at most: its two, and for a moment after fork its \
+         parent's): not opened, none of them (is it running a modified or foreign agent?)"
+    )]
+    TooManyRegions {
+        /// The pid asked for.
+        pid: u32,
+        /// Its name.
+        name: String,
+        /// How many it maps.
+        count: usize,
+    },
     /// Only regions inherited over `fork` from another process are present.
     #[error(
         "process {pid} ({name}) holds heapdump regions inherited from parent pid {parent}, and \
@@ -529,12 +544,27 @@ fn region_error(pid: u32, name: &str, source: &RegionSource, e: TableError) -> D
     }
 }
 
+/// Most files named as heapdump regions a process may map to be opened:
+/// an agent makes two, and a fork child holds its parent's two until its
+/// atfork handler unmaps them (a child's child, forked before that, two
+/// more). Each is opened, sealed-checked and mapped at every opening (every
+/// `list`, scan of `watch --all`, request of `serve`): a process mapping
+/// ten thousand such files would cost that much each time.
+pub const MAX_REGION_SOURCES: usize = 16;
+
 /// Opens both regions of `pid`, validated, read-only.
 pub fn open_target(pid: u32) -> Result<Target, DiscoveryError> {
     let sources = region_sources(pid)?;
     let name = process_name(pid);
     if sources.is_empty() {
         return Err(DiscoveryError::NotInstrumented { pid, name });
+    }
+    if sources.len() > MAX_REGION_SOURCES {
+        return Err(DiscoveryError::TooManyRegions {
+            pid,
+            name,
+            count: sources.len(),
+        });
     }
     let mut resources: Option<RegionReader> = None;
     let mut allocations: Option<RegionReader> = None;
