@@ -1071,7 +1071,11 @@ pub fn take(
     let symbolized = opts.symbolizer.is_some();
     let mut symbolizer = opts.symbolizer;
     if let Some(sym) = symbolizer.as_deref_mut() {
-        sym.use_perf_map(target.pid);
+        let root = mappings
+            .iter()
+            .find_map(|m| m.local.as_ref())
+            .map(|l| l.root.clone());
+        sym.use_perf_map(target.pid, root);
     }
     let sites = if opts.addresses_only && symbolizer.is_none() {
         sites

@@ -622,13 +622,17 @@ impl Symbolizer {
     /// (as perf takes only its user's maps), so neither the target (a link
     /// to a file of root's) nor another user (a file of theirs put there
     /// first) decides what root reads.
-    pub fn use_perf_map(&mut self, pid: u32) {
+    ///
+    /// `root`: the process's root as its mappings were read with (its
+    /// mount table read once for both: see `user_space_mounts`), else
+    /// taken here.
+    pub fn use_perf_map(&mut self, pid: u32, root: Option<std::sync::Arc<TargetRoot>>) {
         self.jit = PerfMap::default();
         let own_pid = crate::process::discovery::namespace_pid(pid).unwrap_or(pid);
         let Some(owners) = crate::process::discovery::process_uids(pid) else {
             return;
         };
-        let Ok(root) = TargetRoot::of_process(pid) else {
+        let Some(root) = root.or_else(|| TargetRoot::of_process(pid).ok().map(Into::into)) else {
             return;
         };
         let path = PathBuf::from(format!("/tmp/perf-{own_pid}.map"));
