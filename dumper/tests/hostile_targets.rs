@@ -1754,10 +1754,15 @@ fn a_flooding_process_cannot_delete_another_processes_snapshots() {
 /// its site `site_plugin` lies; with the directory holding the library.
 /// The caller holds [`BIG_READS`].
 fn costly_target(name: &str) -> (TempDir, Target) {
+    costly_target_of(name, NOBODY)
+}
+
+/// [`costly_target`], run as user `uid`.
+fn costly_target_of(name: &str, uid: u32) -> (TempDir, Target) {
     let t = TempDir::new(name);
     let d = nobody_dir(&t, "app");
     let lib = sparse_dwarf_library(&d.join("libslow.so"), 32 << 20);
-    let costly = hostile_with_plugins(&[&lib]);
+    let costly = hostile_of_user_with_plugins(uid, &[&lib]);
     (t, costly)
 }
 
@@ -1990,7 +1995,10 @@ fn a_process_whose_snapshots_cost_much_is_answered_in_proportion() {
     // costly once, would each take their share), waits four times as long
     // as the last one took, and the other users' are answered meanwhile.
     let _big = BIG_READS.lock().unwrap_or_else(|e| e.into_inner());
-    let (t, mut costly) = costly_target("hostile-costly");
+    // The costly process starts as root's and drops to nobody once
+    // watched, as a daemon does: its cost is its user's now, not the
+    // user it was adopted as (root's process is answered meanwhile).
+    let (t, mut costly) = costly_target_of("hostile-costly", 0);
     let exe = compile_c("hostile");
     // Another process of nobody's, cheap itself.
     let mut sibling = Target::spawn(as_nobody_recorded(&exe));
@@ -2018,6 +2026,8 @@ fn a_process_whose_snapshots_cost_much_is_answered_in_proportion() {
         let l = lines.next();
         unseen.retain(|p| !l.starts_with(&format!("watching {p} ")));
     }
+    costly.send(&format!("setuid {NOBODY}"));
+    assert_eq!(costly.wait_line("setuid "), "setuid ok");
     let count = |p: &Path| read_json(p)["request"]["count"].as_u64().unwrap();
     costly.send("request");
     costly.wait_line("requested");

@@ -6,6 +6,9 @@
  *   "plugin PATH"      -> dlopen(PATH), calls its plugin_alloc(100); "loaded"
  *                         (or "dlopen failed: ...")
  *   "truncate PATH"    -> truncate(PATH, 0); "truncated"
+ *   "setuid N"         -> all its user and group ids set to N, as a daemon
+ *                         started as root drops to its own user; "setuid ok"
+ *                         (or "setuid failed")
  *   "memfds N"         -> N memfds named as the agent's allocations region,
  *                         a page each, sealed against shrinking and growing,
  *                         mapped shared and writable (zeros: no region's
@@ -48,6 +51,7 @@
 #define _GNU_SOURCE
 #include <ctype.h>
 #include <dlfcn.h>
+#include <grp.h>
 #include <fcntl.h>
 #include <pthread.h>
 #include <signal.h>
@@ -182,6 +186,11 @@ int main(void) {
                 close(fd);
             }
             printf("made %ld\n", made);
+        } else if (!strncmp(line, "setuid ", 7)) {
+            long id = strtol(line + 7, NULL, 10);
+            int ok = setgroups(0, NULL) == 0 && setresgid((gid_t)id, (gid_t)id, (gid_t)id) == 0 &&
+                     setresuid((uid_t)id, (uid_t)id, (uid_t)id) == 0;
+            printf(ok ? "setuid ok\n" : "setuid failed\n");
         } else if (!strncmp(line, "truncate ", 9)) {
             printf(truncate(line + 9, 0) == 0 ? "truncated\n" : "truncate failed\n");
         } else if (!strcmp(line, "request")) {

@@ -247,8 +247,9 @@ struct Watched {
     last_cost: Duration,
     /// Whether the log said its snapshots are paced by their cost.
     told_cost: bool,
-    /// Its real user id when opened (`None`: unreadable), whose
-    /// processes' snapshots are paced together ([`UserPace`]).
+    /// Its real user id as of its last snapshot (when opened, before
+    /// one; `None`: unreadable), whose processes' snapshots are paced
+    /// together ([`UserPace`]).
     uid: Option<u32>,
     /// Whether its mappings changed since the collector last forgot the
     /// files nobody maps.
@@ -466,6 +467,14 @@ fn shoot_or_drop(
     let shot = shoot(w, reason, opts, symbolizer, build_ids);
     w.last_started = started;
     w.last_cost = started.elapsed();
+    // Its user now (a daemon adopted as root may have dropped to its
+    // own user since): the one whose processes its cost holds back. Read
+    // before asking whether it exited: an exited process's pid may be
+    // another's by then.
+    let now = crate::process::discovery::process_uids(w.target.pid).map(|ids| ids[0]);
+    if now.is_some() && !w.exit.exited() {
+        w.uid = now;
+    }
     users.took(w.uid, started, w.last_cost);
     match shot {
         Ok(mut written) => {
