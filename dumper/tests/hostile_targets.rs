@@ -1773,6 +1773,33 @@ fn as_root_recorded(exe: &Path) -> Command {
     c
 }
 
+/// `heapdump list`, run by `as_user` (a command prefix, empty: root)
+/// under `strace -e trace=SYSCALLS`: its output and the trace, written
+/// into `dir` as `name`.
+fn list_traced(dir: &TempDir, name: &str, syscalls: &str, as_user: &[&str]) -> (String, String) {
+    let trace = dir.path(name);
+    let out = Command::new("timeout")
+        .arg(HANG_GUARD.as_secs().to_string())
+        .args(["strace", "-f", "-qq", "-e"])
+        .arg(format!("trace={syscalls}"))
+        .arg("-o")
+        .arg(&trace)
+        .args(as_user)
+        .arg(bin())
+        .arg("list")
+        .output()
+        .expect("strace (CI installs it)");
+    assert!(out.status.success(), "{}", stderr(&out));
+    (stdout(&out), std::fs::read_to_string(&trace).unwrap())
+}
+
+/// Whether `list`'s output shows `pid` recorded in exact mode.
+fn listed_exact(listed: &str, pid: u32) -> bool {
+    listed
+        .lines()
+        .any(|l| l.trim_start().starts_with(&format!("{pid} ")) && l.contains(" exact "))
+}
+
 #[test]
 fn a_process_holding_many_descriptors_costs_finding_its_regions_none_of_them() {
     if !root_here("many descriptors") {
@@ -1792,36 +1819,13 @@ fn a_process_holding_many_descriptors_costs_finding_its_regions_none_of_them() {
     let opened: usize = t.wait_line("opened ")[7..].parse().unwrap();
     assert!(opened >= 1000, "could open only {opened} descriptors");
     let dir = TempDir::new("hostile-fds");
-    // `heapdump list` (as `as_user` runs it) under strace: the links it
-    // read of the target's descriptors.
+    // The links `list` (as `as_user` runs it) read of the target's
+    // descriptors.
     let links_read = |as_user: &[&str]| {
-        let trace = dir.path(&format!("trace-{}", as_user.len()));
-        let out = Command::new("timeout")
-            .arg(HANG_GUARD.as_secs().to_string())
-            .args([
-                "strace",
-                "-f",
-                "-qq",
-                "-e",
-                "trace=readlink,readlinkat",
-                "-o",
-            ])
-            .arg(&trace)
-            .args(as_user)
-            .arg(bin())
-            .arg("list")
-            .output()
-            .expect("strace (CI installs it)");
-        assert!(out.status.success(), "{}", stderr(&out));
-        let listed = stdout(&out);
-        assert!(
-            listed.lines().any(|l| {
-                l.trim_start().starts_with(&format!("{} ", t.pid())) && l.contains(" exact ")
-            }),
-            "{as_user:?}: {listed}"
-        );
-        std::fs::read_to_string(&trace)
-            .unwrap()
+        let name = format!("trace-{}", as_user.len());
+        let (listed, trace) = list_traced(&dir, &name, "readlink,readlinkat", as_user);
+        assert!(listed_exact(&listed, t.pid()), "{as_user:?}: {listed}");
+        trace
             .lines()
             .filter(|l| l.contains(&format!("/proc/{}/fd/", t.pid())))
             .count()
@@ -1891,30 +1895,12 @@ fn a_process_whose_mount_table_is_huge_is_listed_without_it_and_resolves_no_name
     assert_eq!((jit, hostile), (10, 100), "{notes}");
     few.send("quit");
     let mut many = in_many_mounts(17_000);
-    let trace = dir.path("trace");
-    let out = Command::new("timeout")
-        .arg(HANG_GUARD.as_secs().to_string())
-        .args(["strace", "-f", "-qq", "-e", "trace=openat", "-o"])
-        .arg(&trace)
-        .arg(bin())
-        .arg("list")
-        .output()
-        .expect("strace (CI installs it)");
-    assert!(out.status.success(), "{}", stderr(&out));
-    let listed = stdout(&out);
     let pid = many.pid();
-    assert!(
-        listed
-            .lines()
-            .any(|l| l.trim_start().starts_with(&format!("{pid} ")) && l.contains(" exact ")),
-        "{listed}"
-    );
+    let (listed, trace) = list_traced(&dir, "trace", "openat", &[]);
+    assert!(listed_exact(&listed, pid), "{listed}");
     // Once, for what the agent cannot see in its program (its executable,
     // through its mapping); no more for opening its regions.
-    let tables = std::fs::read_to_string(&trace)
-        .unwrap()
-        .matches(&format!("/proc/{pid}/mountinfo"))
-        .count();
+    let tables = trace.matches(&format!("/proc/{pid}/mountinfo")).count();
     assert!(tables <= 1, "list read its mount table {tables} times");
     // The snapshot: its own frames named (through the mappings), the
     // perf map not read, and said.
@@ -1945,18 +1931,8 @@ fn a_process_mapping_thousands_of_fake_regions_is_refused_without_opening_them()
     let made: usize = t.wait_line("made ")[5..].parse().unwrap();
     assert_eq!(made, 2000);
     let dir = TempDir::new("hostile-fake-regions");
-    let trace = dir.path("trace");
-    let out = Command::new("timeout")
-        .arg(HANG_GUARD.as_secs().to_string())
-        .args(["strace", "-f", "-qq", "-e", "trace=openat", "-o"])
-        .arg(&trace)
-        .arg(bin())
-        .arg("list")
-        .output()
-        .expect("strace (CI installs it)");
-    assert!(out.status.success(), "{}", stderr(&out));
+    let (listed, trace) = list_traced(&dir, "trace", "openat", &[]);
     let pid = t.pid();
-    let listed = stdout(&out);
     assert!(
         listed.contains(&format!(
             "maps {} files named as heapdump regions",
@@ -1966,10 +1942,7 @@ fn a_process_mapping_thousands_of_fake_regions_is_refused_without_opening_them()
     );
     // The one that tells whether mappings may be opened (when the process
     // is found, and when it is opened), no more.
-    let opened = std::fs::read_to_string(&trace)
-        .unwrap()
-        .matches(&format!("/proc/{pid}/map_files/"))
-        .count();
+    let opened = trace.matches(&format!("/proc/{pid}/map_files/")).count();
     assert!(opened <= 2, "{opened} mappings opened");
     let out = bounded(&["snapshot", &pid.to_string()]);
     assert!(!out.status.success());
