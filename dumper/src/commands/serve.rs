@@ -401,7 +401,10 @@ impl State {
             return Err(text(
                 503,
                 format!(
-                    "pid {pid} is not read now: reading the processes of its user (uid {}) has                      cost this server much of late, and they are read again in {secs} s (each                      user's processes take at most a quarter of the server's time); ask again                      then\n",
+                    "pid {pid} is not read now: reading the processes of its user (uid {}) has \
+                     cost this server much of late, and they are read again in {secs} s (each \
+                     user's processes take at most a quarter of the server's time); ask again \
+                     then\n",
                     uid.unwrap_or_default()
                 ),
             )

@@ -272,14 +272,17 @@ fn read_mount_lines(path: String, max: usize, deadline: Instant) -> (Vec<Mount>,
             Err(_) => return (mounts, false),
         };
         pending.extend_from_slice(&page[..n]);
-        while let Some(end) = pending.iter().position(|&b| b == b'\n') {
+        let mut start = 0;
+        while let Some(len) = pending[start..].iter().position(|&b| b == b'\n') {
             lines += 1;
             if lines > max {
                 return (mounts, false);
             }
-            mounts.extend(parse_line(&String::from_utf8_lossy(&pending[..end])));
-            pending.drain(..=end);
+            let line = &pending[start..start + len];
+            mounts.extend(parse_line(&String::from_utf8_lossy(line)));
+            start += len + 1;
         }
+        pending.drain(..start);
         // A line longer than any the kernel writes (a mount point is at
         // most a page of text, escaped: four times that) is not waited for.
         if pending.len() > 64 << 10 || Instant::now() >= deadline {
@@ -564,6 +567,15 @@ mod tests {
         assert_eq!((mounts.len(), whole), (3, true));
         let (mounts, whole) = read(2, later);
         assert_eq!((mounts.len(), whole), (2, false));
+        // Lines across the pages read: each whole, once.
+        std::fs::write(&p, (1..=500).map(line).collect::<String>()).unwrap();
+        let (mounts, whole) = read(1000, later);
+        assert!(whole);
+        assert_eq!(
+            mounts.iter().map(|m| m.id).collect::<Vec<_>>(),
+            (1..=500).collect::<Vec<u64>>()
+        );
+        std::fs::write(&p, (1..=3).map(line).collect::<String>()).unwrap();
         // Past the deadline: what the first page held, and no more pages.
         let (_, whole) = read(3, Instant::now());
         assert!(!whole);
