@@ -621,6 +621,7 @@ pub fn from_json(j: &JsonSnapshot) -> Snapshot {
                 path: m.path.clone(),
                 build_id: m.build_id.clone(),
                 local: None,
+                file: None,
             })
             .collect(),
         partial: j.partial.clone(),
@@ -1011,6 +1012,7 @@ mod tests {
                 path: "/bin/prog".into(),
                 build_id: Some("abcd".into()),
                 local: None,
+                file: None,
             }],
             partial: Some("1 record never read consistently".into()),
             request: Some(Request {

@@ -32,6 +32,11 @@ pub struct Mapping {
     /// How heapdump opens the file (see [`LocalFile`]). Not serialized.
     #[serde(skip)]
     pub local: Option<LocalFile>,
+    /// The mapped file's device and inode as the maps named them, when
+    /// read from a live process: the mappings of one file are checked and
+    /// read for their build ID once ([`read_maps`]). Not serialized.
+    #[serde(skip)]
+    pub file: Option<((u32, u32), u64)>,
 }
 
 /// How heapdump reaches the file behind a mapping, under the rules of
@@ -308,14 +313,29 @@ fn local_file(
     in_root: impl FnOnce() -> Arc<Path>,
     owner: Option<u32>,
 ) -> Option<LocalFile> {
-    let root = root?.clone();
     let map_file = PathBuf::from(format!("/proc/{pid}/map_files/{:x}-{:x}", m.start, m.end));
     // Kept when refused for its file system: opening it again says why.
-    let map_file = match target_files::open_regular(&map_file, root.mounts()) {
-        Ok(_) => Some(map_file),
-        Err(e) if user_space_mounts::is_refusal(&e) => Some(map_file),
-        Err(_) => None,
+    let opens = match target_files::open_regular(&map_file, root?.mounts()) {
+        Ok(_) => true,
+        Err(e) => user_space_mounts::is_refusal(&e),
     };
+    local_file_as(pid, m, root, in_root, owner, opens)
+}
+
+/// [`local_file`] for a mapping whose file's `map_files` entry was found
+/// to open (`opens`: or be refused for its file system) through another
+/// mapping of the same file.
+fn local_file_as(
+    pid: u32,
+    m: &Mapping,
+    root: Option<&Arc<TargetRoot>>,
+    in_root: impl FnOnce() -> Arc<Path>,
+    owner: Option<u32>,
+    opens: bool,
+) -> Option<LocalFile> {
+    let root = root?.clone();
+    let map_file =
+        opens.then(|| PathBuf::from(format!("/proc/{pid}/map_files/{:x}-{:x}", m.start, m.end)));
     let deleted = m.path.ends_with(" (deleted)");
     if deleted && map_file.is_none() {
         return None;
@@ -411,6 +431,7 @@ impl CodeMappings {
             path: self.interned(unescape_path(path)),
             build_id: None,
             local: None,
+            file: Some((line.dev, line.inode)),
         };
         if executable {
             self.executable_paths.insert(m.path.clone());
@@ -474,6 +495,11 @@ pub fn read_maps(pid: u32, build_ids: &mut BuildIds) -> io::Result<Vec<Mapping>>
     let root_seen_at = std::fs::read_link(format!("/proc/{pid}/root")).ok();
     let owner = crate::process::discovery::process_uids(pid).map(|ids| ids[0]);
     let mut in_root: HashMap<Arc<str>, Arc<Path>> = HashMap::new();
+    // Each file's first mapping, checked and read for its build ID: the
+    // others of that file (a target may map one file tens of thousands of
+    // times) share its verdict and ID, each with its own `map_files`
+    // entry, instead of an open and an ELF parse each.
+    let mut files: HashMap<((u32, u32), u64), (bool, Option<String>)> = HashMap::new();
     for m in &mut maps {
         let path = m.path.clone();
         let shared = || {
@@ -482,8 +508,21 @@ pub fn read_maps(pid: u32, build_ids: &mut BuildIds) -> io::Result<Vec<Mapping>>
                 .or_insert_with(|| path_in_root(&path, root_seen_at.as_deref()).into())
                 .clone()
         };
-        m.local = local_file(pid, m, root.as_ref(), shared, owner);
-        m.build_id = m.local.as_ref().and_then(|f| build_ids.get(f));
+        let known = m.file.and_then(|f| files.get(&f)).cloned();
+        match known {
+            Some((opens, build_id)) => {
+                m.local = local_file_as(pid, m, root.as_ref(), shared, owner, opens);
+                m.build_id = build_id;
+            }
+            None => {
+                m.local = local_file(pid, m, root.as_ref(), shared, owner);
+                m.build_id = m.local.as_ref().and_then(|f| build_ids.get(f));
+                if let Some(f) = m.file {
+                    let opens = m.local.as_ref().is_some_and(|l| l.map_file.is_some());
+                    files.insert(f, (opens, m.build_id.clone()));
+                }
+            }
+        }
     }
     Ok(maps)
 }
