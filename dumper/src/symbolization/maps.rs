@@ -36,8 +36,11 @@ pub struct Mapping {
     /// read from a live process: the mappings of one file are checked and
     /// read for their build ID once ([`read_maps`]). Not serialized.
     #[serde(skip)]
-    pub file: Option<((u32, u32), u64)>,
+    pub file: Option<FileId>,
 }
+
+/// A file as the maps name it: its device (major, minor) and inode.
+pub type FileId = ((u32, u32), u64);
 
 /// How heapdump reaches the file behind a mapping, under the rules of
 /// [`target_files`]: the mapped inode itself through
@@ -499,7 +502,7 @@ pub fn read_maps(pid: u32, build_ids: &mut BuildIds) -> io::Result<Vec<Mapping>>
     // others of that file (a target may map one file tens of thousands of
     // times) share its verdict and ID, each with its own `map_files`
     // entry, instead of an open and an ELF parse each.
-    let mut files: HashMap<((u32, u32), u64), (bool, Option<String>)> = HashMap::new();
+    let mut files: HashMap<FileId, (bool, Option<String>)> = HashMap::new();
     for m in &mut maps {
         let path = m.path.clone();
         let shared = || {
