@@ -40,6 +40,7 @@ fuzz_target!(|data: &[u8]| {
         path: path.display().to_string().into(),
         build_id: heapdump::symbolization::maps::read_build_id(local.open().unwrap()),
         local: Some(local.clone()),
+        file: None,
     }];
     let mut sym = Symbolizer::with_debug_dirs(vec![dir.clone()]);
     sym.begin();
