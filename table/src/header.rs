@@ -91,10 +91,14 @@ pub struct StaticHeader {
     pub writer_pid: u32,
     /// Reserved, zero.
     pub reserved: u32,
-    /// `CLOCK_REALTIME` at creation, nanoseconds since the Unix epoch.
+    /// `CLOCK_REALTIME_COARSE` at creation, nanoseconds since the Unix
+    /// epoch (`CLOCK_REALTIME` in regions of agents before 2026-11-29).
     pub clock_realtime_ns: u64,
-    /// `CLOCK_MONOTONIC` at the same instant, nanoseconds. Timestamps in the
-    /// tables are monotonic; wall time = realtime + (t - monotonic).
+    /// `CLOCK_MONOTONIC_COARSE` at the same instant, nanoseconds: the base
+    /// of record times, which are read from that clock, so no record time
+    /// lies before it (`CLOCK_MONOTONIC` in older regions, which a coarse
+    /// reading could lag). Timestamps in the tables are monotonic; wall
+    /// time = realtime + (t - monotonic).
     pub clock_monotonic_ns: u64,
     /// Kind-specific layout parameters (see each table's module).
     pub layout: [u64; 8],

@@ -140,8 +140,14 @@ impl RegionWriter {
             header_size: HEADER_SIZE,
             writer_pid: std::process::id(),
             reserved: 0,
-            clock_realtime_ns: clock_ns(libc::CLOCK_REALTIME),
-            clock_monotonic_ns: monotonic_ns(),
+            // The coarse clocks, which record times are read from: the
+            // fine clock runs up to a tick (more on a tickless kernel)
+            // ahead of the coarse one, so a fine base made every time
+            // read before the coarse clock caught up with it 0, and
+            // blocks allocated ticks apart compared as simultaneous (the
+            // heap at the peak then counted blocks that never coexisted).
+            clock_realtime_ns: clock_ns(libc::CLOCK_REALTIME_COARSE),
+            clock_monotonic_ns: clock_ns(libc::CLOCK_MONOTONIC_COARSE),
             layout,
         };
         let bytes = header.as_bytes();
