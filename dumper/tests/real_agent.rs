@@ -957,7 +957,10 @@ fn watch_final_snapshot_after_sigkill_is_the_complete_live_set() {
     target.child.wait().unwrap();
     let json = w.wrote();
     let pb = w.wrote();
-    assert!(file_name(&json).starts_with(&format!("heapdump-{pid}-0001-exit-")));
+    assert!(
+        file_name(&json).starts_with(&format!("heapdump-{pid}-0001-exit-")),
+        "{json:?}"
+    );
     assert!(file_name(&pb).ends_with(".pb.gz"), "{pb:?}");
     check_c_pattern_json(&read_json(&json), &truth);
     // Every target gone: watch ends by itself.

@@ -75,8 +75,8 @@ impl Target {
     /// executed another program (`exec`), whose regions, if the agent is
     /// loaded there too, are new ones; what was opened is the program it
     /// ran before. False while it still maps it, and when that cannot be
-    /// told (the process exited, or its pid is another's now: see
-    /// [`crate::commands::watch::ExitWatch`] and `start_time`).
+    /// told (the process exited or is exiting, or its pid is another's
+    /// now: see [`crate::commands::watch::ExitWatch`] and `start_time`).
     ///
     /// One walk of its shared writable file mappings (the kernel filters
     /// them where it can, see [`super::mappings`]): cheap enough for a
@@ -101,7 +101,22 @@ impl Target {
                 std::ops::ControlFlow::Continue(())
             }
         });
-        walked.is_ok() && !mapped && start_time(self.pid) == self.start_time
+        if walked.is_err() || mapped {
+            return false;
+        }
+        // A process being killed releases its memory before it becomes a
+        // zombie: in between its maps read empty, which is not an exec (a
+        // new program maps its executable before it runs a line).
+        let program = super::mappings::Wanted {
+            executable: true,
+            ..Default::default()
+        };
+        let mut runs_a_program = false;
+        let walked = super::mappings::for_each(self.pid, program, |_| {
+            runs_a_program = true;
+            std::ops::ControlFlow::Break(())
+        });
+        walked.is_ok() && runs_a_program && start_time(self.pid) == self.start_time
     }
 
     /// The process-wide counters in the allocations header.
