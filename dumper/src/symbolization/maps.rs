@@ -308,44 +308,36 @@ pub fn locate_by_build_id(maps: &mut [Mapping], dirs: &[PathBuf]) -> Vec<String>
 /// cannot be opened, it is left unsymbolized rather than symbolized
 /// against whatever now has its name.
 /// `in_root` is the mapping's path inside the target's root (see
-/// [`path_in_root`]), shared by the mappings of one file.
+/// [`path_in_root`]), shared by the mappings of one file. `opens` is
+/// whether the `map_files` entry opens (or is refused for its file
+/// system), when another mapping of the same file found it out; `None`
+/// opens this mapping's entry to find out.
 fn local_file(
     pid: u32,
     m: &Mapping,
     root: Option<&Arc<TargetRoot>>,
     in_root: impl FnOnce() -> Arc<Path>,
     owner: Option<u32>,
+    opens: Option<bool>,
 ) -> Option<LocalFile> {
+    let root = root?;
     let map_file = PathBuf::from(format!("/proc/{pid}/map_files/{:x}-{:x}", m.start, m.end));
     // Kept when refused for its file system: opening it again says why.
-    let opens = match target_files::open_regular(&map_file, root?.mounts()) {
-        Ok(_) => true,
-        Err(e) => user_space_mounts::is_refusal(&e),
-    };
-    local_file_as(pid, m, root, in_root, owner, opens)
-}
-
-/// [`local_file`] for a mapping whose file's `map_files` entry was found
-/// to open (`opens`: or be refused for its file system) through another
-/// mapping of the same file.
-fn local_file_as(
-    pid: u32,
-    m: &Mapping,
-    root: Option<&Arc<TargetRoot>>,
-    in_root: impl FnOnce() -> Arc<Path>,
-    owner: Option<u32>,
-    opens: bool,
-) -> Option<LocalFile> {
-    let root = root?.clone();
-    let map_file =
-        opens.then(|| PathBuf::from(format!("/proc/{pid}/map_files/{:x}-{:x}", m.start, m.end)));
+    let opens =
+        opens.unwrap_or_else(
+            || match target_files::open_regular(&map_file, root.mounts()) {
+                Ok(_) => true,
+                Err(e) => user_space_mounts::is_refusal(&e),
+            },
+        );
+    let map_file = opens.then_some(map_file);
     let deleted = m.path.ends_with(" (deleted)");
     if deleted && map_file.is_none() {
         return None;
     }
     Some(LocalFile {
         map_file,
-        root,
+        root: root.clone(),
         path: (!deleted).then(in_root),
         owner,
     })
@@ -514,11 +506,11 @@ pub fn read_maps(pid: u32, build_ids: &mut BuildIds) -> io::Result<Vec<Mapping>>
         let known = m.file.and_then(|f| files.get(&f)).cloned();
         match known {
             Some((opens, build_id)) => {
-                m.local = local_file_as(pid, m, root.as_ref(), shared, owner, opens);
+                m.local = local_file(pid, m, root.as_ref(), shared, owner, Some(opens));
                 m.build_id = build_id;
             }
             None => {
-                m.local = local_file(pid, m, root.as_ref(), shared, owner);
+                m.local = local_file(pid, m, root.as_ref(), shared, owner, None);
                 m.build_id = m.local.as_ref().and_then(|f| build_ids.get(f));
                 if let Some(f) = m.file {
                     let opens = m.local.as_ref().is_some_and(|l| l.map_file.is_some());
