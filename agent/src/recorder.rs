@@ -1245,7 +1245,9 @@ fn record_now(
     let now_us = if ablation::off(w.config.ablate, ablation::CLOCK) {
         0
     } else {
-        coarse_now_ns().saturating_sub(w.clock_base_ns) / 1000
+        // Never the peak's own reading once the peak has moved: a block
+        // allocated after it, in its clock tick, is after it.
+        (coarse_now_ns().saturating_sub(w.clock_base_ns) / 1000).max(w.peak.first_after_us())
     };
     AllocationRecord {
         address: addr as u64,

@@ -132,6 +132,34 @@ fn threads_that_come_and_go_one_after_another_do_not_widen_the_peaks_tolerance()
 }
 
 #[test]
+fn a_buffer_freed_and_allocated_again_in_the_peaks_clock_tick_is_counted_once_at_the_peak() {
+    // The peak moves to the buffer's allocation; the buffer is freed,
+    // allocated and freed again, all in that clock tick: the second
+    // allocation was after the peak, though its coarse clock reads the
+    // same (it once counted as live at the peak: twice the heap's height).
+    let t = start("peak_tick", &[], &[]);
+    let size: u64 = t.last_line().split(' ').nth(2).unwrap().parse().unwrap();
+    assert!(size > 0, "no attempt in 200 stayed within one clock tick");
+    let dir = TempDir::new("peak-tick");
+    let file = dir.str("s.json");
+    let out = heapdump(&["snapshot", &t.pid().to_string(), "--peak", "-o", &file]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let j = read_json(&dir.path("s.json"));
+    let peak = j["totals"]["peak_bytes"].as_u64().unwrap();
+    assert!(
+        (size..size + (64 << 10)).contains(&peak),
+        "{peak}, buffer {size}"
+    );
+    let sites = live_by_leaf(&j);
+    assert_eq!(
+        sites.get("site_buffer"),
+        Some(&(1, size)),
+        "the buffer once at the peak: {sites:#?}"
+    );
+    assert!(t.finish().success());
+}
+
+#[test]
 fn a_heap_that_never_shrank_has_its_peak_exactly() {
     // 100 threads one after another, each leaving 1000 bytes live, nothing
     // ever freed: the heap's highest point is the heap now. The writers'

@@ -23,7 +23,20 @@
 //! Tolerance: the heap's highest point may be above the recorded peak by
 //! up to 1/[`TOLERANCE_DIV`] of it (a rise smaller than that does not move
 //! the peak), plus what the writers' running total lags (a 64 KiB batch
-//! per thread) and the allocations of one coarse clock tick.
+//! per thread).
+//!
+//! One clock tick: `T` and record times are coarse (a tick is 1-10 ms), so
+//! a block allocated after the peak moved, in the same tick, would read
+//! `T` too and, freed later, count as live at the peak: blocks that never
+//! coexisted (a buffer freed and allocated again) would add up there,
+//! above any height the heap reached. Writers stamp a record no earlier
+//! than [`PeakProbe::first_after_us`] (`T` + 1 µs) instead, so a block
+//! allocated once its thread sees the move is after the peak; one
+//! allocated by a thread that has not seen it yet counts as before it (the
+//! moment of staleness every peak reading has). A move in the tick of the
+//! last one is recorded 1 µs after it (never before a block stamped since
+//! then, which the heap at the move holds): the peak's time runs ahead of
+//! the clock by at most a microsecond per move within one tick.
 //!
 //! Invariants:
 //! - Writers never wait: one that finds the lock taken leaves the peak to
@@ -92,6 +105,10 @@ pub fn offer(view: &SharedView, time_us: u64, live: u64, blocks: u64) -> bool {
     }
     let moved = due(view, live);
     if moved {
+        // Never before a block allocated since the last move (stamped at
+        // least 1 µs after it, see `PeakProbe::first_after_us`): the
+        // heap now holds those blocks.
+        let time_us = time_us.max(word(view, W_TIME).load(Ordering::Relaxed).wrapping_add(1));
         let seq = word(view, W_SEQ);
         let s = seq.load(Ordering::Relaxed);
         seq.store(s.wrapping_add(1) | 1, Ordering::Relaxed);
@@ -141,6 +158,21 @@ impl PeakProbe {
             )
         }
     }
+
+    /// The earliest time a block allocated now may be stamped with: 1 µs
+    /// after the current peak's, so that a block allocated after the peak
+    /// moved, in the peak's own clock tick, is not taken for one from
+    /// before it (see the module's "One clock tick"). One relaxed load of
+    /// the line the free path reads anyway; a stale value only leaves the
+    /// block counted as before the peak.
+    #[inline(always)]
+    pub fn first_after_us(&self) -> u64 {
+        // SAFETY: the word lies in the header page, which the view holds
+        // (checked in `new`), at an 8-aligned offset.
+        unsafe { self.view.atomic_u64_unchecked(W_TIME) }
+            .load(Ordering::Relaxed)
+            .wrapping_add(1)
+    }
 }
 
 /// Reads the peak; `None` before the first one, or without a stable
@@ -184,12 +216,16 @@ mod tests {
         assert!(!offer(&v, 11, 6500, 2), "within 1/64");
         assert!(offer(&v, 12, 6501, 3));
         assert!(!offer(&v, 13, 100, 1), "a fall never moves it");
+        // In the tick of the last move: after the blocks stamped since.
+        assert!(offer(&v, 12, 7000, 4));
+        assert_eq!(read(&v).unwrap().time_us, 13);
         let p = read(&v).unwrap();
         assert_eq!(
             (p.generation, p.time_us, p.live_bytes, p.live_blocks),
-            (2, 12, 6501, 3)
+            (3, 13, 7000, 4)
         );
-        assert_eq!(PeakProbe::new(v).unwrap().current(), (2, 12));
+        assert_eq!(PeakProbe::new(v).unwrap().current(), (3, 13));
+        assert_eq!(PeakProbe::new(v).unwrap().first_after_us(), 14);
         drop(mem);
     }
 }

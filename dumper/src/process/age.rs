@@ -4,7 +4,9 @@
 //! Every live record carries its allocation time in microseconds since its
 //! region's clock base (`clock_monotonic_ns` in the header). The agent reads
 //! `CLOCK_MONOTONIC_COARSE`, so a recorded time can be up to one kernel
-//! tick (1-10 ms) earlier than the allocation; never later.
+//! tick (1-10 ms) earlier than the allocation; never later, but for a
+//! block allocated in the tick the heap's peak was recorded in, after it,
+//! stamped 1 µs after the peak (`heapdump_table::peak`).
 //!
 //! Invariants:
 //! - A bound is converted once into record microseconds, so the walk
