@@ -160,6 +160,31 @@ fn a_buffer_freed_and_allocated_again_in_the_peaks_clock_tick_is_counted_once_at
 }
 
 #[test]
+fn a_snapshot_of_a_process_whose_curve_thins_as_it_is_taken_keeps_the_curve_of_its_moment() {
+    // The curve was read at the end of the snapshot, after the walk and
+    // symbolization, and only its points up to the snapshot's moment were
+    // kept: meanwhile the program's writers had thinned the older half
+    // again and again (a point every 10 ms), and 14-16 points were left of
+    // a ring that always holds more than half its capacity.
+    let t = start("busy_curve", &[], &[]);
+    let dir = TempDir::new("busy-curve");
+    let file = dir.str("s.json");
+    let out = heapdump(&["snapshot", &t.pid().to_string(), "-o", &file]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let j = read_json(&dir.path("s.json"));
+    let points = curve_points(&j);
+    assert!(j["timeline_thinned"].as_u64().unwrap() > 0, "{j}");
+    let half = heapdump_table::timeline::CAPACITY as usize / 2;
+    assert!(
+        points.len() >= half,
+        "{} points of a thinned ring of {}: {points:?}",
+        points.len(),
+        2 * half
+    );
+    assert!(t.finish().success());
+}
+
+#[test]
 fn a_heap_that_never_shrank_has_its_peak_exactly() {
     // 100 threads one after another, each leaving 1000 bytes live, nothing
     // ever freed: the heap's highest point is the heap now. The writers'

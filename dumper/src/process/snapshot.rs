@@ -279,13 +279,27 @@ pub fn peak_recorded(target: &Target) -> Result<(), String> {
     ))
 }
 
-/// The memory curve of a target's regions, ending with `last` (the
-/// snapshot's own totals at its time); `None` when the writer keeps none.
-pub fn timeline(target: &Target, last: Option<TimelinePoint>) -> Option<Timeline> {
+/// The memory curve of a target's regions as it stands now; `None` when
+/// the writer keeps none. Read when the snapshot's time is taken: the
+/// writers go on thinning the curve's older half while a snapshot walks
+/// and symbolizes (a second or more), and only points up to the snapshot's
+/// time are shown, so a curve read at the end of a busy process's
+/// snapshot held few of them.
+fn read_curve(target: &Target) -> Option<heapdump_table::timeline::Curve> {
     if !heapdump_table::timeline::kept_by(target.allocations.header().version_minor) {
         return None;
     }
-    let curve = heapdump_table::timeline::read(&target.allocations.view()).unwrap_or_default();
+    Some(heapdump_table::timeline::read(&target.allocations.view()).unwrap_or_default())
+}
+
+/// The memory curve `curve` ([`read_curve`]) of a target's regions,
+/// ending with `last` (the snapshot's own totals at its time).
+fn timeline(
+    target: &Target,
+    curve: Option<heapdump_table::timeline::Curve>,
+    last: Option<TimelinePoint>,
+) -> Option<Timeline> {
+    let curve = curve?;
     // One clock pairing for every point: each pairing of the wall and
     // monotonic clocks differs from the next by a microsecond or so, and
     // points read within one coarse tick must not come out of order.
@@ -753,6 +767,7 @@ pub fn take(
     let resources = ResourcesReader::new(&target.resources)?;
     let clock = Clock::now(target.allocations.header().clock_monotonic_ns);
     let taken_at = clock.now_wall().unwrap_or_else(SystemTime::now);
+    let curve = read_curve(target);
     let bounds = clock.bounds(&opts.ages);
     let t0 = Instant::now();
     // Sampled mode: each live block stands for `weight(size)` blocks. A
@@ -1204,7 +1219,7 @@ pub fn take(
             alloc_bytes: t.alloc_bytes,
         }
     };
-    snap.timeline = timeline(target, Some(last));
+    snap.timeline = timeline(target, curve, Some(last));
     // Nothing was recorded before the curve's first point (where recording
     // began): a moment of the coarse clock that converts to just before it
     // is that point's (so the peak is never drawn before the curve starts).
