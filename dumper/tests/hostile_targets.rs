@@ -3146,3 +3146,37 @@ fn sites_are_named_past_the_programs_own_allocation_wrapper() {
     );
     target.send("quit");
 }
+
+#[test]
+fn a_client_that_reads_none_of_its_responses_holds_serve_for_a_bounded_time() {
+    // Any local user may connect to serve over loopback. A client asked
+    // for a large profile (the JSON of 16 384 stacks, ~90 MB), pipelined
+    // 20 more requests on the connection and read nothing: serve wrote
+    // until the client read, and every other client (every scrape) waited
+    // for as long as the connection stayed open. Now a response is
+    // written for 20 s at most (each write blocks 2 s at most), and a
+    // connection that stalled one is written nothing more (its other 20
+    // requests are closed unanswered, none waiting its turn).
+    let mut cmd = Command::new(compile_c("peak_stacks"));
+    cmd.args(["16384", "keep"]).env("LD_PRELOAD", preload_lib());
+    let target = Target::spawn(cmd);
+    let (server, lines) = running(&["serve", "--listen", "127.0.0.1:0"], &[]);
+    let addr = listening_addr(&lines.next());
+    let mut stalled = std::net::TcpStream::connect(&addr).unwrap();
+    let request = format!(
+        "GET /debug/pprof/heap.json?pid={} HTTP/1.1\r\nHost: {addr}\r\n\r\n",
+        target.pid()
+    );
+    std::io::Write::write_all(&mut stalled, request.repeat(21).as_bytes()).unwrap();
+    // Another client, while the first reads nothing: answered (before,
+    // never: the hang guard's read timeout failed the get).
+    let (head, body) = http_get_with(&addr, "/", "");
+    assert!(head.contains(" 200 "), "{head}");
+    assert!(
+        String::from_utf8_lossy(&body).contains(&target.pid().to_string()),
+        "the index lists the target"
+    );
+    drop(stalled);
+    drop(server);
+    drop(target);
+}

@@ -4,10 +4,12 @@
  * 16384): one 4 KiB block from each of N distinct call stacks (a
  * recursion through site_zero/site_one chosen by the bits of the stack's
  * number, 14 levels), all live at once (the peak: N x 4 KiB), all freed,
- * then 4 x 1 KiB at site_after. Prints "ready PID", waits for a line. */
+ * then 4 x 1 KiB at site_after; with "keep" after N, none is freed.
+ * Prints "ready PID", waits for a line. */
 #define _GNU_SOURCE
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <unistd.h>
 
 void *blocks[16384], *after[4];
@@ -38,7 +40,9 @@ int main(int argc, char **argv) {
     int n = argc > 1 ? atoi(argv[1]) : 100;
     if (n < 1 || n > 16384) return 2;
     for (int i = 0; i < n; i++) blocks[i] = descend((unsigned)i, 14);
-    for (int i = 0; i < n; i++) free(blocks[i]);
+    /* "keep" (argv[2]): the blocks stay live (a heap of N stacks). */
+    if (argc < 3 || strcmp(argv[2], "keep") != 0)
+        for (int i = 0; i < n; i++) free(blocks[i]);
     site_after();
     printf("ready %d\n", (int)getpid());
     fflush(stdout);

@@ -10,6 +10,7 @@ pub mod list;
 pub mod report;
 pub mod run;
 pub mod serve;
+pub mod slow_clients;
 pub mod snapshot;
 pub mod symbolize;
 pub mod top;

@@ -4,7 +4,9 @@
 //!
 //! Built on `tiny_http`: a small, blocking, well-kept HTTP/1.1 server with
 //! no async runtime, which is all a scrape endpoint needs. Requests are
-//! served one at a time, so at most one snapshot is being taken.
+//! served one at a time, so at most one snapshot is being taken; what a
+//! client that does not read its response can hold serve for is bounded
+//! in `slow_clients`.
 //!
 //! Routes, as Go's `net/http/pprof` answers them:
 //! `/debug/pprof/heap` (gzipped pprof, `inuse_space` shown first) and
@@ -23,6 +25,7 @@ use std::io::Cursor;
 use tiny_http::{Header, Request, Response, Server};
 
 use crate::commands::cost_pacing::{cost_allows, UserShares};
+use crate::commands::slow_clients::{self, Responder};
 use crate::process::age::{self, AgeFilter, When};
 use crate::process::discovery::{instrumented_pids, open_target, Target};
 use crate::process::loopback_peer;
@@ -692,10 +695,12 @@ fn user_of(pid: u32) -> Option<u32> {
 /// Binds `addr`; returns the server and the address actually bound (useful
 /// with port 0).
 pub fn bind(addr: &str) -> Result<(Server, String), ServeError> {
-    let server = Server::http(addr).map_err(|e| ServeError::Bind {
+    let bind_error = |msg: String| ServeError::Bind {
         addr: addr.to_string(),
-        msg: e.to_string(),
-    })?;
+        msg,
+    };
+    let listener = slow_clients::listener(addr).map_err(|e| bind_error(e.to_string()))?;
+    let server = Server::from_listener(listener, None).map_err(|e| bind_error(e.to_string()))?;
     let bound = server
         .server_addr()
         .to_ip()
@@ -723,6 +728,7 @@ pub fn serve(server: Server, opts: ServeOptions) {
         build_ids: BuildIds::default(),
     };
     let mut pending: Vec<PendingDelta> = Vec::new();
+    let mut responder = Responder::default();
     loop {
         // The deltas whose time has come, then the next request (waiting
         // no longer than the next delta's time).
@@ -730,8 +736,9 @@ pub fn serve(server: Server, opts: ServeOptions) {
         let (due, waiting): (Vec<_>, Vec<_>) = pending.drain(..).partition(|p| p.delta.due <= now);
         pending = waiting;
         for d in due {
+            let reader = d.reader;
             let (req, reply) = state.finish_delta(d);
-            let _ = req.respond(reply);
+            responder.respond(req, reply, reader);
         }
         let next = match pending.iter().map(|p| p.delta.due).min() {
             Some(due) => server.recv_timeout(due.saturating_duration_since(now)),
@@ -743,18 +750,21 @@ pub fn serve(server: Server, opts: ServeOptions) {
             // The listening socket failed: nothing more will come.
             Err(_) => return,
         };
+        // A connection that stalled a response gets nothing more.
+        let Some(req) = responder.admit(req, None) else {
+            continue;
+        };
         if let Some(token) = &state.opts.token {
             if !authorized(&req, token) {
-                let _ = req.respond(
-                    text(
-                        401,
-                        "a bearer token is required (Authorization: Bearer ...)\n".into(),
-                    )
-                    .with_header(
-                        Header::from_bytes("WWW-Authenticate", "Bearer realm=\"heapdump\"")
-                            .expect("header"),
-                    ),
+                let reply = text(
+                    401,
+                    "a bearer token is required (Authorization: Bearer ...)\n".into(),
+                )
+                .with_header(
+                    Header::from_bytes("WWW-Authenticate", "Bearer realm=\"heapdump\"")
+                        .expect("header"),
                 );
+                responder.respond(req, reply, None);
                 continue;
             }
         }
@@ -769,29 +779,33 @@ pub fn serve(server: Server, opts: ServeOptions) {
                 Some(uid) if uid == 0 || uid == own_uid => {}
                 Some(uid) => state.reader = Some(uid),
                 None => {
-                    let _ = req.respond(text(
+                    let reply = text(
                         403,
                         "cannot tell which user this connection is from: over loopback \
                          without a token, each user is served only the processes it may read\n"
                             .into(),
-                    ));
+                    );
+                    responder.respond(req, reply, None);
                     continue;
                 }
             }
         }
+        // A user whose clients stalled their responses, while it pays back.
+        let Some(req) = responder.admit(req, state.reader) else {
+            continue;
+        };
         state.waiting = pending.iter().filter(|d| d.reader == state.reader).count();
         match state.handle(&req) {
-            Answer::Now(reply) => {
-                let _ = req.respond(reply);
-            }
+            Answer::Now(reply) => responder.respond(req, reply, state.reader),
             Answer::Later(_) if state.waiting >= MAX_PENDING_DELTAS => {
-                let _ = req.respond(text(
+                let reply = text(
                     503,
                     format!(
                         "{MAX_PENDING_DELTAS} delta profiles (seconds=N) are already waiting for \
                          this user: ask again when one is answered\n"
                     ),
-                ));
+                );
+                responder.respond(req, reply, state.reader);
             }
             Answer::Later(delta) => pending.push(PendingDelta {
                 req,
