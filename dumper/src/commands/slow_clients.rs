@@ -9,7 +9,8 @@
 //!
 //! Invariants:
 //! - Every connection serve accepts has a send timeout of [`WRITE_STALL`]
-//!   and a receive timeout of [`READ_IDLE`]: they are set on the listening
+//!   and a receive timeout of [`READ_IDLE`] (longer than any delta profile
+//!   takes): they are set on the listening
 //!   socket, whose options Linux copies to each socket it accepts.
 //! - A response's body is read for at most [`RESPONSE_DEADLINE`] (then
 //!   the writing fails), so writing one ends within `RESPONSE_DEADLINE +
@@ -37,7 +38,11 @@ use crate::commands::cost_pacing::UserShares;
 pub const WRITE_STALL: Duration = Duration::from_secs(2);
 /// Longest a connection may stay silent while serve's side reads it (the
 /// receive timeout): ends idle keep-alive connections and their threads.
-pub const READ_IDLE: Duration = Duration::from_secs(30);
+/// Longer than the longest delta profile a client waits for
+/// ([`MAX_DELTA_SECONDS`](crate::commands::serve::MAX_DELTA_SECONDS)):
+/// its connection is read meanwhile, for its next request, and a timeout
+/// there ended it with a `500` (a 35 s delta failed at 30 s).
+pub const READ_IDLE: Duration = Duration::from_secs(crate::commands::serve::MAX_DELTA_SECONDS + 60);
 /// Longest a response is written for (its body is not read after it).
 pub const RESPONSE_DEADLINE: Duration = Duration::from_secs(20);
 /// Connections remembered as stalled (the oldest forgotten first).
