@@ -3168,6 +3168,12 @@ fn a_client_that_reads_none_of_its_responses_holds_serve_for_a_bounded_time() {
         target.pid()
     );
     std::io::Write::write_all(&mut stalled, request.repeat(21).as_bytes()).unwrap();
+    // The response's first bytes: serve is writing it (ninety megabytes,
+    // which no socket buffer holds), and this client reads no more.
+    let mut first = [0u8; 12];
+    stalled.set_read_timeout(Some(HANG_GUARD)).unwrap();
+    std::io::Read::read_exact(&mut stalled, &mut first).unwrap();
+    assert_eq!(&first, b"HTTP/1.1 200");
     // Another client, while the first reads nothing: answered (before,
     // never: the hang guard's read timeout failed the get).
     let (head, body) = http_get_with(&addr, "/", "");
