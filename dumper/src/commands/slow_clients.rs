@@ -103,8 +103,12 @@ impl<R: Read> Read for Deadline<R> {
 #[derive(Debug)]
 pub struct Responder {
     /// Connections (their client's address) a response could not be
-    /// written to in time, most recent last.
-    stalled: VecDeque<SocketAddr>,
+    /// written to in time, and when, most recent last. Forgotten after
+    /// [`READ_IDLE`]: by then a connection that sent nothing more was
+    /// closed, and its address may be a new connection's (tiny_http
+    /// reports a client that closed its end as written, so only a client
+    /// that kept its connection and read nothing is here).
+    stalled: VecDeque<(SocketAddr, Instant)>,
     /// Each untrusted user's writing time.
     users: UserShares,
 }
@@ -125,7 +129,11 @@ impl Responder {
     /// then closed with nothing written, and nothing is to be done for the
     /// request (asked before any work for it).
     pub fn admit(&self, req: Request, user: Option<u32>) -> Option<Request> {
-        let stalled = req.remote_addr().is_some_and(|p| self.stalled.contains(p));
+        let stalled = req.remote_addr().is_some_and(|p| {
+            self.stalled
+                .iter()
+                .any(|(a, at)| a == p && at.elapsed() < READ_IDLE)
+        });
         if stalled || self.users.holding(user).is_some() {
             // Taking the writer away leaves the request nothing to write
             // an error with when dropped.
@@ -156,7 +164,7 @@ impl Responder {
                 if self.stalled.len() >= STALLED_KEPT {
                     self.stalled.pop_front();
                 }
-                self.stalled.push_back(p);
+                self.stalled.push_back((p, Instant::now()));
             }
         }
     }
