@@ -3186,3 +3186,54 @@ fn a_client_that_reads_none_of_its_responses_holds_serve_for_a_bounded_time() {
     drop(server);
     drop(target);
 }
+
+#[test]
+fn a_user_whose_client_stalled_a_response_has_its_connections_closed_while_it_pays_back() {
+    if !root_here("serve to another user") {
+        return;
+    }
+    // The time serve spends writing to another user's client is that
+    // user's debt: nobody's client stalls a large profile (20 s of
+    // writing, a debt far past the 2 s burst), then nobody's next
+    // connection is closed unanswered while root's is answered.
+    let mut cmd = as_nobody_recorded(&compile_c("peak_stacks"));
+    cmd.args(["16384", "keep"]);
+    let target = Target::spawn(cmd);
+    let (server, addr, _lines) = server_of_heaps();
+    let (host, port) = addr.rsplit_once(':').unwrap();
+    // Killed when dropped, a failed assertion included (its sleep would
+    // hold the test's output open).
+    let mut stalling = KilledOnDrop(
+        Command::new("/usr/bin/setpriv")
+            .args([
+                &format!("--reuid={NOBODY}"),
+                &format!("--regid={NOBODY}"),
+                "--clear-groups",
+                "--inh-caps=-all",
+                "bash",
+                "-c",
+            ])
+            .arg(format!(
+            "exec 3<>/dev/tcp/{host}/{port} && printf 'GET %s HTTP/1.0\\r\\n\\r\\n' \"$1\" >&3 \
+             && head -c 12 <&3 && echo && exec sleep 3600"
+        ))
+            .args(["_", &format!("/debug/pprof/heap.json?pid={}", target.pid())])
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let started = Lines::new(stalling.0.stdout.take().unwrap());
+    assert_eq!(
+        started.next(),
+        "HTTP/1.0 200",
+        "nobody's profile is being written"
+    );
+    // Root's request waits for the stalled writing to end (20 s at most).
+    let (head, _) = http_get_with(&addr, "/", "");
+    assert!(head.contains(" 200 "), "{head}");
+    let answer = get_as_nobody(&addr, "/");
+    assert_eq!(answer, "", "nobody's connection is closed unanswered");
+    drop(stalling);
+    drop(server);
+    drop(target);
+}
