@@ -3237,3 +3237,92 @@ fn a_user_whose_client_stalled_a_response_has_its_connections_closed_while_it_pa
     drop(server);
     drop(target);
 }
+
+/// `heapdump serve` on a port of loopback, unsymbolized, allowed `fds`
+/// open descriptors: the process, its address, and its stdout's lines.
+fn server_with_descriptors(fds: u32) -> (KilledOnDrop, String, Lines) {
+    let mut child = Command::new("prlimit")
+        .arg(format!("--nofile={fds}:{fds}"))
+        .arg(bin())
+        .args(["serve", "--listen", "127.0.0.1:0", "--no-symbolize"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let lines = Lines::new(child.stdout.take().unwrap());
+    let server = KilledOnDrop(child);
+    let addr = listening_addr(&lines.next());
+    (server, addr, lines)
+}
+
+#[test]
+fn a_user_holding_hundreds_of_idle_connections_does_not_stop_serve_for_others() {
+    if !root_here("serve to another user") {
+        return;
+    }
+    // serve ran a thread and held two descriptors per connection, with no
+    // limit, and ended for good when `accept` first failed: any local user
+    // (a profiled process included) opened a few hundred idle connections
+    // and serve exited, for everyone. Now a user serve does not trust
+    // holds 16 connections; the ones past them are closed (answered 503
+    // if their socket takes it at once). (The server is allowed 128 descriptors, so that 300
+    // connections are far past what it has.)
+    let (server, addr, _lines) = server_with_descriptors(128);
+    let (host, port) = addr.rsplit_once(':').unwrap();
+    let mut holding = KilledOnDrop(
+        Command::new("/usr/bin/setpriv")
+            .args([
+                &format!("--reuid={NOBODY}"),
+                &format!("--regid={NOBODY}"),
+                "--clear-groups",
+                "--inh-caps=-all",
+                "bash",
+                "-c",
+            ])
+            .arg(format!(
+                "for i in $(seq 300); do exec {{fd}}<>/dev/tcp/{host}/{port} || exit 1; done; \
+                 echo held; exec sleep 3600"
+            ))
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let held = Lines::new(holding.0.stdout.take().unwrap());
+    assert_eq!(held.next(), "held", "nobody opened its connections");
+    // Before: refused (serve had exited). Accepted after nobody's
+    // connections, so when it is answered serve has taken them all.
+    let (head, _) = http_get_with(&addr, "/", "");
+    assert!(head.contains(" 200 "), "{head}");
+    // One thread per connection kept (before: 300 of them), besides
+    // serve's own few.
+    let threads = std::fs::read_dir(format!("/proc/{}/task", server.id()))
+        .unwrap()
+        .count();
+    assert!(threads <= 16 + 4, "serve runs {threads} threads");
+    drop(holding);
+    drop(server);
+}
+
+#[test]
+fn serve_outlives_running_out_of_descriptors() {
+    // Connections from a trusted client (the test's own user) past what
+    // the server's descriptors allow: `accept` fails meanwhile, and serve
+    // answers again once they are closed (before, the first failed
+    // `accept` ended serve).
+    let (server, addr, _lines) = server_with_descriptors(64);
+    let many: Vec<_> = (0..100)
+        .map(|_| std::net::TcpStream::connect(&addr).unwrap())
+        .collect();
+    // A request on one more connection: not taken while serve's
+    // descriptors are, answered once the others close.
+    let mut late = std::net::TcpStream::connect(&addr).unwrap();
+    std::io::Write::write_all(&mut late, b"GET / HTTP/1.0\r\n\r\n").unwrap();
+    drop(many);
+    late.set_read_timeout(Some(HANG_GUARD)).unwrap();
+    let mut answer = String::new();
+    std::io::Read::read_to_string(&mut late, &mut answer).unwrap();
+    assert!(answer.starts_with("HTTP/1.0 200 "), "{answer}");
+    let (head, _) = http_get_with(&addr, "/", "");
+    assert!(head.contains(" 200 "), "{head}");
+    drop(server);
+}

@@ -6,6 +6,7 @@ pub mod attach;
 pub mod cost_pacing;
 pub mod demo;
 pub mod diff;
+pub mod http_connections;
 pub mod list;
 pub mod report;
 pub mod run;

@@ -2,11 +2,12 @@
 //! `go tool pprof http://ADDR/debug/pprof/heap`, Grafana Alloy / Pyroscope
 //! and Parca can scrape a host's instrumented processes.
 //!
-//! Built on `tiny_http`: a small, blocking, well-kept HTTP/1.1 server with
-//! no async runtime, which is all a scrape endpoint needs. Requests are
-//! served one at a time, so at most one snapshot is being taken; what a
-//! client that does not read its response can hold serve for is bounded
-//! in `slow_clients`.
+//! Blocking HTTP/1.1 with no async runtime, which is all a scrape endpoint
+//! needs: `http_connections` accepts and reads the connections (how many
+//! each client may hold is bounded there), and requests are served one at
+//! a time, so at most one snapshot is being taken; what a client that
+//! does not read its response can hold serve for is bounded in
+//! `slow_clients`.
 //!
 //! Routes, as Go's `net/http/pprof` answers them:
 //! `/debug/pprof/heap` (gzipped pprof, `inuse_space` shown first) and
@@ -20,12 +21,10 @@
 //! of the targets.
 
 use std::collections::HashMap;
-use std::io::Cursor;
-
-use tiny_http::{Header, Request, Response, Server};
 
 use crate::commands::cost_pacing::{cost_allows, UserShares};
-use crate::commands::slow_clients::{self, Responder};
+use crate::commands::http_connections::{AcceptingEnded, Reply, Request, Server};
+use crate::commands::slow_clients::Responder;
 use crate::process::age::{self, AgeFilter, When};
 use crate::process::discovery::{instrumented_pids, open_target, Target};
 use crate::process::loopback_peer;
@@ -188,8 +187,6 @@ pub const HELD_BACK: &str = "held back: its user's processes cost much to read";
 /// (a cheaper one is taken afresh at each request, and nothing is kept).
 pub const COSTLY_PROFILE: std::time::Duration = std::time::Duration::from_millis(250);
 
-type Reply = Response<Cursor<Vec<u8>>>;
-
 /// Why a served snapshot could not be taken.
 enum TakeError {
     /// The target could not be opened.
@@ -199,11 +196,7 @@ enum TakeError {
 }
 
 fn text(status: u16, body: String) -> Reply {
-    Response::from_data(body.into_bytes())
-        .with_status_code(status)
-        .with_header(
-            Header::from_bytes("Content-Type", "text/plain; charset=utf-8").expect("header"),
-        )
+    Reply::text(status, body)
 }
 
 /// The query's parameters, percent-decoded (`+` is a space).
@@ -411,9 +404,7 @@ impl State {
                     uid.unwrap_or_default()
                 ),
             )
-            .with_header(
-                Header::from_bytes("Retry-After", secs.to_string().as_bytes()).expect("header"),
-            ));
+            .with_header("Retry-After", secs.to_string()));
         }
         let started = std::time::Instant::now();
         let taken = self.take(pid, ages, self.opts.symbolize, false);
@@ -539,8 +530,7 @@ impl State {
                 prometheus::CLASSIC_CONTENT_TYPE,
             )
         };
-        Response::from_data(text.into_bytes())
-            .with_header(Header::from_bytes("Content-Type", content_type).expect("header"))
+        Reply::new(text.into_bytes()).with_header("Content-Type", content_type)
     }
 
     fn handle(&mut self, req: &Request) -> Answer {
@@ -549,11 +539,7 @@ impl State {
         let params = query_params(&url);
         match path {
             "/metrics" => {
-                let accept = req
-                    .headers()
-                    .iter()
-                    .find(|h| h.field.equiv("Accept"))
-                    .map(|h| h.value.as_str().to_string());
+                let accept = req.header("Accept").next().map(str::to_string);
                 self.metrics(accept.as_deref()).into()
             }
             "/debug/pprof/heap" | "/debug/pprof/allocs" | "/debug/pprof/heap.json" => {
@@ -600,10 +586,8 @@ impl State {
                     }));
                 }
                 if path.ends_with(".json") {
-                    return Response::from_data(crate::formats::json::render(&snap))
-                        .with_header(
-                            Header::from_bytes("Content-Type", "application/json").expect("header"),
-                        )
+                    return Reply::new(crate::formats::json::render(&snap))
+                        .with_header("Content-Type", "application/json")
                         .into();
                 }
                 let per_thread = params
@@ -612,14 +596,9 @@ impl State {
                 let name = format!("attachment; filename=\"heap-{pid}.pb.gz\"");
                 let mut profile = crate::formats::pprof::from_snapshot(&snap, per_thread);
                 crate::formats::pprof::set_default_sample_type(&mut profile, default_type);
-                Response::from_data(crate::formats::pprof::encode_gzip(&profile))
-                    .with_header(
-                        Header::from_bytes("Content-Type", "application/octet-stream")
-                            .expect("header"),
-                    )
-                    .with_header(
-                        Header::from_bytes("Content-Disposition", name.as_bytes()).expect("header"),
-                    )
+                Reply::new(crate::formats::pprof::encode_gzip(&profile))
+                    .with_header("Content-Type", "application/octet-stream")
+                    .with_header("Content-Disposition", name)
                     .into()
             }
             "/" | "/debug/pprof" | "/debug/pprof/" => {
@@ -674,9 +653,7 @@ impl State {
             }
             Err(_) => delta,
         };
-        let reply = Response::from_data(body).with_header(
-            Header::from_bytes("Content-Type", "application/octet-stream").expect("header"),
-        );
+        let reply = Reply::new(body).with_header("Content-Type", "application/octet-stream");
         (req, reply)
     }
 }
@@ -699,19 +676,16 @@ pub fn bind(addr: &str) -> Result<(Server, String), ServeError> {
         addr: addr.to_string(),
         msg,
     };
-    let listener = slow_clients::listener(addr).map_err(|e| bind_error(e.to_string()))?;
-    let server = Server::from_listener(listener, None).map_err(|e| bind_error(e.to_string()))?;
-    let bound = server
-        .server_addr()
-        .to_ip()
-        .map_or_else(|| addr.to_string(), |a| a.to_string());
+    // SAFETY: geteuid has no preconditions.
+    let own_uid = unsafe { libc::geteuid() };
+    let server = Server::bind(addr, &[0, own_uid]).map_err(|e| bind_error(e.to_string()))?;
+    let bound = server.local_addr().to_string();
     Ok((server, bound))
 }
 
 /// Serves requests until the process is stopped.
 pub fn serve(server: Server, opts: ServeOptions) {
     let user_burst = opts.user_burst;
-    let local = server.server_addr().to_ip();
     // SAFETY: geteuid has no preconditions.
     let own_uid = unsafe { libc::geteuid() };
     let mut state = State {
@@ -742,17 +716,13 @@ pub fn serve(server: Server, opts: ServeOptions) {
         }
         let next = match pending.iter().map(|p| p.delta.due).min() {
             Some(due) => server.recv_timeout(due.saturating_duration_since(now)),
-            None => server.recv().map(Some),
+            None => server.recv().ok_or(AcceptingEnded).map(Some),
         };
         let req = match next {
             Ok(Some(req)) => req,
             Ok(None) => continue,
-            // The listening socket failed: nothing more will come.
-            Err(_) => return,
-        };
-        // A connection that stalled a response gets nothing more.
-        let Some(req) = responder.admit(req, None) else {
-            continue;
+            // Accepting ended (it does not while serve runs).
+            Err(AcceptingEnded) => return,
         };
         if let Some(token) = &state.opts.token {
             if !authorized(&req, token) {
@@ -760,21 +730,14 @@ pub fn serve(server: Server, opts: ServeOptions) {
                     401,
                     "a bearer token is required (Authorization: Bearer ...)\n".into(),
                 )
-                .with_header(
-                    Header::from_bytes("WWW-Authenticate", "Bearer realm=\"heapdump\"")
-                        .expect("header"),
-                );
+                .with_header("WWW-Authenticate", "Bearer realm=\"heapdump\"");
                 responder.respond(req, reply, None);
                 continue;
             }
         }
         state.reader = None;
         if state.opts.per_user {
-            let uid = match (req.remote_addr(), local) {
-                (Some(peer), Some(local)) => loopback_peer::peer_uid(*peer, local),
-                _ => None,
-            };
-            match uid {
+            match req.peer_uid() {
                 // Root, or the server's own user: what it may read itself.
                 Some(uid) if uid == 0 || uid == own_uid => {}
                 Some(uid) => state.reader = Some(uid),
@@ -820,18 +783,15 @@ pub fn serve(server: Server, opts: ServeOptions) {
 /// independent of where the first difference is).
 fn authorized(req: &Request, token: &str) -> bool {
     let expected = format!("Bearer {token}");
-    req.headers()
-        .iter()
-        .filter(|h| h.field.equiv("Authorization"))
-        .any(|h| {
-            let got = h.value.as_str().trim().as_bytes();
-            got.len() == expected.len()
-                && got
-                    .iter()
-                    .zip(expected.as_bytes())
-                    .fold(0u8, |acc, (a, b)| acc | (a ^ b))
-                    == 0
-        })
+    req.header("Authorization").any(|v| {
+        let got = v.trim().as_bytes();
+        got.len() == expected.len()
+            && got
+                .iter()
+                .zip(expected.as_bytes())
+                .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+                == 0
+    })
 }
 
 /// Options of `heapdump serve`.
@@ -900,10 +860,7 @@ pub fn command(a: ServeArgs) -> anyhow::Result<i32> {
         )
     })?;
     let (server, bound) = crate::commands::serve::bind(&a.listen)?;
-    let loopback = server
-        .server_addr()
-        .to_ip()
-        .is_some_and(|s| s.ip().is_loopback());
+    let loopback = server.local_addr().ip().is_loopback();
     if !loopback && token.is_none() && !a.insecure_listen {
         anyhow::bail!(
             "refusing to listen on {bound} without a token: anyone who can reach it would read \
