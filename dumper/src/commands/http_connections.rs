@@ -16,10 +16,11 @@
 //! - A client is a user, for a connection over loopback whose user the
 //!   kernel names ([`loopback_peer`]), else an address (an IPv6 address's
 //!   /64, which one host commonly holds whole). A client serve does not
-//!   trust holds at most [`CONNECTIONS_PER_CLIENT`] connections; all
-//!   together hold at most [`MAX_CONNECTIONS`]. A connection past either
-//!   is answered 503 (if its socket takes it at once) and closed.
-//!   Trusted: root and serve's own user, over loopback.
+//!   trust holds at most [`CONNECTIONS_PER_CLIENT`] connections; all such
+//!   clients together hold at most [`MAX_CONNECTIONS`]. A connection past
+//!   either is answered 503 (if its socket takes it at once) and closed.
+//!   Trusted, and not counted (so that no flood of others' connections
+//!   locks them out): root and serve's own user, over loopback.
 //! - Each connection has one thread, which reads one request at a time:
 //!   its head within [`HEAD_DEADLINE`] of its first byte, at most
 //!   [`MAX_HEAD`] bytes, after at most [`IDLE`] of silence. It reads the
@@ -41,7 +42,7 @@ use std::time::{Duration, Instant};
 
 use crate::process::loopback_peer;
 
-/// Most connections open at once, all clients together.
+/// Most connections open at once, all untrusted clients together.
 pub const MAX_CONNECTIONS: usize = 512;
 /// Most connections one client serve does not trust holds at once (a
 /// scraper keeps one or two; `go tool pprof` one).
@@ -88,27 +89,55 @@ impl Client {
     }
 }
 
-/// Open connections, counted per client.
+/// Open connections of untrusted clients, counted per client.
 #[derive(Debug, Default)]
 struct Counts {
     total: usize,
     per_client: HashMap<Client, usize>,
 }
 
-/// A connection's place in [`Counts`], given back when dropped.
+/// A connection's place in [`Counts`] (`None`: a trusted client's, not
+/// counted), given back when dropped.
 struct Held {
     counts: Arc<Mutex<Counts>>,
-    client: Client,
+    client: Option<Client>,
+}
+
+impl Held {
+    /// A place for a connection of `client` (`trusted`: not counted), or
+    /// `None` past the bounds of the module doc.
+    fn take(counts: &Arc<Mutex<Counts>>, client: Client, trusted: bool) -> Option<Held> {
+        if trusted {
+            return Some(Held {
+                counts: counts.clone(),
+                client: None,
+            });
+        }
+        let mut c = counts.lock().unwrap_or_else(|p| p.into_inner());
+        let mine = c.per_client.get(&client).copied().unwrap_or(0);
+        if c.total >= MAX_CONNECTIONS || mine >= CONNECTIONS_PER_CLIENT {
+            return None;
+        }
+        c.total += 1;
+        *c.per_client.entry(client).or_insert(0) += 1;
+        Some(Held {
+            counts: counts.clone(),
+            client: Some(client),
+        })
+    }
 }
 
 impl Drop for Held {
     fn drop(&mut self) {
+        let Some(client) = self.client else {
+            return;
+        };
         let mut c = self.counts.lock().unwrap_or_else(|p| p.into_inner());
         c.total -= 1;
-        if let Some(n) = c.per_client.get_mut(&self.client) {
+        if let Some(n) = c.per_client.get_mut(&client) {
             *n -= 1;
             if *n == 0 {
-                c.per_client.remove(&self.client);
+                c.per_client.remove(&client);
             }
         }
     }
@@ -127,7 +156,7 @@ pub struct Server {
 
 impl Server {
     /// Binds `addr` and starts accepting; `trusted` are the users whose
-    /// connections only [`MAX_CONNECTIONS`] bounds.
+    /// connections over loopback are not counted.
     pub fn bind(addr: &str, trusted: &[u32]) -> io::Result<Server> {
         let listener = TcpListener::bind(addr)?;
         let local = listener.local_addr()?;
@@ -183,21 +212,7 @@ fn accept_forever(listener: TcpListener, requests: Sender<Request>, trusted: Vec
         };
         let client = Client::of(peer, uid);
         let trusted = uid.is_some_and(|u| trusted.contains(&u));
-        let held = {
-            let mut c = counts.lock().unwrap_or_else(|p| p.into_inner());
-            let mine = c.per_client.get(&client).copied().unwrap_or(0);
-            if c.total >= MAX_CONNECTIONS || (!trusted && mine >= CONNECTIONS_PER_CLIENT) {
-                None
-            } else {
-                c.total += 1;
-                *c.per_client.entry(client).or_insert(0) += 1;
-                Some(Held {
-                    counts: counts.clone(),
-                    client,
-                })
-            }
-        };
-        let Some(held) = held else {
+        let Some(held) = Held::take(&counts, client, trusted) else {
             refuse(stream);
             continue;
         };
@@ -632,6 +647,43 @@ mod tests {
         assert!(
             got.ends_with(&"x".repeat(100)),
             "only the answer in time was written"
+        );
+    }
+
+    #[test]
+    fn untrusted_clients_hold_their_share_and_trusted_ones_are_never_locked_out() {
+        let counts = Arc::new(Mutex::new(Counts::default()));
+        let user = |u| Client::User(u);
+        let mut held: Vec<Held> = (0..CONNECTIONS_PER_CLIENT)
+            .map(|_| Held::take(&counts, user(1000), false).unwrap())
+            .collect();
+        assert!(
+            Held::take(&counts, user(1000), false).is_none(),
+            "past its share"
+        );
+        held.pop();
+        held.push(Held::take(&counts, user(1000), false).expect("a place given back"));
+        // Other clients fill what is left of the total.
+        for u in 1001.. {
+            match Held::take(&counts, user(u), false) {
+                Some(h) => held.push(h),
+                None => break,
+            }
+        }
+        assert_eq!(held.len(), MAX_CONNECTIONS);
+        assert!(
+            Held::take(&counts, user(5), false).is_none(),
+            "past the total"
+        );
+        // Root's connection, over all that.
+        let root = Held::take(&counts, user(0), true).expect("trusted");
+        drop(root);
+        drop(held);
+        let c = counts.lock().unwrap();
+        assert_eq!(
+            (c.total, c.per_client.len()),
+            (0, 0),
+            "every place given back"
         );
     }
 
