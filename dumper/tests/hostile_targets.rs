@@ -3326,3 +3326,77 @@ fn serve_outlives_running_out_of_descriptors() {
     assert!(head.contains(" 200 "), "{head}");
     drop(server);
 }
+
+#[test]
+fn a_user_with_many_instrumented_processes_leaves_the_collector_room_for_roots() {
+    if !root_here("users' shares of the collector") {
+        return;
+    }
+    // A watched process holds four of the collector's descriptors until
+    // it exits. Any user can start hundreds of instrumented processes: the
+    // collector's descriptors ran out, and every process started after,
+    // root's included, went unwatched without a word. Now a user other
+    // than root has an eighth of what the collector can hold open (here,
+    // allowed 160 descriptors: 8 processes, one of nobody's).
+    let t = TempDir::new("hostile-collector-shares");
+    let mut collector = KilledOnDrop(
+        Command::new("prlimit")
+            .arg("--nofile=160:160")
+            .arg(bin())
+            .args([
+                "watch", "--all", "--scan", "20ms", "--poll", "5ms", "-f", "json", "-d",
+            ])
+            .arg(t.path("snaps"))
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let lines = Lines::new(collector.0.stdout.take().unwrap());
+    let log = Lines::new(collector.0.stderr.take().unwrap());
+    assert!(lines.next().starts_with("watching "), "the collector runs");
+    // Forty of nobody's: each a `cat` of the pipe the test holds, so that
+    // they all end with the test.
+    let mut hog = KilledOnDrop(
+        Command::new("/usr/bin/setpriv")
+            .args([
+                &format!("--reuid={NOBODY}"),
+                &format!("--regid={NOBODY}"),
+                "--clear-groups",
+                "--inh-caps=-all",
+                "bash",
+                "-c",
+            ])
+            .arg(format!(
+                "exec 3<&0; for i in $(seq 40); do LD_PRELOAD={} cat <&3 & done; wait",
+                preload_lib().display()
+            ))
+            .stdin(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let said = log.next();
+    assert!(
+        said.contains("is not watched: its user (65534) has 1 processes watched"),
+        "{said}"
+    );
+    // Root's process, started after them: watched.
+    let mut cmd = Command::new(compile_c("hostile"));
+    cmd.env("LD_PRELOAD", preload_lib());
+    let mut root = Target::spawn(cmd);
+    root.send("request");
+    root.wait_line("requested");
+    let mut nobodys = 0;
+    loop {
+        let line = lines.next();
+        if line.starts_with(&format!("watching {} ", root.pid())) {
+            break;
+        }
+        nobodys += usize::from(line.starts_with("watching "));
+    }
+    assert_eq!(nobodys, 1, "nobody's processes watched");
+    root.send("quit");
+    drop(hog.0.stdin.take());
+    drop(hog);
+    drop(collector);
+}

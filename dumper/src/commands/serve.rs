@@ -859,6 +859,8 @@ pub fn command(a: ServeArgs) -> anyhow::Result<i32> {
             a.user_burst
         )
     })?;
+    // serve starts no program, so nothing inherits the raised limit.
+    crate::commands::descriptor_limit::raise();
     let (server, bound) = crate::commands::serve::bind(&a.listen)?;
     let loopback = server.local_addr().ip().is_loopback();
     if !loopback && token.is_none() && !a.insecure_listen {

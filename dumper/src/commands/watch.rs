@@ -27,6 +27,8 @@ use std::time::{Duration, Instant};
 
 use heapdump_table::header::read_request;
 
+use crate::commands::collector_shares::{Full, Shares};
+use crate::commands::descriptor_limit;
 use crate::formats::{self, Format, RenderOptions};
 use crate::process::age::AgeFilter;
 use crate::process::discovery::{open_target, DiscoveryError, Target};
@@ -499,6 +501,8 @@ pub struct Watcher {
     symbolizer: Symbolizer,
     build_ids: BuildIds,
     users: UserPace,
+    /// How many processes `all` adopts, per user.
+    shares: Shares,
 }
 
 impl std::fmt::Debug for Watcher {
@@ -537,6 +541,7 @@ impl Watcher {
             symbolizer,
             build_ids,
             users: UserPace::default(),
+            shares: Shares::new(descriptor_limit::current()),
         })
     }
 
@@ -544,7 +549,16 @@ impl Watcher {
     /// request it made is answered, since it started after the collector.
     /// Prints `watching PID (NAME)`.
     fn adopt(&mut self, pid: u32) -> Result<(), WatchError> {
+        let uid = crate::process::discovery::process_uids(pid).map(|ids| ids[0]);
+        if let Err(full) = self.shares.admits(uid, self.watched.iter().map(|w| w.uid)) {
+            // Looked at again at the next scan.
+            if self.shares.tell(uid) {
+                self.tell_full(pid, uid, full);
+            }
+            return Ok(());
+        }
         let w = open_one(pid, true, &mut self.build_ids)?;
+        self.shares.adopted(uid);
         if self.opts.symbolize {
             self.symbolizer.open_modules(&w.maps);
         }
@@ -552,6 +566,31 @@ impl Watcher {
         let _ = std::io::stdout().flush();
         self.watched.push(w);
         Ok(())
+    }
+
+    /// Says in the log that `pid`, of user `uid`, is not watched for now.
+    fn tell_full(&self, pid: u32, uid: Option<u32>, full: Full) {
+        let user = uid.map_or_else(|| "unknown".to_string(), |u| u.to_string());
+        let budget = self.shares.budget();
+        match full {
+            Full::User => eprintln!(
+                "heapdump: pid {pid} is not watched: its user ({user}) has {} processes watched, \
+                 its share of the {budget} this collector can hold open; its other processes are \
+                 not watched either until some of them exit",
+                self.shares.per_user()
+            ),
+            Full::Others => eprintln!(
+                "heapdump: pid {pid} (user {user}) is not watched: users other than root have \
+                 {} processes watched, their share of the {budget} this collector can hold open, \
+                 until some of them exit",
+                budget / 4 * 3
+            ),
+            Full::Collector => eprintln!(
+                "heapdump: pid {pid} (user {user}) is not watched: this collector watches \
+                 {budget} processes, all that its limit of open files holds (raise it: \
+                 LimitNOFILE= in its unit), until some of them exit"
+            ),
+        }
     }
 
     /// Follows the targets that executed another program (asked once per
@@ -1039,6 +1078,8 @@ pub fn print_written(w: &Written) {
 /// `heapdump watch`: returns the exit status.
 pub fn command(a: WatchArgs) -> anyhow::Result<i32> {
     install_stop_handlers();
+    // `watch` starts no program, so nothing inherits the raised limit.
+    descriptor_limit::raise();
     let opts = WatchOptions {
         dir: a.dir,
         formats: a.format,

@@ -3,7 +3,7 @@
 
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdin, ChildStdout, Command, Output, Stdio};
+use std::process::{Child, ChildStdin, Command, Output, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
 
@@ -14,14 +14,14 @@ pub fn bin() -> &'static str {
     env!("CARGO_BIN_EXE_heapdump")
 }
 
-/// Reads lines of a child's stdout on a thread, so tests can wait for a
-/// line with a hang guard.
+/// Reads lines of a child's stdout (or stderr) on a thread, so tests can
+/// wait for a line with a hang guard.
 pub struct Lines {
     rx: mpsc::Receiver<String>,
 }
 
 impl Lines {
-    pub fn new(out: ChildStdout) -> Self {
+    pub fn new(out: impl std::io::Read + Send + 'static) -> Self {
         let (tx, rx) = mpsc::channel();
         std::thread::spawn(move || {
             for line in BufReader::new(out).lines() {

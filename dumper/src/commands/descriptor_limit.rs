@@ -1,0 +1,76 @@
+//! The open-descriptor limit of heapdump's long-running commands.
+//!
+//! A collector (`watch --all`) keeps each watched process's regions, pidfd
+//! and root directory open until the process exits and its final snapshot
+//! is written, and `serve` holds a descriptor per connection. The soft
+//! limit a service gets is commonly 1 024 while its hard limit is far
+//! higher (systemd: 524 288); like Go's runtime, these commands raise the
+//! soft limit to the hard one. `run` does not: the program it starts
+//! would inherit it.
+//!
+//! Invariant: only the soft limit changes, and never down.
+
+/// Most the soft limit is raised to (a million descriptors is far past
+/// what a host's instrumented processes need).
+pub const MOST: u64 = 1 << 20;
+
+/// The soft `RLIMIT_NOFILE` in force (1 024 if it cannot be read).
+pub fn current() -> u64 {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes one `rlimit` through the pointer given, a
+    // valid local.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
+        return 1024;
+    }
+    lim.rlim_cur
+}
+
+/// Raises the soft `RLIMIT_NOFILE` to the hard limit (at most [`MOST`]);
+/// returns the soft limit in force after.
+pub fn raise() -> u64 {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes one `rlimit` through the pointer given, a
+    // valid local.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
+        return 1024;
+    }
+    let want = lim.rlim_max.min(MOST);
+    if want > lim.rlim_cur {
+        let raised = libc::rlimit {
+            rlim_cur: want,
+            rlim_max: lim.rlim_max,
+        };
+        // SAFETY: setrlimit reads one `rlimit` through the pointer given,
+        // a valid local; a soft limit up to the hard one needs no
+        // privilege.
+        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) } == 0 {
+            lim.rlim_cur = want;
+        }
+    }
+    lim.rlim_cur
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_soft_limit_is_raised_to_the_hard_one_and_never_lowered() {
+        let mut before = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        // SAFETY: as in `raise`.
+        assert_eq!(
+            unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut before) },
+            0
+        );
+        let now = super::raise();
+        assert!(now >= before.rlim_cur);
+        assert_eq!(now, before.rlim_max.min(super::MOST).max(before.rlim_cur));
+    }
+}
