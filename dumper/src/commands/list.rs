@@ -76,9 +76,17 @@ fn row(t: &discovery::Target) -> Result<Row, discovery::DiscoveryError> {
 
 /// Prints the table of instrumented processes; returns the exit status.
 pub fn command() -> Result<i32> {
-    let (entries, denied) = discovery::scan();
+    // Each process's row is read while its regions are open, one process
+    // at a time.
+    let (rows, denied) = discovery::scan_with(|pid, name, state| {
+        let r = match state {
+            Ok(t) => row(&t).map_err(|err| err.to_string()),
+            Err(err) => Err(err.to_string()),
+        };
+        (pid, name, r)
+    });
     let mut out = std::io::stdout().lock();
-    if entries.is_empty() {
+    if rows.is_empty() {
         writeln!(out, "no instrumented processes found")?;
     } else {
         writeln!(
@@ -86,20 +94,9 @@ pub fn command() -> Result<i32> {
             "{:>8}  {:<16} {:>10} {:>12} {:>10} {:>8} {:>8}",
             "PID", "NAME", "MODE", "LIVE", "BLOCKS", "THREADS", "DROPPED"
         )?;
-        // Each process's regions were opened once, by the scan.
-        let rows: Vec<_> = entries
-            .iter()
-            .map(|e| {
-                let r = match &e.state {
-                    Ok(t) => row(t).map_err(|err| err.to_string()),
-                    Err(err) => Err(err.to_string()),
-                };
-                (e, r)
-            })
-            .collect();
         let mut sampled = false;
         let mut attached = false;
-        for (e, r) in &rows {
+        for (pid, name, r) in &rows {
             match r {
                 Ok(r) => {
                     sampled |= r.rate.is_some();
@@ -107,8 +104,8 @@ pub fn command() -> Result<i32> {
                     writeln!(
                         out,
                         "{:>8}  {:<16} {:>10} {:>12} {:>10} {:>8} {:>8}",
-                        e.pid,
-                        escape_controls(&e.name),
+                        pid,
+                        escape_controls(name),
                         r.mode,
                         r.live,
                         r.blocks,
@@ -119,8 +116,8 @@ pub fn command() -> Result<i32> {
                 Err(err) => writeln!(
                     out,
                     "{:>8}  {:<16} ({})",
-                    e.pid,
-                    escape_controls(&e.name),
+                    pid,
+                    escape_controls(name),
                     escape_controls(&err.to_string())
                 )?,
             }
@@ -140,11 +137,11 @@ pub fn command() -> Result<i32> {
                  figures count only what was allocated since the attach, if attached"
             )?;
         }
-        for (e, r) in &rows {
+        for (pid, _, r) in &rows {
             if let Ok(r) = r {
-                let blind = visibility::inspect_process(e.pid).described();
+                let blind = visibility::inspect_process(*pid).described();
                 for note in snapshot::notes(&blind, r.total_allocs, r.rate) {
-                    writeln!(out, "{:>8}: {}", e.pid, escape_controls(&note))?;
+                    writeln!(out, "{:>8}: {}", pid, escape_controls(&note))?;
                 }
             }
         }

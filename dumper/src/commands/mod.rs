@@ -3,13 +3,13 @@
 
 pub mod args;
 pub mod attach;
-pub mod collector_shares;
 pub mod cost_pacing;
 pub mod demo;
 pub mod descriptor_limit;
 pub mod diff;
 pub mod http_connections;
 pub mod list;
+pub mod process_shares;
 pub mod report;
 pub mod run;
 pub mod serve;

@@ -24,6 +24,7 @@ use std::collections::HashMap;
 
 use crate::commands::cost_pacing::{cost_allows, UserShares};
 use crate::commands::http_connections::{AcceptingEnded, Reply, Request, Server};
+use crate::commands::process_shares::Shares;
 use crate::commands::slow_clients::Responder;
 use crate::process::age::{self, AgeFilter, When};
 use crate::process::discovery::{instrumented_pids, open_target, Target};
@@ -135,7 +136,11 @@ struct State {
     reader: Option<u32>,
     /// How many of that user's delta profiles wait (shown by the index).
     waiting: usize,
-    targets: HashMap<u32, Target>,
+    /// The targets kept open between requests, with their real user ids
+    /// when opened (`None`: unreadable), within [`Shares`].
+    targets: HashMap<u32, (Target, Option<u32>)>,
+    /// How many targets each user may have kept open.
+    shares: Shares,
     /// Each served target's mappings when last read: the files the
     /// caches below keep.
     mapped: HashMap<u32, Vec<crate::symbolization::maps::Mapping>>,
@@ -288,8 +293,23 @@ impl State {
         symbolize: bool,
         addresses_only: bool,
     ) -> Result<(snapshot::Snapshot, Vec<crate::symbolization::maps::Mapping>), TakeError> {
-        if let std::collections::hash_map::Entry::Vacant(e) = self.targets.entry(pid) {
-            e.insert(open_target(pid).map_err(TakeError::Open)?);
+        // A target past its user's share of what serve keeps open is
+        // opened for this snapshot only (any user may run hundreds of
+        // instrumented processes, and kept open they took every
+        // descriptor serve had: root's processes then could not be read).
+        let mut once = None;
+        if !self.targets.contains_key(&pid) {
+            let target = open_target(pid).map_err(TakeError::Open)?;
+            let uid = crate::process::discovery::process_uids(pid).map(|ids| ids[0]);
+            if self
+                .shares
+                .admits(uid, self.targets.values().map(|(_, u)| *u))
+                .is_ok()
+            {
+                self.targets.insert(pid, (target, uid));
+            } else {
+                once = Some(target);
+            }
         }
         let maps = read_maps(pid, &mut self.build_ids).unwrap_or_default();
         if !maps.is_empty() {
@@ -302,7 +322,10 @@ impl State {
                 self.forget_unserved_files();
             }
         }
-        let target = &self.targets[&pid];
+        let target = match &once {
+            Some(t) => t,
+            None => &self.targets[&pid].0,
+        };
         let r = snapshot::take(
             target,
             &maps,
@@ -334,7 +357,7 @@ impl State {
         let exited: Vec<u32> = self
             .targets
             .iter()
-            .filter(|(&p, t)| {
+            .filter(|(&p, (t, _))| {
                 crate::commands::watch::ExitWatch::new(p).exited()
                     || crate::process::discovery::start_time(p) != t.start_time
                     || t.replaced()
@@ -693,6 +716,7 @@ pub fn serve(server: Server, opts: ServeOptions) {
         reader: None,
         waiting: 0,
         targets: HashMap::new(),
+        shares: Shares::new(crate::commands::descriptor_limit::current()),
         mapped: HashMap::new(),
         symbolizer: Symbolizer::new(),
         scrapes: HashMap::new(),

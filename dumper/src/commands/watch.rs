@@ -27,8 +27,8 @@ use std::time::{Duration, Instant};
 
 use heapdump_table::header::read_request;
 
-use crate::commands::collector_shares::{Full, Shares};
 use crate::commands::descriptor_limit;
+use crate::commands::process_shares::{Full, Shares};
 use crate::formats::{self, Format, RenderOptions};
 use crate::process::age::AgeFilter;
 use crate::process::discovery::{open_target, DiscoveryError, Target};

@@ -652,22 +652,19 @@ pub fn open_target(pid: u32) -> Result<Target, DiscoveryError> {
     }
 }
 
-/// One row of `heapdump list`.
-#[derive(Debug)]
-pub struct ListEntry {
-    /// Process id.
-    pub pid: u32,
-    /// Process name.
-    pub name: String,
-    /// Its regions, opened, or why they cannot be.
-    pub state: Result<Target, DiscoveryError>,
-}
-
 /// Scans `/proc` for instrumented processes (those mapping a heapdump
-/// region writable). Returns the
-/// entries (sorted by pid) and how many processes could not be inspected
-/// for lack of permission.
-pub fn scan() -> (Vec<ListEntry>, usize) {
+/// region writable), in pid order: `f` gets each one's pid, name and
+/// regions opened (or why they cannot be), and what it returns is kept.
+/// Returns those and how many processes could not be inspected for lack of
+/// permission.
+///
+/// Each process's regions are closed before the next one's are opened
+/// (when `f` returns): any user can run hundreds of instrumented
+/// processes, and a scan that held them all open at once ran out of
+/// descriptors, so the processes after them (root's) went unseen.
+pub fn scan_with<T>(
+    mut f: impl FnMut(u32, String, Result<Target, DiscoveryError>) -> T,
+) -> (Vec<T>, usize) {
     let me = std::process::id();
     let mut out = Vec::new();
     let mut denied = 0;
@@ -687,13 +684,7 @@ pub fn scan() -> (Vec<ListEntry>, usize) {
             Err(DiscoveryError::PermissionDenied { .. }) => denied += 1,
             Err(_) => {}
             Ok(sources) if sources.is_empty() => {}
-            Ok(_) => {
-                out.push(ListEntry {
-                    pid,
-                    name: process_name(pid),
-                    state: open_target(pid),
-                });
-            }
+            Ok(_) => out.push(f(pid, process_name(pid), open_target(pid))),
         }
     }
     (out, denied)
@@ -701,11 +692,10 @@ pub fn scan() -> (Vec<ListEntry>, usize) {
 
 /// Pids of every process whose own regions can be opened.
 pub fn instrumented_pids() -> Vec<u32> {
-    scan()
+    scan_with(|pid, _, state| state.is_ok().then_some(pid))
         .0
         .into_iter()
-        .filter(|e| e.state.is_ok())
-        .map(|e| e.pid)
+        .flatten()
         .collect()
 }
 
@@ -716,18 +706,18 @@ pub fn resolve_target(spec: &str) -> Result<u32, String> {
     if let Ok(pid) = spec.parse::<u32>() {
         return Ok(pid);
     }
-    let candidates: Vec<(u32, Vec<String>)> = scan()
-        .0
-        .into_iter()
-        .filter(|e| e.state.is_ok())
-        .map(|e| {
-            let mut names = vec![e.name];
-            if let Some(arg0) = cmdline(e.pid).into_iter().next() {
-                names.push(arg0.rsplit('/').next().unwrap_or(&arg0).to_string());
-            }
-            (e.pid, names)
-        })
-        .collect();
+    let candidates: Vec<(u32, Vec<String>)> = scan_with(|pid, name, state| {
+        state.ok()?;
+        let mut names = vec![name];
+        if let Some(arg0) = cmdline(pid).into_iter().next() {
+            names.push(arg0.rsplit('/').next().unwrap_or(&arg0).to_string());
+        }
+        Some((pid, names))
+    })
+    .0
+    .into_iter()
+    .flatten()
+    .collect();
     pick_by_name(spec, &candidates)
 }
 

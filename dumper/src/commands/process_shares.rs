@@ -1,46 +1,50 @@
-//! How many processes the collector (`watch --all`) watches at once, and
-//! each user's share of them.
+//! How many instrumented processes a long-running command keeps open at
+//! once (the collector, `watch --all`, each process it watches; `serve`,
+//! each process it served), and each user's share of them.
 //!
-//! A watched process holds about [`DESCRIPTORS_PER_PROCESS`] of the
-//! collector's descriptors (its two regions, its pidfd, its root
-//! directory) until it exits and its final snapshot is written. Any user
-//! can start hundreds of instrumented processes (`LD_PRELOAD` is
-//! theirs to set): with a 1 024-descriptor limit, 250 sleeping ones
-//! exhausted the collector's descriptors, and every process started after
-//! them, root's daemons included, went unwatched, silently: no answer to
-//! its requests, no final snapshot.
+//! A process kept open holds about [`DESCRIPTORS_PER_PROCESS`] of the
+//! command's descriptors (its two regions, its root directory, and for
+//! the collector its pidfd) until it exits. Any user can start hundreds
+//! of instrumented processes (`LD_PRELOAD` is theirs to set): with a
+//! 1 024-descriptor limit, 250 sleeping ones exhausted a collector's
+//! descriptors, and every process started after them, root's daemons
+//! included, went unwatched, silently: no answer to its requests, no final
+//! snapshot.
 //!
 //! Invariants:
-//! - The collector watches at most [`Shares::budget`] processes: what its
+//! - At most [`Shares::budget`] processes are kept open: what the
 //!   descriptor limit holds beyond [`RESERVED_DESCRIPTORS`] (kept for the
-//!   work of snapshots: files read, files written).
-//! - A user other than root has at most an eighth of them watched, and
+//!   work of snapshots: files read, files written; serve's connections).
+//! - A user other than root has at most an eighth of them kept open, and
 //!   such users together at most three quarters: one user's processes
 //!   (or six users') never leave root's new processes unwatched. A
 //!   process whose user cannot be read counts as one user.
-//! - A process past its user's share is not opened at all: it is looked
-//!   at again at the next scan, and adopted once its user's processes
-//!   left room. The log says so once per user each time the share fills.
+//! - The collector does not open a process past its user's share: it is
+//!   looked at again at the next scan, and adopted once its user's
+//!   processes left room; the log says so once per user each time the
+//!   share fills. serve opens such a process for the one request, and
+//!   closes it after.
 
 use std::collections::HashSet;
 
-/// Descriptors a watched process holds in the collector.
+/// Descriptors a process kept open holds (the collector's, with its
+/// pidfd; serve's hold one fewer).
 pub const DESCRIPTORS_PER_PROCESS: u64 = 4;
 /// Descriptors kept for the work of snapshots.
 pub const RESERVED_DESCRIPTORS: u64 = 128;
 
-/// Why a process is not watched now.
+/// Why a process is not kept open now.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Full {
-    /// The collector watches all the processes it can.
+    /// All the processes the budget holds are kept open.
     Collector,
-    /// The process's user has its share watched.
+    /// The process's user has its share kept open.
     User,
     /// Users other than root together have theirs.
     Others,
 }
 
-/// The collector's budget of watched processes and who may use it.
+/// The budget of processes kept open and who may use it.
 #[derive(Debug)]
 pub struct Shares {
     budget: usize,
@@ -50,7 +54,7 @@ pub struct Shares {
 }
 
 impl Shares {
-    /// The shares of a collector allowed `descriptors` open descriptors.
+    /// The shares of a command allowed `descriptors` open descriptors.
     pub fn new(descriptors: u64) -> Shares {
         let budget = descriptors.saturating_sub(RESERVED_DESCRIPTORS) / DESCRIPTORS_PER_PROCESS;
         Shares {
@@ -59,25 +63,25 @@ impl Shares {
         }
     }
 
-    /// Most processes watched at once.
+    /// Most processes kept open at once.
     pub fn budget(&self) -> usize {
         self.budget
     }
 
-    /// Most processes of one user other than root watched at once.
+    /// Most processes of one user other than root kept open at once.
     pub fn per_user(&self) -> usize {
         (self.budget / 8).max(1)
     }
 
-    /// Whether a process of `uid` (`None`: unreadable) may be watched,
-    /// the users of the processes watched now being `watched`.
+    /// Whether a process of `uid` (`None`: unreadable) may be kept open,
+    /// the users of the processes kept open now being `kept`.
     pub fn admits(
         &self,
         uid: Option<u32>,
-        watched: impl Iterator<Item = Option<u32>>,
+        kept: impl Iterator<Item = Option<u32>>,
     ) -> Result<(), Full> {
         let (mut total, mut others, mut mine) = (0usize, 0usize, 0usize);
-        for u in watched {
+        for u in kept {
             total += 1;
             others += usize::from(u != Some(0));
             mine += usize::from(u == uid);
@@ -97,7 +101,7 @@ impl Shares {
         Ok(())
     }
 
-    /// Whether the log is to say `uid`'s process was not watched (once
+    /// Whether the log is to say `uid`'s process was not kept open (once
     /// until one of its processes is adopted again).
     pub fn tell(&mut self, uid: Option<u32>) -> bool {
         self.told.insert(uid)
