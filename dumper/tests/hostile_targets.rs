@@ -64,6 +64,13 @@ fn as_nobody(exe: &Path) -> Command {
     c
 }
 
+/// A bash `script` run as `nobody` (`$1`... are the arguments added).
+fn nobody_bash(script: &str) -> Command {
+    let mut c = as_nobody(Path::new("bash"));
+    c.arg("-c").arg(script);
+    c
+}
+
 /// `exe` run as user `uid` (group too) under the preload agent. The agent
 /// is loaded into `exe` only (`env` sets it for it), not into `setpriv`
 /// before: a collector could adopt `setpriv` and see its `exec` (which
@@ -3204,23 +3211,14 @@ fn a_user_whose_client_stalled_a_response_has_its_connections_closed_while_it_pa
     // Killed when dropped, a failed assertion included (its sleep would
     // hold the test's output open).
     let mut stalling = KilledOnDrop(
-        Command::new("/usr/bin/setpriv")
-            .args([
-                &format!("--reuid={NOBODY}"),
-                &format!("--regid={NOBODY}"),
-                "--clear-groups",
-                "--inh-caps=-all",
-                "bash",
-                "-c",
-            ])
-            .arg(format!(
+        nobody_bash(&format!(
             "exec 3<>/dev/tcp/{host}/{port} && printf 'GET %s HTTP/1.0\\r\\n\\r\\n' \"$1\" >&3 \
              && head -c 12 <&3 && echo && exec sleep 3600"
         ))
-            .args(["_", &format!("/debug/pprof/heap.json?pid={}", target.pid())])
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap(),
+        .args(["_", &format!("/debug/pprof/heap.json?pid={}", target.pid())])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap(),
     );
     let started = Lines::new(stalling.0.stdout.take().unwrap());
     assert_eq!(
@@ -3270,22 +3268,13 @@ fn a_user_holding_hundreds_of_idle_connections_does_not_stop_serve_for_others() 
     let (server, addr, _lines) = server_with_descriptors(128);
     let (host, port) = addr.rsplit_once(':').unwrap();
     let mut holding = KilledOnDrop(
-        Command::new("/usr/bin/setpriv")
-            .args([
-                &format!("--reuid={NOBODY}"),
-                &format!("--regid={NOBODY}"),
-                "--clear-groups",
-                "--inh-caps=-all",
-                "bash",
-                "-c",
-            ])
-            .arg(format!(
-                "for i in $(seq 300); do exec {{fd}}<>/dev/tcp/{host}/{port} || exit 1; done; \
+        nobody_bash(&format!(
+            "for i in $(seq 300); do exec {{fd}}<>/dev/tcp/{host}/{port} || exit 1; done; \
                  echo held; exec sleep 3600"
-            ))
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap(),
+        ))
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap(),
     );
     let held = Lines::new(holding.0.stdout.take().unwrap());
     assert_eq!(held.next(), "held", "nobody opened its connections");
@@ -3393,22 +3382,13 @@ struct NobodysCats(KilledOnDrop);
 impl NobodysCats {
     fn start(n: usize) -> NobodysCats {
         NobodysCats(KilledOnDrop(
-            Command::new("/usr/bin/setpriv")
-                .args([
-                    &format!("--reuid={NOBODY}"),
-                    &format!("--regid={NOBODY}"),
-                    "--clear-groups",
-                    "--inh-caps=-all",
-                    "bash",
-                    "-c",
-                ])
-                .arg(format!(
-                    "exec 3<&0; for i in $(seq {n}); do LD_PRELOAD={} cat <&3 & done; wait",
-                    preload_lib().display()
-                ))
-                .stdin(Stdio::piped())
-                .spawn()
-                .unwrap(),
+            nobody_bash(&format!(
+                "exec 3<&0; for i in $(seq {n}); do LD_PRELOAD={} cat <&3 & done; wait",
+                preload_lib().display()
+            ))
+            .stdin(Stdio::piped())
+            .spawn()
+            .unwrap(),
         ))
     }
 

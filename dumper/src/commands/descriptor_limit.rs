@@ -14,32 +14,28 @@
 /// what a host's instrumented processes need).
 pub const MOST: u64 = 1 << 20;
 
-/// The soft `RLIMIT_NOFILE` in force (1 024 if it cannot be read).
-pub fn current() -> u64 {
+/// `RLIMIT_NOFILE`, if it can be read.
+fn limits() -> Option<libc::rlimit> {
     let mut lim = libc::rlimit {
         rlim_cur: 0,
         rlim_max: 0,
     };
     // SAFETY: getrlimit writes one `rlimit` through the pointer given, a
     // valid local.
-    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
-        return 1024;
-    }
-    lim.rlim_cur
+    (unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } == 0).then_some(lim)
+}
+
+/// The soft `RLIMIT_NOFILE` in force (1 024 if it cannot be read).
+pub fn current() -> u64 {
+    limits().map_or(1024, |l| l.rlim_cur)
 }
 
 /// Raises the soft `RLIMIT_NOFILE` to the hard limit (at most [`MOST`]);
 /// returns the soft limit in force after.
 pub fn raise() -> u64 {
-    let mut lim = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: getrlimit writes one `rlimit` through the pointer given, a
-    // valid local.
-    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
+    let Some(lim) = limits() else {
         return 1024;
-    }
+    };
     let want = lim.rlim_max.min(MOST);
     if want > lim.rlim_cur {
         let raised = libc::rlimit {
@@ -50,7 +46,7 @@ pub fn raise() -> u64 {
         // a valid local; a soft limit up to the hard one needs no
         // privilege.
         if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) } == 0 {
-            lim.rlim_cur = want;
+            return want;
         }
     }
     lim.rlim_cur
@@ -60,17 +56,10 @@ pub fn raise() -> u64 {
 mod tests {
     #[test]
     fn the_soft_limit_is_raised_to_the_hard_one_and_never_lowered() {
-        let mut before = libc::rlimit {
-            rlim_cur: 0,
-            rlim_max: 0,
-        };
-        // SAFETY: as in `raise`.
-        assert_eq!(
-            unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut before) },
-            0
-        );
+        let before = super::limits().unwrap();
         let now = super::raise();
         assert!(now >= before.rlim_cur);
         assert_eq!(now, before.rlim_max.min(super::MOST).max(before.rlim_cur));
+        assert_eq!(super::current(), now);
     }
 }
