@@ -81,6 +81,10 @@ static ROLE: AtomicU8 = AtomicU8::new(Role::Preload as u8);
 /// once a release function is set ([`set_release`]: threads may then hold
 /// freed blocks back).
 static NAME_EPOCH: AtomicU64 = AtomicU64::new(0);
+/// In a fork child, the pid of the process whose regions it let go of at
+/// the fork (written into its own regions' header: its table starts empty,
+/// the blocks it inherited are that process's records); 0 otherwise.
+static FORKED_FROM: AtomicU64 = AtomicU64::new(0);
 /// pthread key whose destructor settles a thread's node cache at exit.
 static EXIT_KEY: AtomicU64 = AtomicU64::new(u64::MAX);
 /// The allocator's own free (`unsafe extern "C" fn(*mut c_void)`), set by
@@ -296,6 +300,10 @@ fn init(role: Role) -> Option<&'static Writers> {
             Role::Preload => heapdump_table::header::AgentKind::Preload,
             Role::GlobalAlloc => heapdump_table::header::AgentKind::RustAgent,
         });
+        alloc.set_header_word(
+            heapdump_table::header::offsets::FORKED_FROM,
+            FORKED_FROM.load(Ordering::Relaxed),
+        );
         crate::sampling::configure(config.sample_rate, config.sample_seed);
         (*WRITERS.0.get()).write(Writers {
             resources,
@@ -433,6 +441,12 @@ extern "C" fn after_fork_child() {
 /// fork in `forked_without_handlers`, which owns INITIALIZING).
 fn forget_parent(was_ready: bool) {
     if was_ready {
+        // SAFETY: as below (a single thread in the agent); the slot holds
+        // the parent's region, initialised (READY was seen).
+        let parent = unsafe { (*ALLOCATIONS_REGION.0.get()).assume_init_ref() }
+            .header()
+            .writer_pid;
+        FORKED_FROM.store(u64::from(parent), Ordering::Relaxed);
         // SAFETY: the child has a single thread in the agent: the atfork
         // handler's, inside fork() and not inside the agent, or the one
         // in `forked_without_handlers`, whose event has not got the

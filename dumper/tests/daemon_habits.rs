@@ -314,6 +314,75 @@ fn a_sampled_fork_child_that_has_not_sampled_yet_is_listed_and_dumpable() {
 }
 
 #[test]
+fn a_fork_childs_snapshot_says_its_inherited_blocks_are_its_parents() {
+    // A daemon that forks (nginx's master daemonizing, its workers,
+    // postgres's backends): the child's table starts empty at the fork,
+    // and its snapshot said "no allocation recorded: ... an allocator
+    // linked in statically", as if the agent saw nothing. It now names
+    // the parent, whose table holds what the child inherited.
+    let exe = compile_c("fork_idle");
+    let mut cmd = Command::new(&exe);
+    cmd.env("LD_PRELOAD", preload_lib());
+    let t = Target::spawn(cmd);
+    let child: u32 = t.last_line()["ready ".len()..].parse().unwrap();
+    let dir = TempDir::new("fork-child-notes");
+    let j = snapshot_json(child, &dir, "child.json");
+    assert_eq!(j["totals"]["live_blocks"], 0);
+    let notes = j["notes"].to_string();
+    assert!(
+        notes.contains(&format!("forked from pid {}:", t.pid())),
+        "{notes}"
+    );
+    assert!(
+        notes.contains("no allocation recorded since the fork"),
+        "{notes}"
+    );
+    assert!(!notes.contains("linked in statically"), "{notes}");
+    let list = stdout(&heapdump(&["list"]));
+    assert!(
+        list.contains(&format!("{child}: forked from pid {}:", t.pid())),
+        "{list}"
+    );
+    // The parent holds its 64-byte block and is no fork child.
+    let p = snapshot_json(t.pid(), &dir, "parent.json");
+    assert_eq!(p["totals"]["live_blocks"], 1);
+    assert!(
+        !p["notes"].to_string().contains("forked from"),
+        "{}",
+        p["notes"]
+    );
+    assert!(t.finish().success());
+    // A daemon's start: the parent (an instrumented bash) forks a
+    // subshell and exits.
+    let mut bash = Command::new("bash")
+        // (An asynchronous command's stdin is /dev/null unless redirected.)
+        .args([
+            "-c",
+            "exec 3<&0; ( echo \"daemon $BASHPID\"; read -r _ <&3 ) &",
+        ])
+        .env("LD_PRELOAD", preload_lib())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let parent = bash.id();
+    let out = Lines::new(bash.stdout.take().unwrap());
+    // Printed by the child once forked (its regions made at the fork).
+    let daemon: u32 = out.next()["daemon ".len()..].parse().unwrap();
+    // Kept open (`wait` would close it): the daemon reads it.
+    let mut stdin = bash.stdin.take().unwrap();
+    assert!(bash.wait().unwrap().success());
+    let j = snapshot_json(daemon, &dir, "daemon.json");
+    let notes = j["notes"].to_string();
+    assert!(
+        notes.contains(&format!("forked from pid {parent}, which has exited")),
+        "{notes}"
+    );
+    // Its read ends at the newline.
+    std::io::Write::write_all(&mut stdin, b"\n").unwrap();
+}
+
+#[test]
 fn sampled_list_shows_the_estimates_a_snapshot_shows() {
     let exe = compile_c("sampled");
     let mut cmd = Command::new(&exe);

@@ -36,8 +36,10 @@ pub const FORMAT_MAJOR: u16 = 1;
 /// place of its counter blocks (a 1.5 reader marks their sums partial and
 /// leaves them out of the cumulative counts), and later the
 /// `offsets::BATCHING_THREADS` word (0 from an older agent: readers then
-/// count every thread) and the `offsets::AGENT_KIND` word (0 from an
-/// older agent: readers then tell by the process's mappings).
+/// count every thread), the `offsets::AGENT_KIND` word (0 from an
+/// older agent: readers then tell by the process's mappings) and the
+/// `offsets::FORKED_FROM` word (0 from an older agent: a fork child is
+/// not told apart).
 pub const FORMAT_MINOR: u16 = 6;
 /// Bytes reserved for the header at the start of every region.
 pub const HEADER_SIZE: u64 = 4096;
@@ -170,6 +172,12 @@ pub mod offsets {
     /// 0: not recorded, an agent before this word). Written once at start.
     /// Format 1.6, added later.
     pub const AGENT_KIND: u64 = 592;
+    /// The pid of the process whose fork made this one, when the agent
+    /// made these regions in a fork child (0: not a fork child, or an
+    /// agent before this word). The child's table starts empty at the
+    /// fork: the blocks it inherited are recorded in that process's table.
+    /// Written once at start. Format 1.6, added later.
+    pub const FORKED_FROM: u64 = 600;
     /// First kind-specific dynamic word.
     pub const KIND_WORDS: u64 = 1024;
 }
@@ -351,6 +359,15 @@ pub fn read_agent_kind(view: &SharedView) -> Option<AgentKind> {
         2 => Some(AgentKind::RustAgent),
         _ => None,
     }
+}
+
+/// [`offsets::FORKED_FROM`]: the pid whose fork made the writer, when the
+/// agent said so (`None`: not a fork child, or an agent before the word;
+/// any value is safe to read, one past a pid's range reads as `None`).
+pub fn read_forked_from(view: &SharedView) -> Option<u32> {
+    view.load_u64(offsets::FORKED_FROM)
+        .filter(|p| *p != 0)
+        .and_then(|p| u32::try_from(p).ok())
 }
 
 /// [`offsets::BATCHING_THREADS`]: how many threads' unsettled live

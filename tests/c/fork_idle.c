@@ -1,5 +1,6 @@
 /* A parent that forks a child which allocates nothing (a postgres
- * checkpointer waiting for work): the child prints "ready PID" and waits
+ * checkpointer waiting for work; one that allocates nothing at all since
+ * the fork): the child prints "ready PID" and waits
  * for a line on stdin; the parent waits for the child and exits with its
  * status. */
 #include <stdio.h>
@@ -12,8 +13,11 @@ int main(void) {
     fflush(stdout);
     pid_t c = fork();
     if (c == 0) {
-        printf("ready %d\n", (int)getpid());
-        fflush(stdout);
+        /* Not printf: its stdout buffer would be the child's first
+         * allocation (the parent printed nothing). */
+        char ready[32];
+        int n = snprintf(ready, sizeof ready, "ready %d\n", (int)getpid());
+        if (write(1, ready, (size_t)n) < 0) {}
         char line[64];
         if (read(0, line, sizeof line) < 0) {}
         _exit(0);

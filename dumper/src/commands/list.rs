@@ -22,6 +22,8 @@ struct Row {
     dropped: u64,
     total_allocs: u64,
     rate: Option<u64>,
+    /// The process whose fork made it, when its agent said so.
+    forked_from: Option<snapshot::ForkParent>,
     /// `+` attached and recording, `-` detached (or stopped when the
     /// program sandboxed itself), empty: since start.
     attached: &'static str,
@@ -71,6 +73,7 @@ fn row(t: &discovery::Target) -> Result<Row, discovery::DiscoveryError> {
         dropped: c.dropped_total(),
         total_allocs: c.total_allocs,
         rate,
+        forked_from: snapshot::fork_parent(t),
     })
 }
 
@@ -140,7 +143,7 @@ pub fn command() -> Result<i32> {
         for (pid, _, r) in &rows {
             if let Ok(r) = r {
                 let blind = visibility::inspect_process(*pid).described();
-                for note in snapshot::notes(&blind, r.total_allocs, r.rate) {
+                for note in snapshot::notes(&blind, r.total_allocs, r.rate, r.forked_from) {
                     writeln!(out, "{:>8}: {}", pid, escape_controls(&note))?;
                 }
             }

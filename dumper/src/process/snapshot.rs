@@ -1170,6 +1170,7 @@ pub fn take(
                 target.blind_spots(),
                 counters.total_allocs,
                 (rate != 0).then_some(rate),
+                fork_parent(target),
             );
             n.extend(symbolizer_notes);
             if mappings.len() >= crate::symbolization::maps::MAX_MAPPINGS {
@@ -1318,11 +1319,55 @@ pub fn take(
     Ok(snap)
 }
 
+/// The process whose fork made a target ([`fork_parent`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ForkParent {
+    /// Its pid.
+    pub pid: u32,
+    /// Whether a process of that pid runs now, not a zombie (as far as
+    /// `/proc` says: the pid may have been reused).
+    pub running: bool,
+}
+
+/// The process whose fork made `target`, when its agent said so.
+pub fn fork_parent(target: &Target) -> Option<ForkParent> {
+    let pid = heapdump_table::header::read_forked_from(&target.allocations.view())?;
+    Some(ForkParent {
+        pid,
+        // Not a zombie (a daemon's parent that its own parent has not
+        // reaped yet).
+        running: crate::process::proc_text::read(format!("/proc/{pid}/stat"))
+            .ok()
+            .and_then(|stat| Some(stat.rsplit_once(')')?.1.trim_start().starts_with('Z')))
+            == Some(false),
+    })
+}
+
 /// What a snapshot cannot show: "no allocation recorded" when the agent
-/// saw none, and `blind_spots`, what the program's files say the agent
+/// saw none, that a fork child's table starts at its fork
+/// (`forked_from`), and `blind_spots`, what the program's files say the agent
 /// cannot see ([`crate::process::visibility`]).
-pub fn notes(blind_spots: &[String], total_allocs: u64, sample_rate: Option<u64>) -> Vec<String> {
+pub fn notes(
+    blind_spots: &[String],
+    total_allocs: u64,
+    sample_rate: Option<u64>,
+    forked_from: Option<ForkParent>,
+) -> Vec<String> {
     let mut notes = blind_spots.to_vec();
+    match forked_from {
+        Some(ForkParent { pid, running: true }) => notes.push(format!(
+            "forked from pid {pid}: what it inherited at the fork (blocks allocated before it) \
+             is recorded in pid {pid}'s table, not shown here; this table starts at the fork"
+        )),
+        Some(ForkParent {
+            pid,
+            running: false,
+        }) => notes.push(format!(
+            "forked from pid {pid}, which has exited (a daemon's start): what it inherited at \
+             the fork (blocks allocated before it) is not shown; this table starts at the fork"
+        )),
+        None => {}
+    }
     if total_allocs == 0 {
         let note = match sample_rate {
             // In sampled mode the agent counts only what it sampled: no
@@ -1332,6 +1377,7 @@ pub fn notes(blind_spots: &[String], total_allocs: u64, sample_rate: Option<u64>
                  allocated): every figure is 0 until the first sample",
                 crate::formats::text::human_bytes(rate)
             ),
+            None if forked_from.is_some() => "no allocation recorded since the fork".to_string(),
             None if notes.is_empty() => "no allocation recorded: the program has not allocated \
                  through malloc or C++ new since the agent started; if it should have, it may \
                  use an allocator linked in statically, or one preloaded before the agent"
