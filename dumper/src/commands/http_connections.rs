@@ -11,8 +11,8 @@
 //!
 //! Invariants:
 //! - The accepting thread never ends while serve runs: a failed `accept`
-//!   (out of descriptors, memory, a connection reset before it was taken)
-//!   is waited out ([`ACCEPT_BACKOFF`]) and accepting goes on.
+//!   (out of descriptors or memory) is waited out ([`ACCEPT_BACKOFF`]) and
+//!   accepting goes on.
 //! - A client is a user, for a connection over loopback whose user the
 //!   kernel names ([`loopback_peer`]), else an address (an IPv6 address's
 //!   /64, which one host commonly holds whole). A client serve does not
@@ -197,10 +197,18 @@ fn accept_forever(listener: TcpListener, requests: Sender<Request>, trusted: Vec
     loop {
         let (stream, peer) = match listener.accept() {
             Ok(c) => c,
+            // A connection gone before it was taken, or a signal: the
+            // next one at once (a client cannot slow accepting down by
+            // aborting connections).
+            Err(e)
+                if e.kind() == io::ErrorKind::Interrupted
+                    || e.raw_os_error() == Some(libc::ECONNABORTED) =>
+            {
+                continue;
+            }
             Err(_) => {
                 // Out of descriptors or memory (they come back as
-                // connections close), or a connection gone before it was
-                // taken: wait, then go on.
+                // connections close): wait, then go on.
                 std::thread::sleep(ACCEPT_BACKOFF);
                 continue;
             }

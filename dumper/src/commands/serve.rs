@@ -141,6 +141,10 @@ struct State {
     targets: HashMap<u32, (Target, Option<u32>)>,
     /// How many targets each user may have kept open.
     shares: Shares,
+    /// The start times of the targets served but not kept open (past
+    /// their user's share), so that what is kept of them (mappings,
+    /// scrapes, profiles) is forgotten once they exit, as a kept target's.
+    served_once: HashMap<u32, Option<u64>>,
     /// Each served target's mappings when last read: the files the
     /// caches below keep.
     mapped: HashMap<u32, Vec<crate::symbolization::maps::Mapping>>,
@@ -308,6 +312,7 @@ impl State {
             {
                 self.targets.insert(pid, (target, uid));
             } else {
+                self.served_once.insert(pid, target.start_time);
                 once = Some(target);
             }
         }
@@ -354,16 +359,22 @@ impl State {
     /// before): that process is opened afresh, never served from regions
     /// that are not its own now.
     fn forget_exited(&mut self) {
-        let exited: Vec<u32> = self
+        let gone = |p: u32, start_time: Option<u64>| {
+            crate::commands::watch::ExitWatch::new(p).exited()
+                || crate::process::discovery::start_time(p) != start_time
+        };
+        let mut exited: Vec<u32> = self
             .targets
             .iter()
-            .filter(|(&p, (t, _))| {
-                crate::commands::watch::ExitWatch::new(p).exited()
-                    || crate::process::discovery::start_time(p) != t.start_time
-                    || t.replaced()
-            })
+            .filter(|(&p, (t, _))| gone(p, t.start_time) || t.replaced())
             .map(|(&p, _)| p)
             .collect();
+        exited.extend(
+            self.served_once
+                .iter()
+                .filter(|(&p, &start)| gone(p, start))
+                .map(|(&p, _)| p),
+        );
         for pid in exited {
             self.forget(pid);
         }
@@ -373,6 +384,7 @@ impl State {
     /// mapped.
     fn forget(&mut self, pid: u32) {
         self.targets.remove(&pid);
+        self.served_once.remove(&pid);
         self.scrapes.remove(&pid);
         self.profiles.remove(&pid);
         self.read_at.remove(&pid);
@@ -717,6 +729,7 @@ pub fn serve(server: Server, opts: ServeOptions) {
         waiting: 0,
         targets: HashMap::new(),
         shares: Shares::new(crate::commands::descriptor_limit::current()),
+        served_once: HashMap::new(),
         mapped: HashMap::new(),
         symbolizer: Symbolizer::new(),
         scrapes: HashMap::new(),
