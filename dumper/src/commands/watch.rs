@@ -706,13 +706,15 @@ impl Watcher {
             let stopping = stop.load(Ordering::Relaxed) || stop_requested();
             if opts.all && !stopping && last_scan.is_none_or(|t| t.elapsed() >= opts.scan) {
                 last_scan = Some(Instant::now());
-                let known: Vec<u32> = self.watched.iter().map(|w| w.target.pid).collect();
-                for pid in crate::process::discovery::instrumented_pids() {
-                    if !known.contains(&pid) && pid != std::process::id() {
-                        // A process being set up, gone, or not ours to
-                        // read: looked at again at the next scan.
-                        let _ = self.adopt(pid);
-                    }
+                let known: std::collections::HashSet<u32> =
+                    self.watched.iter().map(|w| w.target.pid).collect();
+                // The processes watched are not opened again, nor is one
+                // past its user's share (`adopt` asks first).
+                for pid in crate::process::discovery::pids_with_regions(|p| known.contains(&p)) {
+                    // A process being set up, gone, not ours to read, or a
+                    // fork child still holding only its parent's regions:
+                    // looked at again at the next scan.
+                    let _ = self.adopt(pid);
                 }
             }
             self.follow_execs(&mut on_written)?;

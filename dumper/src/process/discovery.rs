@@ -690,6 +690,26 @@ pub fn scan_with<T>(
     (out, denied)
 }
 
+/// Pids of the processes that map heapdump regions writable (their own,
+/// or a fork child's inherited ones until it lets go of them), but for
+/// those `skip` names: read from each one's maps, no region opened (the
+/// collector's scan, which would otherwise open every process it already
+/// watches, and every one past its user's share, once a second).
+pub fn pids_with_regions(skip: impl Fn(u32) -> bool) -> Vec<u32> {
+    let me = std::process::id();
+    let Ok(dir) = fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    let mut pids: Vec<u32> = dir
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse().ok())
+        .filter(|&p| p != me && !skip(p))
+        .collect();
+    pids.sort_unstable();
+    pids.retain(|&p| region_sources(p).is_ok_and(|s| !s.is_empty()));
+    pids
+}
+
 /// Pids of every process whose own regions can be opened.
 pub fn instrumented_pids() -> Vec<u32> {
     scan_with(|pid, _, state| state.is_ok().then_some(pid))
