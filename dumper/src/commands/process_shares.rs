@@ -14,7 +14,8 @@
 //! Invariants:
 //! - At most [`Shares::budget`] processes are kept open: what the
 //!   descriptor limit holds beyond [`RESERVED_DESCRIPTORS`] (kept for the
-//!   work of snapshots: files read, files written; serve's connections).
+//!   work of snapshots: files read, files written; serve leaves out what
+//!   its untrusted connections may hold besides).
 //! - A user other than root has at most an eighth of them kept open, and
 //!   such users together at most three quarters: one user's processes
 //!   (or six users') never leave root's new processes unwatched. A

@@ -728,7 +728,12 @@ pub fn serve(server: Server, opts: ServeOptions) {
         reader: None,
         waiting: 0,
         targets: HashMap::new(),
-        shares: Shares::new(crate::commands::descriptor_limit::current()),
+        // The untrusted clients' connections may hold as many descriptors
+        // at once: the processes kept open never take theirs.
+        shares: Shares::new(
+            crate::commands::descriptor_limit::current()
+                .saturating_sub(crate::commands::http_connections::MAX_CONNECTIONS as u64),
+        ),
         served_once: HashMap::new(),
         mapped: HashMap::new(),
         symbolizer: Symbolizer::new(),
