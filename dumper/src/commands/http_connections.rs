@@ -505,16 +505,6 @@ impl Reply {
         self.headers.push((name, value));
         self
     }
-
-    /// The status code.
-    pub fn status(&self) -> u16 {
-        self.status
-    }
-
-    /// The body.
-    pub fn body(&self) -> &[u8] {
-        &self.body
-    }
 }
 
 fn reason(status: u16) -> &'static str {
