@@ -3200,9 +3200,14 @@ fn a_user_whose_client_stalled_a_response_has_its_connections_closed_while_it_pa
         return;
     }
     // The time serve spends writing to another user's client is that
-    // user's debt: nobody's client stalls a large profile (20 s of
-    // writing, a debt far past the 2 s burst), then nobody's next
-    // connection is closed unanswered while root's is answered.
+    // user's debt: nobody's client reads a large profile (90 MB) at a
+    // trickle (256 KiB every 0.2 s), which holds serve writing until the
+    // 20 s deadline, a debt far past the 2 s burst (paid back in 72 s);
+    // then nobody's next connection is closed unanswered while root's is
+    // answered. (A client that read nothing would stall the write at once:
+    // 2 s of debt plus the few milliseconds that filled the socket, paid
+    // back in a few tens of milliseconds, too short for this test to
+    // observe.)
     let mut cmd = as_nobody_recorded(&compile_c("peak_stacks"));
     cmd.args(["16384", "keep"]);
     let target = Target::spawn(cmd);
@@ -3213,7 +3218,9 @@ fn a_user_whose_client_stalled_a_response_has_its_connections_closed_while_it_pa
     let mut stalling = KilledOnDrop(
         nobody_bash(&format!(
             "exec 3<>/dev/tcp/{host}/{port} && printf 'GET %s HTTP/1.0\\r\\n\\r\\n' \"$1\" >&3 \
-             && head -c 12 <&3 && echo && exec sleep 3600"
+             && head -c 12 <&3 && echo \
+             && while sleep 0.2 && [ \"$(head -c 262144 <&3 | wc -c)\" -gt 0 ]; do :; done; \
+             echo closed; exec sleep 3600"
         ))
         .args(["_", &format!("/debug/pprof/heap.json?pid={}", target.pid())])
         .stdout(Stdio::piped())
@@ -3226,9 +3233,11 @@ fn a_user_whose_client_stalled_a_response_has_its_connections_closed_while_it_pa
         "HTTP/1.0 200",
         "nobody's profile is being written"
     );
-    // Root's request waits for the stalled writing to end (20 s at most).
+    // Root's request waits for the writing to end (20 s at most), and
+    // serve closed nobody's connection at its deadline, the profile unread.
     let (head, _) = http_get_with(&addr, "/", "");
     assert!(head.contains(" 200 "), "{head}");
+    assert_eq!(started.next(), "closed", "serve ended nobody's response");
     let answer = get_as_nobody(&addr, "/");
     assert_eq!(answer, "", "nobody's connection is closed unanswered");
     drop(stalling);
