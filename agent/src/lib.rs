@@ -19,6 +19,7 @@ pub mod ablation;
 pub mod cfi_unwind;
 pub mod config;
 pub mod fork_guard;
+pub mod fork_inheritance;
 mod global_alloc;
 pub mod initial_exec_tls;
 pub mod jemalloc_calls;

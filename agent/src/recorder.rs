@@ -20,7 +20,10 @@
 //!   reused the numbers, see `heapdump_table::region`), and creates its own
 //!   at once, so a child is visible and dumpable from birth even if it
 //!   never records an event (a sampled child may not for a long time): it
-//!   never writes into its parent's regions.
+//!   never writes into its parent's regions. Its new table holds the
+//!   records the parent copied for it in the prepare handler, when that
+//!   copy is exact (`fork_inheritance`), else nothing from before the
+//!   fork.
 //!
 //! The exact-mode allocation path, top to bottom (the preload's
 //! `malloc_family::malloc_slow` and `cxx::new_slow`, with the path
@@ -55,7 +58,7 @@ use heapdump_table::resources_table::CacheSlot;
 use heapdump_table::stack_compression::{encode_into, MAX_ENCODED_LEN, MAX_FRAMES};
 use heapdump_table::{
     AllocationRecord, AllocationsConfig, AllocationsWriter, InsertError, OwnedInsert, RegionWriter,
-    ResourceKey, ResourcesWriter, YoungRegistry,
+    ResourceKey, ResourcesReader, ResourcesWriter, YoungRegistry,
 };
 
 use crate::ablation;
@@ -157,7 +160,7 @@ fn forked_without_handlers() -> Option<&'static Writers> {
         .compare_exchange(READY, INITIALIZING, Ordering::Acquire, Ordering::Relaxed)
         .is_ok()
     {
-        forget_parent(true);
+        forget_parent(true, false);
     }
     None
 }
@@ -335,7 +338,11 @@ fn init(role: Role) -> Option<&'static Writers> {
         // arguments; pthread_atfork may allocate, which passes through
         // because this thread is busy.
         unsafe {
-            libc::pthread_atfork(None, None, Some(after_fork_child));
+            libc::pthread_atfork(
+                Some(before_fork),
+                Some(after_fork_parent),
+                Some(after_fork_child),
+            );
             let mut key: libc::pthread_key_t = 0;
             if libc::pthread_key_create(&mut key, Some(thread_exit)) == 0 {
                 EXIT_KEY.store(u64::from(key), Ordering::Relaxed);
@@ -411,12 +418,54 @@ fn preload_present() -> bool {
     !unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"heapdump_request_snapshot".as_ptr()) }.is_null()
 }
 
+/// atfork prepare handler, in the parent: a copy of the live records for
+/// the child, when it can be exact (`fork_inheritance`: the preload's
+/// agent, a process of one thread, not forking from inside the agent).
+extern "C" fn before_fork() {
+    if ROLE.load(Ordering::Relaxed) != Role::Preload as u8 {
+        // The Rust `Agent` may keep node numbers in its blocks' headers,
+        // which would name other nodes in the child's table.
+        return;
+    }
+    let Some(w) = writers() else {
+        return;
+    };
+    if SANDBOXED.load(Ordering::Relaxed) || !crate::seccomp_guard::same_as_start() {
+        // A filter installed since the regions were made may forbid stat.
+        return;
+    }
+    crate::thread_state::with(|t| {
+        if t.busy.get() {
+            // A fork from a signal handler that interrupted an event.
+            return;
+        }
+        t.busy.set(true);
+        if crate::fork_inheritance::single_threaded() {
+            crate::fork_inheritance::copy(&w.allocations, t.allocs.get());
+        }
+        t.busy.set(false);
+    });
+}
+
+/// atfork parent handler: the parent lets go of the copy it made for the
+/// child.
+extern "C" fn after_fork_parent() {
+    crate::fork_inheritance::release();
+}
+
 /// atfork child handler: release the parent's regions (unmap them, and
 /// close their memfds where the descriptors still name them) so the child
-/// can never write into them, then build the child's own at once.
+/// can never write into them, then build the child's own at once, with
+/// the records the parent copied for it (`fork_inheritance`), if it did.
 extern "C" fn after_fork_child() {
+    // First: anything below may count allocations.
+    let allocs = crate::thread_state::with(|t| t.allocs.get());
     let was_ready = STATE.load(Ordering::Acquire) == READY;
-    forget_parent(was_ready);
+    // SAFETY: the records are used below and released before returning.
+    let inherited = allocs
+        .filter(|_| was_ready)
+        .and_then(|n| unsafe { crate::fork_inheritance::records(n) });
+    let parent = forget_parent(was_ready, inherited.is_some());
     if was_ready && STATE.load(Ordering::Relaxed) == UNINIT {
         // The child's own regions now, not at its first recorded event: in
         // sampled mode that may be never (a postgres checkpointer), and the
@@ -428,25 +477,118 @@ extern "C" fn after_fork_child() {
         } else {
             Role::Preload
         };
-        with_thread(|_| {
-            ready_writers(role);
+        with_thread(|t| {
+            let w = ready_writers(role);
+            if let (Some(w), Some(records), Some(parent)) = (w, inherited, parent.as_ref()) {
+                // Its own allocations (the key maps) pass through, not
+                // counted as dropped events.
+                t.internal.set(true);
+                adopt_inherited(w, t, records, parent);
+                t.internal.set(false);
+            }
         });
     }
+    drop(parent);
+    crate::fork_inheritance::release();
+}
+
+/// What a fork child keeps of its parent's regions while it adopts the
+/// records the parent copied for it: the parent's resources region
+/// (mapped, read only here: the records' stack and thread keys are its
+/// offsets, and what lies at a key never changes) and the clock base of
+/// the records' times.
+struct Parent {
+    resources: RegionWriter,
+    clock_base_ns: u64,
+}
+
+/// Inserts the records the parent copied at the fork
+/// (`fork_inheritance`) into this fork child's new table: their stacks
+/// and threads interned into its resources, their times moved to its
+/// clock base (a block older than the child's regions is dated at their
+/// making), each counted as an allocation of its stack. Says how many in
+/// the header ([`heapdump_table::header::offsets::INHERITED`]). In the
+/// atfork child handler, with this thread's busy flag set (what it
+/// allocates passes through).
+fn adopt_inherited(w: &Writers, t: &ThreadState, records: &[AllocationRecord], parent: &Parent) {
+    enter_generation(t);
+    // SAFETY: the parent's resources region stays mapped while `parent`
+    // lives, which outlives the reader.
+    let Ok(reader) = (unsafe { ResourcesReader::from_view(parent.resources.view()) }) else {
+        return;
+    };
+    let rate = crate::sampling::rate();
+    let mut stacks: std::collections::HashMap<u64, Option<ResourceKey>> = Default::default();
+    let mut threads: std::collections::HashMap<u64, ResourceKey> = Default::default();
+    // SAFETY: `with_thread` set this thread's busy flag.
+    let nodes = unsafe { t.nodes() };
+    let mut copied = 0u64;
+    for r in records {
+        let stack = *stacks.entry(r.stack.0).or_insert_with(|| {
+            let bytes = reader.stack_bytes(r.stack).ok()?;
+            w.resources.intern_stack_trace(&bytes).ok().map(|(k, _)| k)
+        });
+        let Some(stack) = stack else {
+            w.counters.on_dropped(DroppedReason::ResourcesFull);
+            continue;
+        };
+        let thread = *threads.entry(r.thread.0).or_insert_with(|| {
+            reader
+                .thread(r.thread)
+                .ok()
+                .and_then(|th| {
+                    w.resources
+                        .insert_thread_info(th.tid, th.name.as_bytes())
+                        .ok()
+                })
+                .unwrap_or(ResourceKey(0))
+        });
+        let at_ns = parent
+            .clock_base_ns
+            .saturating_add(r.timestamp_us.saturating_mul(1000));
+        let rec = AllocationRecord {
+            stack,
+            thread,
+            timestamp_us: at_ns.saturating_sub(w.clock_base_ns) / 1000,
+            ..*r
+        };
+        if w.allocations.insert_cached(&rec, nodes).is_err() {
+            continue;
+        }
+        copied += 1;
+        // What the block stands for in the cumulative counts: one block in
+        // exact mode, its estimate in sampled mode (its sample's own
+        // weight was the parent's sampler's).
+        let weight = if rate == 0 {
+            1
+        } else {
+            crate::sampling::note_recorded(rec.address as usize);
+            curve_sampled(rec.size, rate, true);
+            (heapdump_table::sampling::weight(rec.size, rate).round() as u64).max(1)
+        };
+        // SAFETY: no cache slot: counted on the stack's record.
+        unsafe { count_on_stack(w, stack, None, weight, rec.size.wrapping_mul(weight)) };
+    }
+    // SAFETY: made in this same initialisation, READY (see `writers`).
+    let alloc = unsafe { (*ALLOCATIONS_REGION.0.get()).assume_init_ref() };
+    alloc.set_header_word(heapdump_table::header::offsets::INHERITED, copied + 1);
 }
 
 /// Lets a fork child go of its parent's regions (`was_ready`: it had
 /// them), rings and tables, and leaves the agent UNINIT (its own regions
-/// are made at the next event) or DISABLED. Only in a child with one
-/// thread in the agent (the atfork handler's, or the one that found the
-/// fork in `forked_without_handlers`, which owns INITIALIZING).
-fn forget_parent(was_ready: bool) {
+/// are made at the next event) or DISABLED. With `keep_resources`, the
+/// parent's resources region is handed back (to read, never to write)
+/// rather than let go of. Only in a child with one thread in the agent
+/// (the atfork handler's, or the one that found the fork in
+/// `forked_without_handlers`, which owns INITIALIZING).
+fn forget_parent(was_ready: bool, keep_resources: bool) -> Option<Parent> {
+    let mut kept = None;
     if was_ready {
         // SAFETY: as below (a single thread in the agent); the slot holds
         // the parent's region, initialised (READY was seen).
-        let parent = unsafe { (*ALLOCATIONS_REGION.0.get()).assume_init_ref() }
-            .header()
-            .writer_pid;
-        FORKED_FROM.store(u64::from(parent), Ordering::Relaxed);
+        let parent = unsafe { (*ALLOCATIONS_REGION.0.get()).assume_init_ref() }.header();
+        let clock_base_ns = parent.clock_monotonic_ns;
+        FORKED_FROM.store(u64::from(parent.writer_pid), Ordering::Relaxed);
         // SAFETY: the child has a single thread in the agent: the atfork
         // handler's, inside fork() and not inside the agent, or the one
         // in `forked_without_handlers`, whose event has not got the
@@ -458,7 +600,16 @@ fn forget_parent(was_ready: bool) {
         // Dropping the writers unmaps, and closes each memfd only if its
         // descriptor still names it (no allocation).
         unsafe {
-            std::ptr::drop_in_place((*RESOURCES_REGION.0.get()).as_mut_ptr());
+            if keep_resources {
+                // Moved out: the slot is uninitialised from here, and
+                // `init` writes it without dropping.
+                kept = Some(Parent {
+                    resources: std::ptr::read((*RESOURCES_REGION.0.get()).as_ptr()),
+                    clock_base_ns,
+                });
+            } else {
+                std::ptr::drop_in_place((*RESOURCES_REGION.0.get()).as_mut_ptr());
+            }
             std::ptr::drop_in_place((*ALLOCATIONS_REGION.0.get()).as_mut_ptr());
         }
     }
@@ -471,7 +622,8 @@ fn forget_parent(was_ready: bool) {
     YOUNG.reset();
     // A parent thread was initialising: its half-built state is not ours.
     GENERATION.fetch_add(1, Ordering::Relaxed);
-    // The child's curve starts afresh (it does not report inherited blocks).
+    // The child's curve starts afresh (blocks inherited are added back as
+    // `adopt_inherited` inserts them).
     EST_LIVE_BYTES.store(0, Ordering::Relaxed);
     EST_LIVE_BLOCKS_X1024.store(0, Ordering::Relaxed);
     EST_ALLOC_BYTES.store(0, Ordering::Relaxed);
@@ -479,12 +631,13 @@ fn forget_parent(was_ready: bool) {
         // A seccomp filter installed since the regions were made may kill
         // the child on the calls that make its own: it runs unrecorded.
         STATE.store(DISABLED, Ordering::Release);
-        return;
+        return kept;
     }
     // The child records: its owner tables are emptied (system calls,
     // which only now are known to be allowed).
     YOUNG.empty_owner_tables();
     STATE.store(UNINIT, Ordering::Release);
+    kept
 }
 
 /// Makes [`thread_exit`] run when this thread exits (again, if it has run

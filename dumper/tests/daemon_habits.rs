@@ -314,15 +314,86 @@ fn a_sampled_fork_child_that_has_not_sampled_yet_is_listed_and_dumpable() {
 }
 
 #[test]
-fn a_fork_childs_snapshot_says_its_inherited_blocks_are_its_parents() {
-    // A daemon that forks (nginx's master daemonizing, its workers,
-    // postgres's backends): the child's table starts empty at the fork,
-    // and its snapshot said "no allocation recorded: ... an allocator
-    // linked in statically", as if the agent saw nothing. It now names
-    // the parent, whose table holds what the child inherited.
-    let exe = compile_c("fork_idle");
+fn a_fork_childs_snapshot_shows_what_it_inherited_from_a_parent_of_one_thread() {
+    // A daemon's start (nginx's master daemonizing, memcached -d) and
+    // nginx's workers: what the parent built before the fork, the child
+    // holds. The child's table started empty at the fork, so none of it
+    // was shown anywhere once the parent exited. The agent now copies the
+    // parent's records at the fork when that is exact (the parent runs one
+    // thread): the child's snapshot is its live set, the blocks it freed
+    // since the fork gone, its own added.
+    let exe = compile_c("daemonize");
     let mut cmd = Command::new(&exe);
     cmd.env("LD_PRELOAD", preload_lib());
+    let t = Target::spawn(cmd);
+    let child = t.line_pid().unwrap();
+    let dir = TempDir::new("fork-inherits");
+    // The parent waits for the child: its table is as at the fork.
+    // Live blocks and bytes at a leaf function (a site with no live
+    // block may be listed for what it allocated).
+    let at = |sites: &std::collections::BTreeMap<String, (u64, u64)>, leaf: &str| {
+        sites.get(leaf).copied().unwrap_or((0, 0))
+    };
+    let p = snapshot_json(t.pid(), &dir, "parent.json");
+    let parent = live_by_leaf(&p);
+    assert_eq!(at(&parent, "site_config"), (40, 40_000), "{parent:#?}");
+    assert_eq!(at(&parent, "site_dropped"), (10, 3_000), "{parent:#?}");
+    assert_eq!(at(&parent, "site_child"), (0, 0), "{parent:#?}");
+    let c = snapshot_json(child, &dir, "child.json");
+    let sites = live_by_leaf(&c);
+    assert_eq!(at(&sites, "site_config"), (40, 40_000), "{sites:#?}");
+    assert_eq!(
+        at(&sites, "site_dropped"),
+        (0, 0),
+        "freed by the child: {sites:#?}"
+    );
+    assert_eq!(at(&sites, "site_child"), (5, 1_000), "{sites:#?}");
+    // Every block the parent held, less the 10 freed, plus the 5 new.
+    let live = |j: &Value, what: &str| j["totals"][what].as_u64().unwrap();
+    assert_eq!(live(&c, "live_blocks"), live(&p, "live_blocks") - 10 + 5);
+    assert_eq!(
+        live(&c, "live_bytes"),
+        live(&p, "live_bytes") - 3_000 + 1_000
+    );
+    let notes = c["notes"].to_string();
+    assert!(
+        notes.contains(&format!(
+            "forked from pid {}: the {} blocks it held at the fork were copied",
+            t.pid(),
+            live(&p, "live_blocks")
+        )),
+        "{notes}"
+    );
+    assert!(t.finish().success());
+    // A parent running two threads: no copy (the other thread could
+    // change the table while it is made), and the note says why.
+    let mut cmd = Command::new(&exe);
+    cmd.arg("thread").env("LD_PRELOAD", preload_lib());
+    let t = Target::spawn(cmd);
+    let child = t.line_pid().unwrap();
+    let c = snapshot_json(child, &dir, "child-of-two.json");
+    let sites = live_by_leaf(&c);
+    assert_eq!(at(&sites, "site_config"), (0, 0), "{sites:#?}");
+    assert_eq!(at(&sites, "site_child"), (5, 1_000), "{sites:#?}");
+    let notes = c["notes"].to_string();
+    assert!(
+        notes.contains("only from a parent running one thread"),
+        "{notes}"
+    );
+    assert!(t.finish().success());
+}
+
+#[test]
+fn a_fork_childs_snapshot_says_its_inherited_blocks_are_its_parents() {
+    // A daemon that forks (nginx's master daemonizing, its workers,
+    // postgres's backends) from a parent running several threads: the
+    // child's table starts empty at the fork, and its snapshot said "no
+    // allocation recorded: ... an allocator linked in statically", as if
+    // the agent saw nothing. It now names the parent, whose table holds
+    // what the child inherited.
+    let exe = compile_c("fork_idle");
+    let mut cmd = Command::new(&exe);
+    cmd.arg("thread").env("LD_PRELOAD", preload_lib());
     let t = Target::spawn(cmd);
     let child: u32 = t.last_line()["ready ".len()..].parse().unwrap();
     let dir = TempDir::new("fork-child-notes");
@@ -343,9 +414,10 @@ fn a_fork_childs_snapshot_says_its_inherited_blocks_are_its_parents() {
         list.contains(&format!("{child}: forked from pid {}:", t.pid())),
         "{list}"
     );
-    // The parent holds its 64-byte block and is no fork child.
+    // The parent holds its 64-byte block (and its thread's) and is no
+    // fork child.
     let p = snapshot_json(t.pid(), &dir, "parent.json");
-    assert_eq!(p["totals"]["live_blocks"], 1);
+    assert_eq!(live_by_leaf(&p).get("main"), Some(&(1, 64)), "{p}");
     assert!(
         !p["notes"].to_string().contains("forked from"),
         "{}",
@@ -372,12 +444,14 @@ fn a_fork_childs_snapshot_says_its_inherited_blocks_are_its_parents() {
     // Kept open (`wait` would close it): the daemon reads it.
     let mut stdin = bash.stdin.take().unwrap();
     assert!(bash.wait().unwrap().success());
+    // bash runs one thread: what the subshell inherited was copied.
     let j = snapshot_json(daemon, &dir, "daemon.json");
     let notes = j["notes"].to_string();
     assert!(
-        notes.contains(&format!("forked from pid {parent}, which has exited")),
+        notes.contains(&format!("forked from pid {parent}: the ")),
         "{notes}"
     );
+    assert!(j["totals"]["live_blocks"].as_u64().unwrap() > 0, "{notes}");
     // Its read ends at the newline.
     std::io::Write::write_all(&mut stdin, b"\n").unwrap();
 }

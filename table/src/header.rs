@@ -37,9 +37,10 @@ pub const FORMAT_MAJOR: u16 = 1;
 /// leaves them out of the cumulative counts), and later the
 /// `offsets::BATCHING_THREADS` word (0 from an older agent: readers then
 /// count every thread), the `offsets::AGENT_KIND` word (0 from an
-/// older agent: readers then tell by the process's mappings) and the
+/// older agent: readers then tell by the process's mappings), the
 /// `offsets::FORKED_FROM` word (0 from an older agent: a fork child is
-/// not told apart).
+/// not told apart) and the `offsets::INHERITED` word (0 from an older
+/// agent: nothing was copied at the fork).
 pub const FORMAT_MINOR: u16 = 6;
 /// Bytes reserved for the header at the start of every region.
 pub const HEADER_SIZE: u64 = 4096;
@@ -175,9 +176,17 @@ pub mod offsets {
     /// The pid of the process whose fork made this one, when the agent
     /// made these regions in a fork child (0: not a fork child, or an
     /// agent before this word). The child's table starts empty at the
-    /// fork: the blocks it inherited are recorded in that process's table.
+    /// fork, unless the agent copied the parent's records into it
+    /// ([`INHERITED`]): otherwise the blocks it inherited are recorded in
+    /// that process's table.
     /// Written once at start. Format 1.6, added later.
     pub const FORKED_FROM: u64 = 600;
+    /// In a fork child (see [`FORKED_FROM`]), the blocks it held at the
+    /// fork that the agent copied from its parent's table into its own,
+    /// plus one (0: none copied, the child's table starting empty at the
+    /// fork; or an agent before this word). Written once at start.
+    /// Format 1.6, added later.
+    pub const INHERITED: u64 = 608;
     /// First kind-specific dynamic word.
     pub const KIND_WORDS: u64 = 1024;
 }
@@ -368,6 +377,15 @@ pub fn read_forked_from(view: &SharedView) -> Option<u32> {
     view.load_u64(offsets::FORKED_FROM)
         .filter(|p| *p != 0)
         .and_then(|p| u32::try_from(p).ok())
+}
+
+/// [`offsets::INHERITED`]: how many blocks a fork child's agent copied
+/// from its parent's table at the fork (`None`: none were; any value is
+/// safe to read).
+pub fn read_inherited(view: &SharedView) -> Option<u64> {
+    view.load_u64(offsets::INHERITED)
+        .filter(|n| *n != 0)
+        .map(|n| n - 1)
 }
 
 /// [`offsets::BATCHING_THREADS`]: how many threads' unsettled live

@@ -1327,13 +1327,18 @@ pub struct ForkParent {
     /// Whether a process of that pid runs now, not a zombie (as far as
     /// `/proc` says: the pid may have been reused).
     pub running: bool,
+    /// How many blocks the agent copied from that process's table at the
+    /// fork (`None`: none were; the table starts empty at the fork).
+    pub inherited: Option<u64>,
 }
 
 /// The process whose fork made `target`, when its agent said so.
 pub fn fork_parent(target: &Target) -> Option<ForkParent> {
-    let pid = heapdump_table::header::read_forked_from(&target.allocations.view())?;
+    let view = target.allocations.view();
+    let pid = heapdump_table::header::read_forked_from(&view)?;
     Some(ForkParent {
         pid,
+        inherited: heapdump_table::header::read_inherited(&view),
         // Not a zombie (a daemon's parent that its own parent has not
         // reaped yet).
         running: crate::process::proc_text::read(format!("/proc/{pid}/stat"))
@@ -1354,17 +1359,36 @@ pub fn notes(
     forked_from: Option<ForkParent>,
 ) -> Vec<String> {
     let mut notes = blind_spots.to_vec();
+    // Why a fork child's table may start empty (`fork_inheritance` in
+    // the agent).
+    const NOT_COPIED: &str = "(the agent copies them only from a parent running one thread)";
     match forked_from {
-        Some(ForkParent { pid, running: true }) => notes.push(format!(
+        Some(ForkParent {
+            pid,
+            inherited: Some(n),
+            ..
+        }) => notes.push(format!(
+            "forked from pid {pid}: the {n} block{} it held at the fork {} copied from that \
+             process's table and {} shown here (one older than the fork is dated at the fork)",
+            if n == 1 { "" } else { "s" },
+            if n == 1 { "was" } else { "were" },
+            if n == 1 { "is" } else { "are" },
+        )),
+        Some(ForkParent {
+            pid, running: true, ..
+        }) => notes.push(format!(
             "forked from pid {pid}: what it inherited at the fork (blocks allocated before it) \
-             is recorded in pid {pid}'s table, not shown here; this table starts at the fork"
+             is recorded in pid {pid}'s table, not shown here {NOT_COPIED}; this table starts at \
+             the fork"
         )),
         Some(ForkParent {
             pid,
             running: false,
+            ..
         }) => notes.push(format!(
             "forked from pid {pid}, which has exited (a daemon's start): what it inherited at \
-             the fork (blocks allocated before it) is not shown; this table starts at the fork"
+             the fork (blocks allocated before it) is not shown {NOT_COPIED}; this table starts \
+             at the fork"
         )),
         None => {}
     }
@@ -1488,5 +1512,35 @@ mod tests {
         assert_eq!((out[0].oldest, out[0].newest), (at(900), at(995)));
         assert_eq!(out[1].live_bytes, 120);
         assert_eq!(out[1].addresses, vec![11, 20]);
+    }
+
+    #[test]
+    fn a_fork_childs_note_says_whether_what_it_inherited_is_shown() {
+        let note = |running, inherited, allocs| {
+            notes(
+                &[],
+                allocs,
+                None,
+                Some(ForkParent {
+                    pid: 7,
+                    running,
+                    inherited,
+                }),
+            )
+            .join(" | ")
+        };
+        assert_eq!(
+            note(false, Some(1), 1),
+            "forked from pid 7: the 1 block it held at the fork was copied from that \
+             process's table and is shown here (one older than the fork is dated at the fork)"
+        );
+        assert!(note(true, Some(3), 3).contains("the 3 blocks it held at the fork were copied"));
+        let running = note(true, None, 0);
+        assert!(running.starts_with("no allocation recorded since the fork | "));
+        assert!(running.contains("is recorded in pid 7's table, not shown here (the agent"));
+        let exited = note(false, None, 5);
+        assert!(exited.starts_with("forked from pid 7, which has exited (a daemon's start)"));
+        assert!(exited.contains("only from a parent running one thread"));
+        assert!(!exited.contains("no allocation"));
     }
 }

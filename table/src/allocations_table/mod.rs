@@ -127,7 +127,7 @@ pub use owner_table::{
 pub use reader::{
     AllocationsReader, WalkStats, WALK_MAX_DEFERRED, WALK_RETRY_BUDGET, WALK_RETRY_TIME,
 };
-pub use record::AllocationRecord;
+pub use record::{AllocationRecord, UnsharedWalkError};
 pub(crate) use shards::add_shard_counters;
 pub use writer::{AllocationsWriter, Freed, InsertError, NodeCache, LIVE_BATCH, NODE_CACHE};
 pub use young::{OwnClaim, YoungRegistry, YoungRing, YOUNG, YOUNG_RINGS};

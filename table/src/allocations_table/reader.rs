@@ -130,16 +130,10 @@ impl<'a> AllocationsReader<'a> {
         if ld(0) != a {
             return NodeRead::Changing;
         }
-        if w1 == 0 {
-            return NodeRead::Free;
+        match super::record::decode_node(a, w1, w2, w3) {
+            Some(rec) => NodeRead::Live(rec),
+            None => NodeRead::Free,
         }
-        NodeRead::Live(AllocationRecord {
-            address: w1,
-            size: w2 & SIZE_MASK,
-            stack: ResourceKey((w3 & 0xffff_ffff) * 8),
-            thread: ResourceKey((a >> 32) * 8),
-            timestamp_us: (w2 >> 48) << 32 | w3 >> 32,
-        })
     }
 
     /// Reads node `i` up to `tries` times; spins for the first

@@ -37,7 +37,60 @@ pub struct AllocationRecord {
     pub timestamp_us: u64,
 }
 
+/// The record a node holds, from its four words as read (`None`: a free
+/// node, whose address word is 0). The seqlock is the caller's business.
+#[inline]
+pub(super) fn decode_node(w0: u64, w1: u64, w2: u64, w3: u64) -> Option<AllocationRecord> {
+    (w1 != 0).then(|| AllocationRecord {
+        address: w1,
+        size: w2 & SIZE_MASK,
+        stack: ResourceKey((w3 & 0xffff_ffff) * 8),
+        thread: ResourceKey((w0 >> 32) * 8),
+        timestamp_us: (w2 >> 48) << 32 | w3 >> 32,
+    })
+}
+
+/// Why [`AllocationsWriter::for_each_live_unshared`] stopped.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum UnsharedWalkError {
+    /// A node was mid-update: a writer is at work after all.
+    Changing,
+}
+
 impl AllocationsWriter<'_> {
+    /// Calls `f` with every live record, reading the node array directly.
+    /// Only for a table no thread writes while it runs (the forking
+    /// thread of a process with no other thread, in its fork's prepare
+    /// handler): a node found mid-update (its `seq` odd) ends the walk with
+    /// an error, since a writer is at work after all. Reads nothing but
+    /// nodes below the high-water mark; never allocates.
+    pub fn for_each_live_unshared(
+        &self,
+        mut f: impl FnMut(AllocationRecord),
+    ) -> Result<(), UnsharedWalkError> {
+        let hw = self.u64_at(W_NODE_HW).load(Ordering::Acquire);
+        for node in 0..hw.min(self.layout.capacity) {
+            let node = node as u32;
+            let w0 = self.node_word(node, 0).load(Ordering::Acquire);
+            if w0 & 1 == 1 {
+                return Err(UnsharedWalkError::Changing);
+            }
+            let w = |i| self.node_word(node, i).load(Ordering::Relaxed);
+            if let Some(rec) = decode_node(w0, w(1), w(2), w(3)) {
+                f(rec);
+            }
+        }
+        Ok(())
+    }
+
+    /// Nodes handed out so far (the bound of
+    /// [`Self::for_each_live_unshared`]'s walk).
+    pub fn node_high_water(&self) -> u64 {
+        self.u64_at(W_NODE_HW)
+            .load(Ordering::Relaxed)
+            .min(self.layout.capacity)
+    }
+
     #[inline]
     pub(super) fn node_word(&self, node: u32, w: u64) -> &AtomicU64 {
         // Node numbers are read back from the region (index slots, free

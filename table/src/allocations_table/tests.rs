@@ -265,6 +265,11 @@ fn many_operations_match_a_model() {
             }
         }
         m.check(&r);
+        assert_eq!(
+            unshared_map(&w),
+            m.live,
+            "round {round}: the writer's own walk"
+        );
     }
     // Empty it: nothing left, index memory returned.
     let before = r.resident_bytes().unwrap();
@@ -274,6 +279,37 @@ fn many_operations_match_a_model() {
     }
     m.check(&r);
     assert!(r.resident_bytes().unwrap() <= before);
+}
+
+/// The table's content, as the writer's own walk (no reader) gives it.
+fn unshared_map(w: &AllocationsWriter) -> HashMap<u64, AllocationRecord> {
+    let mut out = HashMap::new();
+    w.for_each_live_unshared(|rec| {
+        assert!(out.insert(rec.address, rec).is_none(), "reported twice");
+    })
+    .unwrap();
+    out
+}
+
+#[test]
+fn the_writers_own_walk_stops_at_a_node_mid_update() {
+    let r = region(1 << 10, 1);
+    let w = AllocationsWriter::new(&r).unwrap();
+    w.insert(&rec(0x1000, 10)).unwrap();
+    w.insert(&rec(0x2000, 20)).unwrap();
+    assert_eq!(unshared_map(&w).len(), 2);
+    assert!(w.node_high_water() >= 2);
+    // A writer preempted inside its seqlock write (seq odd): the walk
+    // cannot tell what the node holds.
+    let seq = w.node_word(0, 0);
+    let before = seq.load(Ordering::Relaxed);
+    seq.store(before | 1, Ordering::Relaxed);
+    assert_eq!(
+        w.for_each_live_unshared(|_| {}),
+        Err(UnsharedWalkError::Changing)
+    );
+    seq.store(before, Ordering::Relaxed);
+    assert_eq!(unshared_map(&w).len(), 2);
 }
 
 #[test]
