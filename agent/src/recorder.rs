@@ -526,7 +526,11 @@ fn adopt_inherited(w: &Writers, t: &ThreadState, records: &[AllocationRecord], p
     for r in records {
         let stack = *stacks.entry(r.stack.0).or_insert_with(|| {
             let bytes = reader.stack_bytes(r.stack).ok()?;
-            w.resources.intern_stack_trace(&bytes).ok().map(|(k, _)| k)
+            // Most are never looked up again: in one page of chains.
+            w.resources
+                .intern_stack_trace_compact(&bytes)
+                .ok()
+                .map(|(k, _)| k)
         });
         let Some(stack) = stack else {
             w.counters.on_dropped(DroppedReason::ResourcesFull);

@@ -202,6 +202,9 @@ pub struct CacheSlot(std::num::NonZeroU64);
 
 /// Default number of bucket heads.
 pub const DEFAULT_BUCKETS: u64 = 1 << 16;
+/// Chains [`ResourcesWriter::intern_stack_trace_compact`] uses: one page
+/// of list heads.
+pub const COMPACT_CHAINS: u64 = 512;
 /// Largest bucket count a region may declare.
 pub const MAX_BUCKETS: u64 = 1 << 24;
 
@@ -401,13 +404,38 @@ impl<'a> ResourcesWriter<'a> {
     /// event as dropped ([`crate::DroppedReason::ResourcesFull`]) where its
     /// dumper looks for drops (the allocations region's header).
     pub fn intern_stack_trace(&self, bytes: &[u8]) -> Result<(ResourceKey, bool), TableError> {
+        self.intern_in_chains(bytes, self.layout.buckets)
+    }
+
+    /// [`Self::intern_stack_trace`] into the first [`COMPACT_CHAINS`]
+    /// chains (one page of list heads) whatever the hash: for many stacks
+    /// stored at once, most never looked up again (a fork child's
+    /// inherited stacks), which would otherwise touch a page of heads each
+    /// (the heads are spread over 512 KiB). Readers walk every chain, so
+    /// they find these; a later [`Self::intern_stack_trace`] of the same
+    /// bytes looks in its own chain and stores a twin, which readers fold
+    /// into one stack ([`ResourcesReader::stacks`]).
+    pub fn intern_stack_trace_compact(
+        &self,
+        bytes: &[u8],
+    ) -> Result<(ResourceKey, bool), TableError> {
+        self.intern_in_chains(bytes, self.layout.buckets.min(COMPACT_CHAINS))
+    }
+
+    /// Interning into the chain of `bytes`' hash among the first `chains`
+    /// (a power of two, at most the bucket count).
+    fn intern_in_chains(
+        &self,
+        bytes: &[u8],
+        chains: u64,
+    ) -> Result<(ResourceKey, bool), TableError> {
         if bytes.len() > MAX_ENCODED_LEN {
             return Err(TableError::TooLarge(
                 "stack trace longer than the format allows",
             ));
         }
         let crc = CRC32C.checksum(bytes);
-        let bucket = self.layout.buckets_off + 8 * (u64::from(crc) & (self.layout.buckets - 1));
+        let bucket = self.layout.buckets_off + 8 * (u64::from(crc) & (chains - 1));
         let head_word = self.word(bucket);
         // Acquire pairs with the publishing CAS: records reachable from the
         // head are fully written.
@@ -1304,6 +1332,40 @@ mod tests {
         let mut out = Vec::new();
         encode(&f, &mut out);
         out
+    }
+
+    #[test]
+    fn compact_interning_touches_one_page_of_heads_and_readers_fold_its_twins() {
+        let r = region(4 << 20, DEFAULT_BUCKETS);
+        let w = ResourcesWriter::new(&r).unwrap();
+        let traces: Vec<Vec<u8>> = (0..2000).map(|i| trace(i, 3)).collect();
+        let keys: Vec<ResourceKey> = traces
+            .iter()
+            .map(|t| w.intern_stack_trace_compact(t).unwrap().0)
+            .collect();
+        // Deduplicated among themselves.
+        for (t, k) in traces.iter().zip(&keys) {
+            assert_eq!(w.intern_stack_trace_compact(t).unwrap(), (*k, false));
+        }
+        // Only the first page of list heads was written.
+        let heads = |range: std::ops::Range<u64>| {
+            range
+                .filter(|b| w.view.load_u64(HEADER_SIZE + 8 * b).unwrap() != 0)
+                .count()
+        };
+        assert!(heads(0..COMPACT_CHAINS) > 400);
+        assert_eq!(heads(COMPACT_CHAINS..DEFAULT_BUCKETS), 0);
+        // The usual interning of one of them stores a twin (in its own
+        // chain), which a reader folds into the same stack.
+        let (twin, stored) = w.intern_stack_trace(&traces[7]).unwrap();
+        assert!(stored);
+        assert_ne!(twin, keys[7]);
+        let rr = r.open_reader().unwrap();
+        let cat = ResourcesReader::new(&rr).unwrap().stacks();
+        assert_eq!(cat.partial, None);
+        assert_eq!(cat.stacks.len(), traces.len());
+        assert_eq!(cat.by_key[&twin], cat.by_key[&keys[7]]);
+        assert!(keys.iter().all(|k| cat.by_key.contains_key(k)));
     }
 
     #[test]
