@@ -1361,7 +1361,8 @@ pub fn notes(
     let mut notes = blind_spots.to_vec();
     // Why a fork child's table may start empty (`fork_inheritance` in
     // the agent).
-    const NOT_COPIED: &str = "(the agent copies them only from a parent running one thread)";
+    const NOT_COPIED: &str = "(the agent copies them only from a parent running one thread \
+                              whose table never held more than about a million blocks)";
     match forked_from {
         Some(ForkParent {
             pid,
