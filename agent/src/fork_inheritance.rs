@@ -24,8 +24,9 @@
 //! are made, and the parent unmaps its copy when `fork` returns.
 //!
 //! Invariants:
-//! - A copy is made only when `/proc/self/task` says the process has one
-//!   thread, the forking thread is not inside the agent, and the node
+//! - A copy is made only when `/proc/thread-self/status` says the process
+//!   has one thread (and no seccomp filter newer than the regions), the
+//!   forking thread is not inside the agent, and the node
 //!   walk found no node mid-update (`for_each_live_unshared`); otherwise
 //!   the child's table starts empty, as before, and its snapshots say so.
 //! - At most [`MAX_NODES`] nodes are walked (a table that once held more
@@ -61,16 +62,22 @@ static MAP_LEN: AtomicUsize = AtomicUsize::new(0);
 static RECORDS: AtomicUsize = AtomicUsize::new(0);
 static ALLOCS_AT: AtomicU64 = AtomicU64::new(0);
 
-/// Whether this process runs exactly one thread, as `/proc` says (a
-/// task directory's link count is 2 plus its threads). False when it
-/// cannot tell.
-pub fn single_threaded() -> bool {
-    let mut st = std::mem::MaybeUninit::<libc::stat>::uninit();
-    // SAFETY: a NUL-terminated path and a buffer of the right type; stat
-    // writes it whole on success, and it is read only then.
-    let ok = unsafe { libc::stat(c"/proc/self/task".as_ptr(), st.as_mut_ptr()) } == 0;
-    // SAFETY: written by the successful stat above.
-    ok && unsafe { st.assume_init() }.st_nlink == 3
+/// Whether a copy may be made now, as the calling thread's `/proc` status
+/// says (read once): the process runs exactly one thread, under the
+/// seccomp filters the regions were made under (a newer filter may
+/// forbid the calls the copy makes: see `seccomp_guard`). False when it
+/// cannot tell. Never inlined: its 4 KiB buffer stays off the callers'
+/// frames.
+#[cold]
+#[inline(never)]
+pub fn may_copy() -> bool {
+    let mut buf = [0u8; 4096];
+    let Some(n) = crate::small_file::read_into(c"/proc/thread-self/status", &mut buf) else {
+        return false;
+    };
+    let text = &buf[..n];
+    use crate::seccomp_guard::{filters_in, same_as_start_in, status_number};
+    status_number(text, b"Threads:") == Some(1) && same_as_start_in(filters_in(text))
 }
 
 /// Copies the live records of `table` into private memory for the child
@@ -149,5 +156,30 @@ pub fn release() {
         // taken out of `MAP`, so it is unmapped once, and nobody holds the
         // records (see `records`).
         unsafe { libc::munmap(map as *mut libc::c_void, len) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn no_copy_is_made_while_another_thread_runs() {
+        // A second thread, alive until the checks are done.
+        let (tx, rx) = std::sync::mpsc::channel::<()>();
+        let other = std::thread::spawn(move || rx.recv());
+        let status = std::fs::read("/proc/thread-self/status").unwrap();
+        let threads = crate::seccomp_guard::status_number(&status, b"Threads:").unwrap();
+        assert!(threads >= 2, "{threads}");
+        assert!(!may_copy());
+        drop(tx);
+        let _ = other.join();
+    }
+
+    #[test]
+    fn without_a_copy_a_child_gets_no_records() {
+        release();
+        // SAFETY: nothing is held past the call.
+        assert!(unsafe { records(0) }.is_none());
     }
 }

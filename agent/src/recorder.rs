@@ -430,8 +430,9 @@ extern "C" fn before_fork() {
     let Some(w) = writers() else {
         return;
     };
-    if SANDBOXED.load(Ordering::Relaxed) || !crate::seccomp_guard::same_as_start() {
-        // A filter installed since the regions were made may forbid stat.
+    if SANDBOXED.load(Ordering::Relaxed) {
+        // A filter installed since the regions were made may forbid the
+        // copy's calls (`may_copy` looks for one installed otherwise).
         return;
     }
     crate::thread_state::with(|t| {
@@ -440,7 +441,7 @@ extern "C" fn before_fork() {
             return;
         }
         t.busy.set(true);
-        if crate::fork_inheritance::single_threaded() {
+        if crate::fork_inheritance::may_copy() {
             crate::fork_inheritance::copy(&w.allocations, t.allocs.get());
         }
         t.busy.set(false);

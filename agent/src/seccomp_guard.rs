@@ -45,17 +45,20 @@ pub fn filters_now() -> Option<u64> {
 
 /// `Seccomp_filters:` from a status file's text, else `Seccomp:`.
 fn parse_status(text: &[u8]) -> Option<u64> {
-    let field = |name: &[u8]| {
-        text.split(|&b| b == b'\n').find_map(|line| {
-            let v = line.strip_prefix(name)?;
-            let v = v.trim_ascii();
-            if v.is_empty() || !v.iter().all(u8::is_ascii_digit) || v.len() > 18 {
-                return None;
-            }
-            Some(v.iter().fold(0u64, |a, d| a * 10 + u64::from(d - b'0')))
-        })
-    };
-    field(b"Seccomp_filters:").or_else(|| field(b"Seccomp:"))
+    status_number(text, b"Seccomp_filters:").or_else(|| status_number(text, b"Seccomp:"))
+}
+
+/// The number on the line of a `/proc` status file's `text` that starts
+/// with `name` (`Threads:`), if there is one.
+pub fn status_number(text: &[u8], name: &[u8]) -> Option<u64> {
+    text.split(|&b| b == b'\n').find_map(|line| {
+        let v = line.strip_prefix(name)?;
+        let v = v.trim_ascii();
+        if v.is_empty() || !v.iter().all(u8::is_ascii_digit) || v.len() > 18 {
+            return None;
+        }
+        Some(v.iter().fold(0u64, |a, d| a * 10 + u64::from(d - b'0')))
+    })
 }
 
 /// Notes the filters the regions were made under (call once they are).
@@ -72,11 +75,23 @@ pub fn note_start() {
 #[cold]
 #[inline(never)]
 pub fn same_as_start() -> bool {
+    same_as_start_in(filters_now())
+}
+
+/// [`same_as_start`] from the count `now` read from the calling thread's
+/// status (by [`status_number`], for a caller that reads it anyway).
+pub fn same_as_start_in(now: Option<u64>) -> bool {
     let start = AT_START.load(Ordering::Relaxed);
-    match filters_now() {
+    match now {
         Some(now) => now == start || start == UNKNOWN,
         None => true,
     }
+}
+
+/// The seccomp count in a status file's `text`, as [`filters_now`] reads
+/// it.
+pub fn filters_in(text: &[u8]) -> Option<u64> {
+    parse_status(text)
 }
 
 #[cfg(test)]
