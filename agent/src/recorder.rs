@@ -519,35 +519,32 @@ fn adopt_inherited(w: &Writers, t: &ThreadState, records: &[AllocationRecord], p
         return;
     };
     let rate = crate::sampling::rate();
-    let mut stacks: std::collections::HashMap<u64, Option<ResourceKey>> = Default::default();
-    let mut threads: std::collections::HashMap<u64, ResourceKey> = Default::default();
+    // The parent's keys to the child's (`KeyMap`). Nothing here allocates:
+    // the child's heap stays as the fork left it, to the byte.
+    let mut stacks = KeyMap::<true>::default();
+    let mut threads = KeyMap::<false>::default();
+    let mut bytes = [0u8; MAX_ENCODED_LEN];
+    let mut name = [0u8; heapdump_table::resources_table::MAX_THREAD_NAME];
     // SAFETY: `with_thread` set this thread's busy flag.
     let nodes = unsafe { t.nodes() };
     let mut copied = 0u64;
     for r in records {
-        let stack = *stacks.entry(r.stack.0).or_insert_with(|| {
-            let bytes = reader.stack_bytes(r.stack).ok()?;
+        let stack = stacks.get_or(r.stack, || {
+            let n = reader.stack_bytes_into(r.stack, &mut bytes).ok()?;
             // Most are never looked up again: in one page of chains.
-            w.resources
-                .intern_stack_trace_compact(&bytes)
-                .ok()
-                .map(|(k, _)| k)
+            let (k, _) = w.resources.intern_stack_trace_compact(&bytes[..n]).ok()?;
+            Some(k)
         });
         let Some(stack) = stack else {
             w.counters.on_dropped(DroppedReason::ResourcesFull);
             continue;
         };
-        let thread = *threads.entry(r.thread.0).or_insert_with(|| {
-            reader
-                .thread(r.thread)
-                .ok()
-                .and_then(|th| {
-                    w.resources
-                        .insert_thread_info(th.tid, th.name.as_bytes())
-                        .ok()
-                })
-                .unwrap_or(ResourceKey(0))
-        });
+        let thread = threads
+            .get_or(r.thread, || {
+                let (tid, n) = reader.thread_into(r.thread, &mut name).ok()?;
+                w.resources.insert_thread_info(tid, &name[..n]).ok()
+            })
+            .unwrap_or(ResourceKey(0));
         let at_ns = parent
             .clock_base_ns
             .saturating_add(r.timestamp_us.saturating_mul(1000));
@@ -577,6 +574,49 @@ fn adopt_inherited(w: &Writers, t: &ThreadState, records: &[AllocationRecord], p
     // SAFETY: made in this same initialisation, READY (see `writers`).
     let alloc = unsafe { (*ALLOCATIONS_REGION.0.get()).assume_init_ref() };
     alloc.set_header_word(heapdump_table::header::offsets::INHERITED, copied + 1);
+}
+
+/// A small map of a fork child's adopted keys, from the parent's to its
+/// own, on the stack (the fork handler allocates nothing): a key is
+/// looked for in 8 slots from its hash. Where all 8 hold other keys, a
+/// stack map (`EVICT`) replaces the first, and a miss later interns the
+/// stack again, which finds it in its chain and stores nothing; a thread
+/// map gives `None` (the block's thread unnamed) rather than storing the
+/// thread's record twice.
+struct KeyMap<const EVICT: bool>([(u64, Option<ResourceKey>); 256]);
+
+impl<const EVICT: bool> Default for KeyMap<EVICT> {
+    fn default() -> Self {
+        KeyMap([(u64::MAX, None); 256])
+    }
+}
+
+impl<const EVICT: bool> KeyMap<EVICT> {
+    /// The child's key for the parent's `key`, from the map or `make`.
+    fn get_or(
+        &mut self,
+        key: ResourceKey,
+        make: impl FnOnce() -> Option<ResourceKey>,
+    ) -> Option<ResourceKey> {
+        // Keys are 8-aligned offsets; the bits above vary.
+        let start = (key.0 >> 3) as usize;
+        for i in 0..8 {
+            let slot = &mut self.0[(start + i) % 256];
+            if slot.0 == key.0 {
+                return slot.1;
+            }
+            if slot.0 == u64::MAX {
+                *slot = (key.0, make());
+                return slot.1;
+            }
+        }
+        if !EVICT {
+            return None;
+        }
+        let slot = &mut self.0[start % 256];
+        *slot = (key.0, make());
+        slot.1
+    }
 }
 
 /// Lets a fork child go of its parent's regions (`was_ready`: it had

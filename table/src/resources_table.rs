@@ -1044,15 +1044,45 @@ impl<'a> ResourcesReader<'a> {
 
     /// The compressed bytes of the stack `key`.
     pub fn stack_bytes(&self, key: ResourceKey) -> Result<Vec<u8>, TableError> {
+        let mut buf = [0u8; MAX_ENCODED_LEN];
+        let n = self.stack_bytes_into(key, &mut buf)?;
+        Ok(buf[..n].to_vec())
+    }
+
+    /// [`Self::stack_bytes`] into `out` (which holds any stack's bytes),
+    /// without allocating: the length written.
+    pub fn stack_bytes_into(
+        &self,
+        key: ResourceKey,
+        out: &mut [u8; MAX_ENCODED_LEN],
+    ) -> Result<usize, TableError> {
         let (k, len) = self.check_key(key, TAG_STACK, STACK_HEADER)?;
-        let mut out = Vec::new();
+        let len = len as usize;
         self.view
-            .copy_bytes(k + STACK_HEADER, len as usize, &mut out)
+            .copy_into(k + STACK_HEADER, &mut out[..len])
             .ok_or(TableError::BadKey {
                 key: k,
                 why: "payload outside the mapping",
             })?;
-        Ok(out)
+        Ok(len)
+    }
+
+    /// The thread record `key`'s tid and name (into `name`, which holds
+    /// any name; its length is returned), without allocating.
+    pub fn thread_into(
+        &self,
+        key: ResourceKey,
+        name: &mut [u8; MAX_THREAD_NAME],
+    ) -> Result<(u64, usize), TableError> {
+        let (k, len) = self.check_key(key, TAG_THREAD, THREAD_HEADER)?;
+        let len = len as usize;
+        self.view
+            .copy_into(k + THREAD_HEADER, &mut name[..len])
+            .ok_or(TableError::BadKey {
+                key: k,
+                why: "name outside the mapping",
+            })?;
+        Ok((self.view.load_u64(k + 16).unwrap_or(0), len))
     }
 
     /// The stack `key`, decoded.
@@ -1069,18 +1099,12 @@ impl<'a> ResourcesReader<'a> {
 
     /// The thread record `key`.
     pub fn thread(&self, key: ResourceKey) -> Result<ThreadRecord, TableError> {
-        let (k, len) = self.check_key(key, TAG_THREAD, THREAD_HEADER)?;
-        let mut name = Vec::new();
-        self.view
-            .copy_bytes(k + THREAD_HEADER, len as usize, &mut name)
-            .ok_or(TableError::BadKey {
-                key: k,
-                why: "name outside the mapping",
-            })?;
+        let mut name = [0u8; MAX_THREAD_NAME];
+        let (tid, len) = self.thread_into(key, &mut name)?;
         Ok(ThreadRecord {
-            tid: self.view.load_u64(k + 16).unwrap_or(0),
-            serial: self.view.load_u64(k + 24).unwrap_or(0),
-            name: String::from_utf8_lossy(&name).into_owned(),
+            tid,
+            serial: self.view.load_u64(key.0 + 24).unwrap_or(0),
+            name: String::from_utf8_lossy(&name[..len]).into_owned(),
         })
     }
 
