@@ -8,11 +8,16 @@
  * holding the parent's entries would match them, and free one of the
  * child's records in their place). Expected live in the child: site_child FIFO_LIVE blocks of 48 bytes,
  * nothing at site_parent. The child prints "ready PID", waits for a line on
- * stdin, frees the rest and prints "done"; the parent waits for it. */
+ * stdin, frees the rest and prints "done"; the parent waits for it.
+ * With argv[1] = "thread", the parent keeps a second thread (sleeping)
+ * at the fork: the agent then copies none of its records into the child
+ * (agent/src/fork_inheritance.rs); without, it copies them, and the
+ * child's table holds the FIFO_LIVE / 2 site_parent blocks it keeps. */
 #define _GNU_SOURCE
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -40,10 +45,20 @@ static void *parent_thread(void *arg) {
     return NULL;
 }
 
-int main(void) {
+static void *sleeper(void *arg) {
+    (void)arg;
+    for (;;) pause();
+    return NULL;
+}
+
+int main(int argc, char **argv) {
     pthread_t th;
     pthread_create(&th, NULL, parent_thread, NULL);
     pthread_join(th, NULL);
+    if (argc > 1 && strcmp(argv[1], "thread") == 0) {
+        pthread_t s;
+        if (pthread_create(&s, NULL, sleeper, NULL) != 0) return 1;
+    }
     pid_t pid = fork();
     if (pid < 0) return 1;
     if (pid > 0) {
