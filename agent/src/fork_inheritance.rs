@@ -30,11 +30,11 @@
 //!   walk found no node mid-update (`for_each_live_unshared`); otherwise
 //!   the child's table starts empty, as before, and its snapshots say so.
 //! - At most [`MAX_NODES`] nodes are walked (a table that once held more
-//!   is not copied): the walk costs the parent's `fork` about 3.5 ms per
+//!   is not copied): the walk costs the parent's `fork` about 3 ms per
 //!   100 000 live blocks, the copy 40 bytes per live block, and the
-//!   child's inserts about 0.5 µs per block (release build, this
-//!   project's 2-vCPU Xeon: 1 M blocks took 34 ms in the parent and
-//!   0.5 s in the child).
+//!   child's inserts about 0.2 µs per block (`bench/fork`, release
+//!   build, a 2-vCPU Xeon: 1 M blocks took 26 ms in the parent and
+//!   0.17 s in the child).
 //! - The copy is private memory of the process that made it: unmapped in
 //!   the parent when `fork` returns ([`release`]), in the child once
 //!   inserted. It never touches a descriptor.
