@@ -364,6 +364,17 @@ fn a_fork_childs_snapshot_shows_what_it_inherited_from_a_parent_of_one_thread() 
         )),
         "{notes}"
     );
+    // `list` notes what a row may miss: nothing here.
+    let list = stdout(&heapdump(&["list"]));
+    let first_words: Vec<&str> = list
+        .lines()
+        .filter_map(|l| l.split_whitespace().next())
+        .collect();
+    assert!(first_words.contains(&child.to_string().as_str()), "{list}");
+    assert!(
+        !first_words.contains(&format!("{child}:").as_str()),
+        "{list}"
+    );
     assert!(t.finish().success());
     // A parent running two threads: no copy (the other thread could
     // change the table while it is made), and the note says why.

@@ -143,7 +143,12 @@ pub fn command() -> Result<i32> {
         for (pid, _, r) in &rows {
             if let Ok(r) = r {
                 let blind = visibility::inspect_process(*pid).described();
-                for note in snapshot::notes(&blind, r.total_allocs, r.rate, r.forked_from) {
+                // Notes say what a row may miss: a fork child whose
+                // inherited blocks were copied misses nothing (its
+                // snapshots still say where they came from), and a
+                // prefork server's hundred workers would each get a line.
+                let forked = r.forked_from.filter(|f| f.inherited.is_none());
+                for note in snapshot::notes(&blind, r.total_allocs, r.rate, forked) {
                     writeln!(out, "{:>8}: {}", pid, escape_controls(&note))?;
                 }
             }
