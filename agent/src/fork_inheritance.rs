@@ -37,14 +37,21 @@
 //!   0.17 s in the child).
 //! - The copy is private memory of the process that made it: unmapped in
 //!   the parent when `fork` returns ([`release`]), in the child once
-//!   inserted. It never touches a descriptor.
+//!   inserted. It keeps no descriptor (the status file is opened and
+//!   closed at once, as the seccomp check at a fork always did).
+//! - The statics below are written and read by one thread: the forking
+//!   one, in the parent's prepare and parent handlers and, the same
+//!   thread after the fork, in the child's handler (Relaxed suffices).
 //! - What the copy cannot see: a block allocated or freed between this
 //!   prepare handler and the fork itself, by a prepare handler registered
 //!   before the agent's (they run after it). A block allocated there is
 //!   detected (the thread's allocation count moved, and the copy is
 //!   dropped); one freed there would stay recorded in the child. The agent
 //!   registers its handlers when it starts, at the program's first
-//!   allocation, before most libraries register theirs.
+//!   allocation, before most libraries register theirs (under `heapdump
+//!   attach`, late: handlers registered before then run after its
+//!   prepare handler; the allocators' own take locks and allocate
+//!   nothing).
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
