@@ -435,6 +435,17 @@ extern "C" fn before_fork() {
         // copy's calls (`may_copy` looks for one installed otherwise).
         return;
     }
+    let detached = allocations_region()
+        .and_then(|r| {
+            r.view()
+                .load_u64(heapdump_table::header::offsets::DETACHED_AT)
+        })
+        .is_some_and(|at| at != 0);
+    if detached {
+        // After `heapdump detach` the frees went unseen: the records are
+        // stale, and would be blocks the child does not hold.
+        return;
+    }
     crate::thread_state::with(|t| {
         if t.busy.get() {
             // A fork from a signal handler that interrupted an event.
