@@ -1056,15 +1056,7 @@ impl<'a> ResourcesReader<'a> {
         key: ResourceKey,
         out: &mut [u8; MAX_ENCODED_LEN],
     ) -> Result<usize, TableError> {
-        let (k, len) = self.check_key(key, TAG_STACK, STACK_HEADER)?;
-        let len = len as usize;
-        self.view
-            .copy_into(k + STACK_HEADER, &mut out[..len])
-            .ok_or(TableError::BadKey {
-                key: k,
-                why: "payload outside the mapping",
-            })?;
-        Ok(len)
+        self.payload_into(key, TAG_STACK, STACK_HEADER, out)
     }
 
     /// The thread record `key`'s tid and name (into `name`, which holds
@@ -1074,15 +1066,29 @@ impl<'a> ResourcesReader<'a> {
         key: ResourceKey,
         name: &mut [u8; MAX_THREAD_NAME],
     ) -> Result<(u64, usize), TableError> {
-        let (k, len) = self.check_key(key, TAG_THREAD, THREAD_HEADER)?;
+        let len = self.payload_into(key, TAG_THREAD, THREAD_HEADER, name)?;
+        Ok((self.view.load_u64(key.0 + 16).unwrap_or(0), len))
+    }
+
+    /// The bytes after the `hdr`-byte header of record `key` of type
+    /// `tag`, into `out` (as long as the type's longest: `check_key`
+    /// bounds the length by it); their length.
+    fn payload_into(
+        &self,
+        key: ResourceKey,
+        tag: u32,
+        hdr: u64,
+        out: &mut [u8],
+    ) -> Result<usize, TableError> {
+        let (k, len) = self.check_key(key, tag, hdr)?;
         let len = len as usize;
-        self.view
-            .copy_into(k + THREAD_HEADER, &mut name[..len])
-            .ok_or(TableError::BadKey {
-                key: k,
-                why: "name outside the mapping",
-            })?;
-        Ok((self.view.load_u64(k + 16).unwrap_or(0), len))
+        let bad = || TableError::BadKey {
+            key: k,
+            why: "payload outside the mapping",
+        };
+        let out = out.get_mut(..len).ok_or_else(bad)?;
+        self.view.copy_into(k + hdr, out).ok_or_else(bad)?;
+        Ok(len)
     }
 
     /// The stack `key`, decoded.
